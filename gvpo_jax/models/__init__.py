@@ -1,0 +1,41 @@
+"""Decoder-only transformer (Qwen2/Qwen2.5, Llama) in Flax NNX with HF import/export."""
+
+from gvpo_jax.models.config import (
+    ARCHITECTURES,
+    PRESETS,
+    CheckpointError,
+    ModelConfig,
+    config_from_hf,
+    config_to_hf,
+)
+from gvpo_jax.models.hf import from_pretrained, save_pretrained, tensor_maps
+from gvpo_jax.models.transformer import (
+    ACTIVATION_AXES,
+    CACHE_AXES,
+    PARAM_AXES,
+    Transformer,
+    abstract_model,
+    attention_mask,
+    default_positions,
+    param_count,
+)
+
+__all__ = [
+    "ACTIVATION_AXES",
+    "ARCHITECTURES",
+    "CACHE_AXES",
+    "PARAM_AXES",
+    "PRESETS",
+    "CheckpointError",
+    "ModelConfig",
+    "Transformer",
+    "abstract_model",
+    "attention_mask",
+    "config_from_hf",
+    "config_to_hf",
+    "default_positions",
+    "from_pretrained",
+    "param_count",
+    "save_pretrained",
+    "tensor_maps",
+]

@@ -1,0 +1,258 @@
+"""Hugging Face checkpoint import/export: config.json + (sharded) safetensors <-> Transformer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gvpo_jax.models import safetensors_io
+from gvpo_jax.models.config import CheckpointError, ModelConfig, config_from_hf, config_to_hf
+from gvpo_jax.models.transformer import Transformer, abstract_model
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Non-parameter buffers that some exporters include; transformers ignores them too.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """One HF tensor <-> one model parameter, with layout conversions both ways."""
+
+    hf_name: str
+    path: tuple  # nnx state path, e.g. ('layers', 0, 'attn', 'q_kernel')
+    hf_shape: tuple[int, ...]
+    to_model: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
+    """The HF <-> model parameter correspondence for `cfg` (Qwen2 and Llama share names)."""
+    d, n, k, h, f, v = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
+    same = lambda x: x
+    transpose = lambda x: x.T
+
+    def in_proj(heads):  # HF [heads*H, D] <-> ours [D, heads, H]
+        return (lambda x: x.T.reshape(d, heads, h), lambda x: x.reshape(d, heads * h).T)
+
+    def bias(heads):  # HF [heads*H] <-> ours [heads, H]
+        return (lambda x: x.reshape(heads, h), lambda x: x.reshape(heads * h))
+
+    # HF o_proj [D, N*H] <-> ours [N, H, D]
+    out_proj = (lambda x: x.T.reshape(n, h, d), lambda x: x.reshape(n * h, d).T)
+
+    maps = [TensorMap("model.embed_tokens.weight", ("embedding",), (v, d), same, same)]
+    for i in range(cfg.num_layers):
+        pre, at = f"model.layers.{i}.", ("layers", i, "attn")
+        maps += [
+            TensorMap(pre + "self_attn.q_proj.weight", (*at, "q_kernel"), (n * h, d), *in_proj(n)),
+            TensorMap(pre + "self_attn.k_proj.weight", (*at, "k_kernel"), (k * h, d), *in_proj(k)),
+            TensorMap(pre + "self_attn.v_proj.weight", (*at, "v_kernel"), (k * h, d), *in_proj(k)),
+            TensorMap(pre + "self_attn.o_proj.weight", (*at, "o_kernel"), (d, n * h), *out_proj),
+        ]
+        if cfg.attention_bias:
+            maps += [
+                TensorMap(pre + "self_attn.q_proj.bias", (*at, "q_bias"), (n * h,), *bias(n)),
+                TensorMap(pre + "self_attn.k_proj.bias", (*at, "k_bias"), (k * h,), *bias(k)),
+                TensorMap(pre + "self_attn.v_proj.bias", (*at, "v_bias"), (k * h,), *bias(k)),
+            ]
+        ml = ("layers", i, "mlp")
+        maps += [
+            TensorMap(pre + "mlp.gate_proj.weight", (*ml, "gate_kernel"), (f, d), *[transpose] * 2),
+            TensorMap(pre + "mlp.up_proj.weight", (*ml, "up_kernel"), (f, d), *[transpose] * 2),
+            TensorMap(pre + "mlp.down_proj.weight", (*ml, "down_kernel"), (d, f), *[transpose] * 2),
+            TensorMap(
+                pre + "input_layernorm.weight",
+                ("layers", i, "attn_norm", "scale"),
+                (d,),
+                same,
+                same,
+            ),
+            TensorMap(
+                pre + "post_attention_layernorm.weight",
+                ("layers", i, "mlp_norm", "scale"),
+                (d,),
+                same,
+                same,
+            ),
+        ]
+    maps.append(TensorMap("model.norm.weight", ("final_norm", "scale"), (d,), same, same))
+    if not cfg.tie_word_embeddings:
+        maps.append(TensorMap("lm_head.weight", ("lm_head",), (v, d), same, same))
+    return maps
+
+
+def _open_checkpoint(hf_dir: Path) -> dict[str, safetensors_io.SafetensorsFile]:
+    """Maps every tensor name to the opened safetensors file holding it (headers only)."""
+    index_path = hf_dir / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"{index_path}: no valid 'weight_map' ({e}); re-export the checkpoint."
+            ) from e
+        files = {}
+        for name in sorted(set(weight_map.values())):
+            if not (hf_dir / name).exists():
+                raise CheckpointError(
+                    f"{index_path} lists '{name}', which is missing from {hf_dir}; "
+                    "copy the missing shard into the directory."
+                )
+            files[name] = safetensors_io.SafetensorsFile(hf_dir / name)
+        by_tensor = {}
+        for tensor, name in weight_map.items():
+            if tensor not in files[name].header:
+                raise CheckpointError(
+                    f"{index_path} maps tensor '{tensor}' to '{name}', which does not contain it; "
+                    "re-export the checkpoint."
+                )
+            by_tensor[tensor] = files[name]
+        return by_tensor
+    if (hf_dir / SINGLE_FILE).exists():
+        single = safetensors_io.SafetensorsFile(hf_dir / SINGLE_FILE)
+        return {name: single for name in single.keys()}
+    raise CheckpointError(
+        f"{hf_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found; save the checkpoint with "
+        "safetensors (transformers save_pretrained(..., safe_serialization=True))."
+    )
+
+
+def _first(names: set[str]) -> str:
+    extra = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"'{sorted(names)[0]}'{extra}"
+
+
+def load_tensors(
+    cfg: ModelConfig,
+    read: Mapping[str, Callable[[], np.ndarray]],
+    *,
+    source: str,
+    shardings=None,
+) -> Transformer:
+    """Builds a Transformer from HF-named tensors, reading and converting one tensor at a time.
+
+    read: HF tensor name -> zero-argument function returning the HF-layout numpy array.
+    shardings: optional pytree like `nnx.state(model, nnx.Param)` with a jax Sharding per leaf;
+      each tensor is placed directly with it (never assembled on one device).
+    """
+    maps = tensor_maps(cfg)
+    expected = {m.hf_name for m in maps}
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    available = set(read)
+    missing = expected - available
+    if missing:
+        raise CheckpointError(
+            f"{source}: missing tensor {_first(missing)} required by config.json "
+            f"({cfg.architecture}, {cfg.num_layers} layers); use weights that match the config."
+        )
+    unexpected = {x for x in available - expected - optional if not x.endswith(_IGNORED_SUFFIXES)}
+    if unexpected:
+        raise CheckpointError(
+            f"{source}: unexpected tensor {_first(unexpected)} for a {cfg.architecture} model "
+            "with this config.json; check num_hidden_layers / tie_word_embeddings / bias fields."
+        )
+    graphdef, state = nnx.split(abstract_model(cfg))
+    flat = dict(nnx.to_flat_state(state))
+    target = None if shardings is None else dict(nnx.to_flat_state(shardings))
+    for m in maps:
+        arr = read[m.hf_name]()
+        if tuple(arr.shape) != m.hf_shape:
+            raise CheckpointError(
+                f"{source}: tensor '{m.hf_name}' has shape {tuple(arr.shape)} but config.json "
+                f"implies {m.hf_shape}; the config does not match the weights."
+            )
+        value = np.asarray(m.to_model(arr)).astype(cfg.dtype)
+        if target is None:
+            placed = jnp.asarray(value)
+        else:
+            sharding = target[m.path]
+            sharding = sharding.get_value() if isinstance(sharding, nnx.Variable) else sharding
+            placed = jax.device_put(value, sharding)
+        flat[m.path] = flat[m.path].replace(placed)
+    return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
+
+
+def from_pretrained(hf_dir, dtype="float32", *, remat: bool = False, shardings=None):
+    """Loads a Qwen2/Qwen2.5/Llama HF checkpoint directory (config.json + *.safetensors).
+
+    dtype: parameter dtype ('float32' or 'bfloat16'); tensors are cast on load.
+    Reads safetensors lazily, tensor by tensor, single-file or sharded with an index.
+    Raises CheckpointError naming the file/tensor/field on any mismatch.
+    """
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(
+            f"{config_path} not found; pass a Hugging Face checkpoint directory with config.json "
+            "and *.safetensors."
+        )
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{config_path} is not valid JSON ({e}); fix the file.") from e
+    cfg = config_from_hf(hf_config, dtype=str(jnp.dtype(dtype)), source=str(config_path))
+    cfg = cfg.replace(remat=remat)
+    files = _open_checkpoint(hf_dir)
+    read = {name: (lambda name=name, f=f: f.read(name)) for name, f in files.items()}
+    return load_tensors(cfg, read, source=str(hf_dir), shardings=shardings)
+
+
+def save_pretrained(
+    model: Transformer, out_dir, *, max_shard_bytes: int = 4 * 2**30, tokenizer=None
+) -> Path:
+    """Writes config.json + model.safetensors (or shards + index) that transformers loads.
+
+    Tensors are fetched and converted one at a time; dtype is the model's param dtype.
+    Models larger than max_shard_bytes are split into model-0000i-of-0000n.safetensors files
+    with model.safetensors.index.json, as transformers does. Optionally saves a tokenizer.
+    """
+    cfg = model.config
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    dtype = np.dtype(cfg.dtype)
+    sources = []
+    for m in tensor_maps(cfg):
+        produce = lambda m=m: m.to_hf(np.asarray(jax.device_get(flat[m.path].get_value())))
+        sources.append((m.hf_name, m.hf_shape, dtype, produce))
+    shards, current, current_bytes = [], [], 0
+    for src in sources:
+        nbytes = math.prod(src[1]) * dtype.itemsize
+        if current and current_bytes + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(src)
+        current_bytes += nbytes
+    shards.append(current)
+    for stale in [*out_dir.glob("model*.safetensors"), out_dir / INDEX_FILE]:
+        stale.unlink(missing_ok=True)  # never leave shards of an older export behind
+    (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    if len(shards) == 1:
+        safetensors_io.write_file(out_dir / SINGLE_FILE, shards[0])
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += safetensors_io.write_file(out_dir / name, shard)
+            weight_map.update({src[0]: name for src in shard})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return out_dir

@@ -1,0 +1,308 @@
+"""Model tests: logit parity with transformers, KV cache, export round trip, errors, presets."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from gvpo_jax import models
+
+TOL = 1e-4
+
+
+def _randomise(hf_model, seed):
+    """Every parameter random (norm weights around 1, biases non-zero) so no term is trivial."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.3 * noise if "norm" in name else 0.15 * noise)
+
+
+def _make_hf(kind, path):
+    common = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+    )
+    if kind == "llama":
+        # Explicit head_dim != hidden/heads and a non-default eps and theta.
+        cfg = transformers.LlamaConfig(**common, head_dim=16, rms_norm_eps=1e-5, rope_theta=20000.0)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(
+            **common, rope_theta=5000.0, tie_word_embeddings=(kind == "qwen2-tied")
+        )
+        model = transformers.Qwen2ForCausalLM(cfg)
+    _randomise(model, seed=len(kind))
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {k: (root / k, _make_hf(k, root / k)) for k in ("qwen2-tied", "qwen2-untied", "llama")}
+
+
+def _hf_logits(hf_model, tokens, mask=None, positions=None):
+    kwargs = {}
+    if mask is not None:
+        kwargs["attention_mask"] = torch.tensor(mask, dtype=torch.long)
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor(positions, dtype=torch.long)
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens, dtype=torch.long), **kwargs).logits.numpy()
+
+
+def _tokens(shape, vocab=96, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", ["qwen2-tied", "qwen2-untied", "llama"])
+def test_logit_parity_with_transformers(checkpoints, kind):
+    path, hf_model = checkpoints[kind]
+    model = models.from_pretrained(path, dtype="float32")
+    assert model.config.tie_word_embeddings == (kind == "qwen2-tied")
+    assert model.config.architecture == kind.split("-")[0]
+    tokens = _tokens((2, 11))
+    ours = np.asarray(model(jnp.asarray(tokens)))
+    assert ours.dtype == np.float32 and ours.shape == (2, 11, 96)
+    np.testing.assert_allclose(ours, _hf_logits(hf_model, tokens), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2-untied", "llama"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_logit_parity_padded_batches(checkpoints, kind, side):
+    path, hf_model = checkpoints[kind]
+    model = models.from_pretrained(path)
+    lengths, t = [9, 5, 1], 9
+    tokens = _tokens((3, t), seed=1)
+    mask = np.zeros((3, t), np.int32)
+    for b, n in enumerate(lengths):
+        if side == "right":
+            mask[b, :n] = 1
+        else:
+            mask[b, t - n :] = 1
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    ours = np.asarray(model(jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))  # default positions
+    ref = _hf_logits(hf_model, tokens, mask, positions)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], atol=TOL, rtol=0)
+    # Each padded row also equals the unpadded forward of its real tokens alone.
+    for b in range(len(lengths)):
+        alone = np.asarray(model(jnp.asarray(tokens[b][real[b]][None])))[0]
+        np.testing.assert_allclose(ours[b][real[b]], alone, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2-tied", "llama"])
+def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
+    """Right-padded prompts prefilled at slots [0, Tp); decode step n writes slot Tp+n."""
+    model = models.from_pretrained(checkpoints[kind][0])
+    tp, steps, s = 6, 3, 12
+    prompt_lens = np.array([6, 3])
+    tokens = _tokens((2, tp + steps), seed=2)
+    prompt = tokens[:, :tp].copy()
+    prompt_mask = (np.arange(tp)[None] < prompt_lens[:, None]).astype(np.int32)
+    prompt_pos = np.maximum(np.cumsum(prompt_mask, 1) - 1, 0).astype(np.int32)
+
+    @jax.jit
+    def step(graphdef, state, toks, pos, m, cache, i):
+        mdl = nnx.merge(graphdef, state)
+        return mdl(toks, positions_BxT=pos, mask_BxT=m, cache=cache, cache_index=i)
+
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(2, s)
+    assert (
+        cache[0]["k"].shape == (2, s, 2, model.config.head_dim) and cache[0]["valid"].dtype == bool
+    )
+    logits, cache = step(graphdef, state, prompt, prompt_pos, prompt_mask, cache, 0)
+    decoded = []
+    for n in range(steps):
+        tok = tokens[:, tp + n][:, None]
+        pos = (prompt_lens + n)[:, None].astype(np.int32)
+        step_logits, cache = step(
+            graphdef, state, tok, pos, np.ones((2, 1), np.int32), cache, jnp.int32(tp + n)
+        )
+        decoded.append(np.asarray(step_logits)[:, 0])
+    for b in range(2):
+        # The same row without padding: real prompt tokens then the decoded tokens.
+        seq = np.concatenate([prompt[b, : prompt_lens[b]], tokens[b, tp:]])
+        full = np.asarray(model(jnp.asarray(seq[None])))[0]
+        n_p = prompt_lens[b]
+        np.testing.assert_allclose(np.asarray(logits)[b, :n_p], full[:n_p], atol=TOL, rtol=0)
+        for n in range(steps):
+            np.testing.assert_allclose(decoded[n][b], full[n_p + n], atol=TOL, rtol=0)
+
+
+def test_hidden_with_cache_and_unembed_match_call(checkpoints):
+    model = models.from_pretrained(checkpoints["qwen2-untied"][0])
+    tokens = jnp.asarray(_tokens((2, 5), seed=3))
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    hidden, cache = model.hidden(tokens, pos, cache=model.init_cache(2, 8), cache_index=0)
+    logits, _ = model(tokens, pos, cache=model.init_cache(2, 8), cache_index=0)
+    np.testing.assert_allclose(model.unembed(hidden), logits, atol=1e-6)
+    assert bool(cache[1]["valid"][:, :5].all()) and not bool(cache[1]["valid"][:, 5:].any())
+    with pytest.raises(ValueError, match="positions_BxT"):
+        model(tokens, cache=cache, cache_index=5)
+
+
+@pytest.mark.parametrize("kind", ["qwen2-tied", "qwen2-untied", "llama"])
+def test_export_round_trip_loads_in_transformers(checkpoints, kind, tmp_path):
+    model = models.from_pretrained(checkpoints[kind][0])
+    # Tiny shard limit: forces the sharded layout with model.safetensors.index.json.
+    out = models.save_pretrained(model, tmp_path / "out", max_shard_bytes=20_000)
+    assert (out / "model.safetensors.index.json").exists()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    tokens = _tokens((2, 7), seed=4)
+    np.testing.assert_allclose(
+        _hf_logits(hf_model, tokens), np.asarray(model(jnp.asarray(tokens))), atol=TOL, rtol=0
+    )
+    again = models.from_pretrained(out)
+    assert again.config == model.config
+    single = models.save_pretrained(again, tmp_path / "single")
+    assert (single / "model.safetensors").exists()
+    assert not (single / "model.safetensors.index.json").exists()
+
+
+def test_bfloat16_load_and_export(checkpoints, tmp_path):
+    path, hf_model = checkpoints["qwen2-untied"]
+    model = models.from_pretrained(path, dtype="bfloat16")
+    assert model.embedding.get_value().dtype == jnp.bfloat16
+    tokens = _tokens((2, 7), seed=5)
+    logits = np.asarray(model(jnp.asarray(tokens)))
+    assert logits.dtype == np.float32
+    ref = _hf_logits(hf_model, tokens)
+    assert np.abs(logits - ref).max() < 0.1 * np.abs(ref).max()  # bf16 rounding, same model
+    out = models.save_pretrained(model, tmp_path / "bf16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    back = models.from_pretrained(out, dtype="bfloat16")
+    np.testing.assert_array_equal(
+        np.asarray(back.lm_head.get_value(), np.float32),
+        np.asarray(model.lm_head.get_value(), np.float32),
+    )
+
+
+def test_rope_theta_read_from_both_config_layouts(checkpoints, tmp_path):
+    src = checkpoints["qwen2-untied"][0]
+    hf = json.loads((src / "config.json").read_text())
+    assert hf["rope_parameters"]["rope_theta"] == 5000.0
+    assert models.from_pretrained(src).config.rope_theta == 5000.0
+    old = tmp_path / "old_layout"
+    shutil.copytree(src, old)
+    hf.pop("rope_parameters")
+    hf["rope_theta"] = 5000.0  # transformers 4.x layout
+    (old / "config.json").write_text(json.dumps(hf))
+    assert models.from_pretrained(old).config.rope_theta == 5000.0
+
+
+def _broken_copy(src, dst, edit=None, drop=None, reshape=None):
+    shutil.copytree(src, dst)
+    if edit is not None:
+        hf = json.loads((dst / "config.json").read_text())
+        edit(hf)
+        (dst / "config.json").write_text(json.dumps(hf))
+    if drop is not None or reshape is not None:
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(dst / "model.safetensors")
+        if drop is not None:
+            tensors.pop(drop)
+        if reshape is not None:
+            tensors[reshape] = tensors[reshape][:-1]
+        save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_bad_checkpoints_give_one_clear_error(checkpoints, tmp_path):
+    src = checkpoints["qwen2-untied"][0]
+    with pytest.raises(models.CheckpointError, match="config.json not found"):
+        models.from_pretrained(tmp_path / "nowhere")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(src / "config.json", no_weights)
+    with pytest.raises(models.CheckpointError, match="model.safetensors"):
+        models.from_pretrained(no_weights)
+    name = "model.layers.1.mlp.up_proj.weight"
+    with pytest.raises(models.CheckpointError, match=f"missing tensor '{name}'"):
+        models.from_pretrained(_broken_copy(src, tmp_path / "missing", drop=name))
+    with pytest.raises(models.CheckpointError, match=f"tensor '{name}' has shape \\(63, 32\\)"):
+        models.from_pretrained(_broken_copy(src, tmp_path / "shape", reshape=name))
+    one_layer = lambda hf: hf.update(num_hidden_layers=1)
+    with pytest.raises(models.CheckpointError, match="unexpected tensor 'model.layers.1"):
+        models.from_pretrained(_broken_copy(src, tmp_path / "extra", edit=one_layer))
+    gpt2 = lambda hf: hf.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(models.CheckpointError, match="model_type='gpt2'"):
+        models.from_pretrained(_broken_copy(src, tmp_path / "arch", edit=gpt2))
+    sharded = models.save_pretrained(
+        models.from_pretrained(src), tmp_path / "sharded", max_shard_bytes=20_000
+    )
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(models.CheckpointError, match=f"lists '{shard.name}', which is missing"):
+        models.from_pretrained(sharded)
+    assert issubclass(models.CheckpointError, ValueError)
+
+
+def test_qwen25_math_7b_preset_has_published_parameter_count():
+    cfg = models.PRESETS["qwen2.5-math-7b"]
+    model = models.abstract_model(cfg)  # jax.eval_shape: no memory
+    assert model.num_params() == 7_615_616_512  # Qwen2.5-Math-7B safetensors total (7.62B)
+    assert models.abstract_model(models.PRESETS["qwen2.5-0.5b"]).num_params() == 494_032_768
+    assert models.abstract_model(models.PRESETS["smollm2-135m"]).num_params() == 134_515_008
+    assert models.param_count(models.abstract_model(models.PRESETS["bench-45m"])) == 39_336_448
+    logits = jax.eval_shape(
+        lambda: models.Transformer(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 4), jnp.int32))
+    )
+    assert logits.shape == (1, 4, 152064) and logits.dtype == jnp.float32
+
+
+def test_remat_gives_same_gradients():
+    cfg = models.PRESETS["tiny"]
+    tokens = jnp.asarray(_tokens((2, 6), vocab=cfg.vocab_size, seed=6))
+
+    def grads(remat):
+        model = models.Transformer(cfg.replace(remat=remat), rngs=nnx.Rngs(7))
+        loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
+        return nnx.grad(loss)(model)
+
+    g0, g1 = grads(False), grads(True)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_logical_axis_names_map_onto_a_mesh():
+    cfg = models.PRESETS["tiny"]
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    # nnx passes unmapped names through, so rules name every axis (None = replicated).
+    rules = (("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"), ("embed", "fsdp"))
+    rules += (("kv_heads", None), ("head_dim", None), ("norm", None))
+    assert {r[0] for r in rules} == set(models.PARAM_AXES)
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    P = jax.sharding.PartitionSpec
+    assert specs["embedding"].get_value() == P("tensor", "fsdp")
+    assert specs["layers"][0]["attn"]["q_kernel"].get_value() == P("fsdp", "tensor", None)
+    assert specs["layers"][0]["mlp"]["down_kernel"].get_value() == P("tensor", "fsdp")
+    assert specs["final_norm"]["scale"].get_value() == P(None)
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tokens = jnp.asarray(_tokens((4, 8), vocab=cfg.vocab_size, seed=8))
+    expected = np.asarray(model(tokens))
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules((*rules, ("batch", "fsdp"))):
+        shardings = nnx.get_named_sharding(state, mesh)
+        state = jax.device_put(state, shardings)
+        out = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+    assert state["embedding"].get_value().sharding.spec == P("tensor", "fsdp")
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
