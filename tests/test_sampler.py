@@ -1,0 +1,341 @@
+"""Sampler tests: HF greedy parity, exact sampling distributions, log-probs, EOS, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+import transformers
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from gvpo_jax import models, sampler, sampling_ops
+
+VOCAB = 300  # > 256, not a multiple of it: exercises both levels and the padding of `draw`
+P_VALUE = 1e-3  # chi-square tests reject the sampler's distribution below this p-value
+
+
+@pytest.fixture(scope="module")
+def hf_and_model(tmp_path_factory):
+    """A tiny random Qwen2 in transformers and the same weights in gvpo_jax."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        # Larger than the default 0.02 so logits are spread out: greedy has clear winners and
+        # the sampling distributions are far from uniform.
+        initializer_range=0.1,
+    )
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("qwen2_tiny")
+    hf.save_pretrained(path)
+    return hf, models.from_pretrained(path)
+
+
+PROMPTS = [[5, 17, 42], [7, 8, 9, 10, 11, 12, 13], [99], [250, 3, 4, 4, 4, 60, 61, 62, 63, 1, 2]]
+
+
+def _hf_greedy(hf, prompt, max_new_tokens, eos_id):
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_id,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_pad_prompts_and_bucket_length():
+    assert sampler.bucket_length(1, (8, 16)) == 8
+    assert sampler.bucket_length(8, (16, 8)) == 8
+    assert sampler.bucket_length(9, (8, 16)) == 16
+    with pytest.raises(ValueError, match="largest bucket"):
+        sampler.bucket_length(17, (8, 16))
+    ids, lens = sampler.pad_prompts([[1, 2, 3], [4] * 9], (8, 16, 32), pad_id=7)
+    assert ids.shape == (2, 16) and ids.dtype == np.int32
+    np.testing.assert_array_equal(lens, [3, 9])
+    np.testing.assert_array_equal(ids[0], [1, 2, 3] + [7] * 13)
+    np.testing.assert_array_equal(ids[1], [4] * 9 + [7] * 7)
+    with pytest.raises(ValueError, match=">= 1 token"):
+        sampler.pad_prompts([[1], []], (8,))
+
+
+def test_greedy_matches_transformers_generate(hf_and_model):
+    hf, model = hf_and_model
+    n = 12
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    out = sampler.generate(
+        model, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0
+    )
+    expected = [_hf_greedy(hf, p, n, None) for p in PROMPTS]
+    np.testing.assert_array_equal(np.asarray(out.tokens_BxN), expected)
+    np.testing.assert_array_equal(np.asarray(out.lengths_B), [n] * len(PROMPTS))
+
+    # With an EOS: take a token greedy emits mid-way in row 0; rows stop at its first occurrence.
+    eos = expected[0][4]
+    out = sampler.generate(
+        model, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0, eos_ids=[eos]
+    )
+    for row, prompt in enumerate(PROMPTS):
+        ref = _hf_greedy(hf, prompt, n, eos)  # transformers stops after the EOS it emits
+        got = np.asarray(out.tokens_BxN[row])
+        assert int(out.lengths_B[row]) == len(ref)
+        np.testing.assert_array_equal(got[: len(ref)], ref)
+        assert np.all(got[len(ref) :] == 0)
+
+
+def _reference_dist(logits_V, temperature, top_k, top_p, min_p):
+    """float64 numpy: temperature -> top-k -> top-p -> min-p, each renormalised (HF order)."""
+    z = logits_V.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    if top_k:
+        p[order[top_k:]] = 0.0
+        p /= p.sum()
+    if top_p < 1.0:
+        sorted_p = p[order]
+        mass_before = np.cumsum(sorted_p) - sorted_p
+        p[order[mass_before >= top_p]] = 0.0
+        p /= p.sum()
+    if min_p > 0.0:
+        p[p < min_p * p.max()] = 0.0
+        p /= p.sum()
+    return p
+
+
+def _chi_square_pvalue(counts, probs):
+    """Pearson chi-square p-value; bins with expected count < 5 are pooled into one bin."""
+    expected = probs * counts.sum()
+    assert np.all(counts[probs == 0] == 0), "sampled a token outside the support"
+    small = (expected < 5) & (probs > 0)
+    obs = np.append(counts[expected >= 5], counts[small].sum())
+    exp = np.append(expected[expected >= 5], expected[small].sum())
+    if exp[-1] < 5:  # fold a still-too-small pool into the smallest regular bin
+        i = np.argmin(exp[:-1])
+        obs[i] += obs[-1]
+        exp[i] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    return scipy.stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+SAMPLING_CASES = [
+    dict(temperature=0.7),
+    dict(temperature=1.0, top_k=12, top_p=0.8),  # top-k candidates, sorted nucleus
+    dict(temperature=1.3, top_p=0.6, min_p=0.05),  # full-vocabulary bisection nucleus
+]
+
+
+@pytest.mark.parametrize("settings", SAMPLING_CASES, ids=lambda s: str(sorted(s.items())))
+def test_first_and_second_token_distributions(hf_and_model, settings):
+    """Empirical frequencies of tokens 1 and 2 over 6000 draws match the exact distributions."""
+    _, model = hf_and_model
+    prompt = [5, 17, 42]
+    g = 6000
+    ids, lens = sampler.pad_prompts([prompt], (8,))
+    out = sampler.generate(
+        model, ids, lens, max_new_tokens=2, rng=jax.random.key(3), num_samples=g, **settings
+    )
+    tokens = np.asarray(out.tokens_BxN)
+    ref = dict(settings, top_k=settings.get("top_k", 0), top_p=settings.get("top_p", 1.0))
+    ref.setdefault("min_p", 0.0)
+
+    # Exact first-token distribution q1, and q2[y1] for every possible first token y1.
+    seqs = np.array([prompt + [y] for y in range(VOCAB)], np.int32)
+    logits = np.asarray(model(jnp.asarray(seqs)), np.float64)
+    q1 = _reference_dist(logits[0, len(prompt) - 1], **ref)
+    q2 = np.stack([_reference_dist(logits[y, len(prompt)], **ref) for y in range(VOCAB)])
+
+    assert np.all(q1[tokens[:, 0]] > 0), "first token outside the truncated set"
+    assert np.all(q2[tokens[:, 0], tokens[:, 1]] > 0), "second token outside the truncated set"
+    counts1 = np.bincount(tokens[:, 0], minlength=VOCAB)
+    counts2 = np.bincount(tokens[:, 1], minlength=VOCAB)
+    assert _chi_square_pvalue(counts1, q1) > P_VALUE
+    assert _chi_square_pvalue(counts2, q1 @ q2) > P_VALUE  # marginal of the second token
+
+
+@pytest.mark.parametrize("settings", SAMPLING_CASES, ids=lambda s: str(sorted(s.items())))
+def test_select_tokens_distribution_and_logps(settings):
+    """Token selection alone on fixed logits: 20000 draws, chi-square, and both log-probs."""
+    rng = np.random.default_rng(0)
+    logits_V = rng.normal(size=1000).astype(np.float32) * 2.0  # 4 blocks of the 2-level draw
+    b = 20000
+    logits_BxV = jnp.broadcast_to(jnp.asarray(logits_V), (b, 1000))
+    tokens, logp, sample_logp = jax.jit(lambda x, k: sampling_ops.select_tokens(x, k, **settings))(
+        logits_BxV, jax.random.key(1)
+    )
+    tokens = np.asarray(tokens)
+    ref = dict(settings, top_k=settings.get("top_k", 0), top_p=settings.get("top_p", 1.0))
+    ref.setdefault("min_p", 0.0)
+    q = _reference_dist(logits_V, **ref)
+    assert _chi_square_pvalue(np.bincount(tokens, minlength=1000), q) > P_VALUE
+    policy = logits_V.astype(np.float64) - np.log(np.sum(np.exp(logits_V.astype(np.float64))))
+    np.testing.assert_allclose(np.asarray(logp), policy[tokens], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(sample_logp), np.log(q[tokens]), atol=1e-5)
+
+
+def test_draw_never_picks_zero_weight_entries():
+    """Inverse-CDF edges: u -> 1 and zero-weight tails/blocks are never selected."""
+    w = np.zeros((4, 700), np.float32)
+    w[:, [3, 300, 301]] = [0.2, 0.5, 0.3]  # two whole blocks of zeros, zero tail
+    u = jnp.asarray([[0.0, 0.0], [1 - 2**-24, 1 - 2**-24], [0.2, 0.999], [0.7, 0.4]])
+    picks = np.asarray(sampling_ops.draw(jnp.asarray(w), u))
+    assert set(picks.tolist()) <= {3, 300, 301}
+    assert picks[0] == 3 and picks[1] == 301
+
+
+def _recomputed_logp(model, ids, lens, out, num_samples):
+    """log pi(response token) by a full forward (no cache) of prompt + response, per row."""
+    b, n = out.tokens_BxN.shape
+    lens_B = np.repeat(lens, num_samples)
+    seqs = np.zeros((b, ids.shape[1] + n), np.int32)
+    for row in range(b):
+        prompt = ids[row // num_samples, : lens_B[row]]
+        seqs[row, : lens_B[row] + n] = np.concatenate([prompt, np.asarray(out.tokens_BxN[row])])
+    seqs = np.where(seqs < 0, 0, seqs)
+    logits = np.asarray(model(jnp.asarray(seqs)), np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    idx = lens_B[:, None] + np.arange(n)[None, :]  # position of response token j
+    rows = np.arange(b)[:, None]
+    return logp[rows, idx - 1, seqs[rows, idx]], logits, idx
+
+
+def test_returned_logps_equal_recomputed(hf_and_model):
+    _, model = hf_and_model
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    settings = dict(temperature=0.8, top_k=20, top_p=0.9)
+    g = 3
+    out = sampler.generate(
+        model,
+        ids,
+        lens,
+        max_new_tokens=10,
+        rng=jax.random.key(7),
+        num_samples=g,
+        eos_ids=(3, 4),
+        **settings,
+    )
+    mask = np.asarray(out.mask_BxN) > 0
+    expected, logits, idx = _recomputed_logp(model, ids, lens, out, g)
+    np.testing.assert_allclose(np.asarray(out.logp_BxN)[mask], expected[mask], atol=1e-5)
+    assert np.all(np.asarray(out.logp_BxN)[~mask] == 0)
+    # The sampling-distribution log-prob, from an independent float64 truncation.
+    tokens = np.asarray(out.tokens_BxN)
+    for row, col in zip(*np.nonzero(mask), strict=True):
+        q = _reference_dist(logits[row, idx[row, col] - 1], 0.8, 20, 0.9, 0.0)
+        assert abs(np.log(q[tokens[row, col]]) - out.sample_logp_BxN[row, col]) < 1e-5
+
+
+def test_eos_mask_lengths_and_padding(hf_and_model):
+    """Rows stop at their first EOS (any of several), then hold pad_id with mask 0."""
+    _, model = hf_and_model
+    n = 10
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    kw = dict(max_new_tokens=n, rng=jax.random.key(0), temperature=0.0)
+    free = np.asarray(sampler.generate(model, ids, lens, **kw).tokens_BxN)
+    eos_ids = (int(free[0, 2]), int(free[1, 0]))  # row 0 ends by step 3, row 1 at step 1
+    out = sampler.generate(model, ids, lens, eos_ids=eos_ids, pad_id=-1, **kw)
+    tokens, mask = np.asarray(out.tokens_BxN), np.asarray(out.mask_BxN)
+    assert mask.dtype == np.float32 and out.lengths_B.dtype == np.int32
+    for row in range(len(PROMPTS)):
+        hits = np.nonzero(np.isin(free[row], eos_ids))[0]
+        length = hits[0] + 1 if hits.size else n
+        assert int(out.lengths_B[row]) == length
+        np.testing.assert_array_equal(mask[row], np.arange(n) < length)
+        np.testing.assert_array_equal(tokens[row, :length], free[row, :length])
+        assert np.all(tokens[row, length:] == -1)
+        assert np.all(np.asarray(out.logp_BxN)[row, length:] == 0)
+    assert out.lengths_B[0] <= 3 and out.lengths_B[1] == 1 and out.lengths_B.max() > 3
+
+    # Every row ends at its first token: the loop exits early and all later columns are padding.
+    first = tuple(int(t) for t in free[:, 0])
+    out = sampler.generate(model, ids, lens, eos_ids=first, pad_id=-1, **kw)
+    np.testing.assert_array_equal(np.asarray(out.lengths_B), [1] * len(PROMPTS))
+    assert np.all(np.asarray(out.tokens_BxN)[:, 1:] == -1)
+
+
+def test_group_samples_share_the_prompt(hf_and_model):
+    """G samples differ when sampling and equal the G=1 greedy rows when greedy."""
+    _, model = hf_and_model
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    g, kw = 4, dict(max_new_tokens=8, rng=jax.random.key(5))
+    greedy1 = np.asarray(sampler.generate(model, ids, lens, temperature=0.0, **kw).tokens_BxN)
+    greedy = np.asarray(
+        sampler.generate(model, ids, lens, temperature=0.0, num_samples=g, **kw).tokens_BxN
+    )
+    np.testing.assert_array_equal(greedy, np.repeat(greedy1, g, axis=0))
+
+    sampled = sampler.generate(model, ids, lens, num_samples=g, **kw)
+    groups = np.asarray(sampled.tokens_BxN).reshape(len(PROMPTS), g, -1)
+    for group in groups:
+        assert len({tuple(r) for r in group}) == g
+    # Sharing the prefill is invisible: same draws as prefilling G copies of every prompt.
+    copies = sampler.generate(model, np.repeat(ids, g, 0), np.repeat(lens, g), **kw)
+    np.testing.assert_array_equal(np.asarray(copies.tokens_BxN), np.asarray(sampled.tokens_BxN))
+    np.testing.assert_allclose(copies.logp_BxN, sampled.logp_BxN, atol=1e-5)
+
+
+def test_no_recompilation_with_same_bucket(hf_and_model):
+    _, model = hf_and_model
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event)
+
+    def call(prompts, seed):
+        ids, lens = sampler.pad_prompts(prompts, (8, 16))
+        out = sampler.generate(
+            model, ids, lens, max_new_tokens=5, rng=jax.random.key(seed), top_k=7, num_samples=2
+        )
+        return jax.block_until_ready(out)
+
+    call([[1, 2], [3, 4, 5]], 0)  # compiles (or reuses an earlier compile)
+    old_embedding = model.embedding[...]
+    new_embedding = old_embedding * 1.01  # eager op: compiled before the counting starts
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        compiles.clear()
+        call([[9, 8, 7, 6, 5], [4]], 1)  # other prompts and lengths, same bucket, other key
+        # New parameter values of the same shapes (a training step) must not retrace either.
+        model.embedding[...] = new_embedding
+        call([[2, 2], [2]], 2)
+        n_same = sum(e == "/jax/core/compile/backend_compile_duration" for e in compiles)
+        call([[1] * 12, [2]], 3)  # another bucket compiles once: the counter does count
+        n_new = sum(e == "/jax/core/compile/backend_compile_duration" for e in compiles)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        model.embedding[...] = old_embedding
+    assert n_same == 0
+    assert n_new >= 1
+
+
+def test_generate_on_a_mesh_matches_one_device(hf_and_model):
+    """Prompts split over `data`, parameters over `model`: same greedy output as unsharded."""
+    _, model = hf_and_model
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    kw = dict(max_new_tokens=6, rng=jax.random.key(0), temperature=0.0, num_samples=2)
+    ref = sampler.generate(model, ids, lens, **kw)
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    graphdef, state = nnx.split(model)
+
+    def place(x):
+        spec = PS(*([None] * (x.ndim - 1)), "model") if x.ndim and x.shape[-1] % 2 == 0 else PS()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    sharded = nnx.merge(graphdef, jax.tree.map(place, state))
+    data = NamedSharding(mesh, PS("data"))
+    out = sampler.generate(sharded, jax.device_put(ids, data), jax.device_put(lens, data), **kw)
+    assert len(out.tokens_BxN.sharding.device_set) > 1
+    np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN))
+    np.testing.assert_allclose(np.asarray(out.logp_BxN), np.asarray(ref.logp_BxN), atol=1e-5)
