@@ -1,0 +1,589 @@
+"""Policy losses for RL post-training of LLMs: GVPO, GRPO / Dr.GRPO / DAPO and GSPO, in pure JAX.
+
+This file stands alone (jax + the standard library only) so it can be copied into any JAX trainer.
+
+Batch layout: `P` prompts x `G` responses, `B = P*G` rows, the G responses of one prompt are
+contiguous rows (`g*G .. g*G+G-1`). Per-token arrays are `[B, T]`; `mask` is 1.0 on response tokens
+that count (up to and including EOS) and 0.0 on padding. Whatever sits at masked positions (even
+inf/nan) never reaches the loss or its gradient. Reductions run in float32 (or float64 if the inputs
+are float64), whatever the input dtype; `aux` metrics are float32 scalars.
+
+Settings (group_size, agg, eps, ...) are static Python values: shapes and settings are checked at
+trace time and misuse raises a ValueError naming the argument and the fix. Bind settings with
+`functools.partial` (or `static_argnames`) and `jax.jit` the result.
+"""
+
+import dataclasses
+import inspect
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
+ADV_SCALES = ("group", "batch", "none")
+
+Array = jax.Array
+Aux = dict[str, Array]
+sg = jax.lax.stop_gradient
+
+
+# ----------------------------------------------------------------------------- checks and helpers
+
+
+def _fp(x) -> Array:
+    """x as a float array of at least float32 precision (bfloat16 -> float32, float64 kept)."""
+    x = jnp.asarray(x)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _check_shape(arg: str, x, shape: tuple[int, ...]) -> None:
+    if tuple(jnp.shape(x)) != tuple(shape):
+        raise ValueError(
+            f"`{arg}` has shape {tuple(jnp.shape(x))} but must have shape {tuple(shape)}; "
+            "pass per-token arrays as [B, T] and per-response arrays as [B] for the same batch."
+        )
+
+
+def _check_bt(arg: str, x) -> tuple[int, int]:
+    if jnp.ndim(x) != 2:
+        raise ValueError(f"`{arg}` must be a [B, T] array, got shape {tuple(jnp.shape(x))}.")
+    return tuple(jnp.shape(x))
+
+
+def _check_group_size(group_size, batch: int, minimum: int = 1) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise ValueError(f"`group_size` must be a static Python int, got {group_size!r}.")
+    if group_size < minimum:
+        raise ValueError(
+            f"`group_size` is {group_size} but must be >= {minimum}; sample at least {minimum} "
+            "responses per prompt (a single response has no group baseline)."
+        )
+    if batch % group_size:
+        raise ValueError(
+            f"`group_size`={group_size} does not divide the batch size {batch}; the batch must "
+            "hold whole groups of contiguous rows (B = P * group_size)."
+        )
+    return group_size
+
+
+def _check_choice(arg: str, value, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"Unknown `{arg}`={value!r}; choose one of {', '.join(options)}.")
+
+
+def _check_positive(arg: str, value, strict: bool = True) -> None:
+    """Checks static Python numbers only (traced values, e.g. a beta schedule, pass through)."""
+    if isinstance(value, int | float) and not (value > 0 if strict else value >= 0):
+        raise ValueError(f"`{arg}` is {value} but must be {'>' if strict else '>='} 0.")
+
+
+def _safe_div(num: Array, den: Array) -> Array:
+    """num / den, and 0 where den == 0 (e.g. an all-padding batch)."""
+    return jnp.where(den > 0, num, 0.0) / jnp.where(den > 0, den, 1.0)
+
+
+def _masked(x_BxT, m_BxT: Array) -> Array:
+    """x at mask > 0, exactly 0 elsewhere (jnp.where, so inf/nan padding never leaks, not even
+    into gradients)."""
+    return jnp.where(m_BxT > 0, _fp(x_BxT), 0.0)
+
+
+def _token_mean(x_BxT: Array, m_BxT: Array) -> Array:
+    return _safe_div(jnp.sum(x_BxT * m_BxT), jnp.sum(m_BxT))
+
+
+def _clip_metrics(ratio, adv, w, eps_low, eps_high, prefix: str) -> Aux:
+    """Clip fractions (where the clip zeroes the gradient: A > 0 above / A < 0 below the range)
+    and ratio statistics, weighted by w (0 = padding); ratio, adv, w broadcast together."""
+    ratio, adv, w = jnp.broadcast_arrays(ratio, adv, w)
+    is_high = (adv > 0) & (ratio > 1.0 + eps_high)
+    is_low = (adv < 0) & (ratio < 1.0 - eps_low)
+    on, any_on = w > 0, jnp.any(w > 0)
+    return {
+        "clip_frac": _token_mean(is_high | is_low, w),
+        "clip_frac_low": _token_mean(is_low, w),
+        "clip_frac_high": _token_mean(is_high, w),
+        f"{prefix}_mean": _token_mean(ratio, w),
+        f"{prefix}_min": jnp.where(any_on, jnp.min(jnp.where(on, ratio, jnp.inf)), 0.0),
+        f"{prefix}_max": jnp.where(any_on, jnp.max(jnp.where(on, ratio, -jnp.inf)), 0.0),
+    }
+
+
+def _f32_aux(aux: Mapping[str, Any]) -> Aux:
+    return {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
+
+
+def _advantages_BxT(advantages, B: int, T: int, allow_tokens: bool, who: str) -> Array:
+    """Per-response [B] or per-token [B, T] advantages, broadcast to [B, T], as constants."""
+    if jnp.shape(advantages) == (B,):
+        return jnp.broadcast_to(sg(_fp(advantages))[:, None], (B, T))
+    if allow_tokens and jnp.shape(advantages) == (B, T):
+        return sg(_fp(advantages))
+    shapes = f"[B]=({B},)" + (f" or [B, T]=({B}, {T})" if allow_tokens else "")
+    raise ValueError(
+        f"`advantages` has shape {tuple(jnp.shape(advantages))} but {who} needs {shapes}"
+        + ("; use token_level=True for per-token advantages." if not allow_tokens else ".")
+    )
+
+
+# ----------------------------------------------------------------------------- advantages, DAPO
+
+
+def group_advantages(rewards, group_size: int, scale: str = "group", eps: float = 1e-6) -> Array:
+    """Group-relative advantages `A_B = r - mean_group(r)`, optionally scaled; float, [B].
+
+    scale: "group" divides by the group std (ddof=1) + eps (GRPO, verl's convention: a group of
+      equal rewards gives A = 0); "batch" divides by the std (ddof=1) of all B rewards + eps (group
+      mean, batch std); "none" keeps the raw centered reward (Dr. GRPO; what GVPO uses).
+    Advantages are constants for the policy gradient, so the result is stop-gradient.
+    """
+    if jnp.ndim(rewards) != 1:
+        raise ValueError(f"`rewards` must be a [B] array, got shape {tuple(jnp.shape(rewards))}.")
+    _check_choice("scale", scale, ADV_SCALES)
+    B = jnp.shape(rewards)[0]
+    G = _check_group_size(group_size, B, minimum=2 if scale == "group" else 1)
+    if scale == "batch" and B < 2:
+        raise ValueError("`scale`='batch' needs at least 2 rewards in the batch; use 'none'.")
+    r_B = sg(_fp(rewards))
+    r_PxG = r_B.reshape(-1, G)
+    adv_PxG = r_PxG - jnp.mean(r_PxG, axis=1, keepdims=True)
+    if scale == "group":
+        adv_PxG = adv_PxG / (jnp.std(r_PxG, axis=1, ddof=1, keepdims=True) + eps)
+    elif scale == "batch":
+        adv_PxG = adv_PxG / (jnp.std(r_B, ddof=1) + eps)
+    return adv_PxG.reshape(B)
+
+
+def informative_groups(rewards, group_size: int) -> Array:
+    """DAPO dynamic sampling: bool [P], True where a group's rewards are not all equal.
+
+    Uninformative groups have zero advantage and only dilute the batch. In a static-shape batch,
+    drop them from the loss with `mask * jnp.repeat(informative, group_size)[:, None]`.
+    """
+    if jnp.ndim(rewards) != 1:
+        raise ValueError(f"`rewards` must be a [B] array, got shape {tuple(jnp.shape(rewards))}.")
+    G = _check_group_size(group_size, jnp.shape(rewards)[0])
+    r_PxG = jnp.asarray(rewards).reshape(-1, G)
+    return jnp.any(r_PxG != r_PxG[:, :1], axis=1)
+
+
+def overlong_penalty(lengths, *, max_len: int, cache_len: int, factor: float = 1.0) -> Array:
+    """DAPO soft overlong punishment, [B] float (<= 0), to be added to the reward.
+
+    0 if L <= max_len - cache_len; -(L - (max_len - cache_len)) / cache_len if L <= max_len;
+    -1 beyond; all times `factor`. `lengths` are response lengths in tokens ([B], e.g. mask.sum(1)).
+    """
+    _check_positive("cache_len", cache_len)
+    if isinstance(max_len, int | float) and isinstance(cache_len, int | float):
+        if cache_len > max_len:
+            raise ValueError(f"`cache_len`={cache_len} must be <= `max_len`={max_len}.")
+    L_B = _fp(lengths)
+    start = max_len - cache_len
+    ramp_B = -(L_B - start) / cache_len
+    penalty_B = jnp.where(L_B <= start, 0.0, jnp.where(L_B <= max_len, ramp_B, -1.0))
+    return factor * penalty_B
+
+
+# ----------------------------------------------------------------------------- GVPO
+
+
+def gvpo_loss(
+    logp, anchor_logp, rewards, mask, *, group_size: int, beta: float
+) -> tuple[Array, Aux]:
+    """GVPO loss (arXiv 2504.19599): mean over groups of `1/(G-1) sum_i 0.5 (rc_i - a_i)^2`.
+
+    logp, anchor_logp, mask: [B, T]; rewards: [B]. `r_theta_i = beta * (seq_logp_i -
+    seq_anchor_logp_i)` with token log-probs summed over the mask (no length normalisation);
+    `rc` is r_theta centered in its group, `a` the reward centered in its group (no std division,
+    which would move the optimum to pi' exp(R / (sigma beta))). The anchor pi_theta' is a constant:
+    the rollout policy's log-probs (anchor="old") or a frozen reference's (anchor="ref").
+    Gradient: `dL / d seq_logp_i = beta * d_i / ((G - 1) * P)` with `d = rc - a`; sum_i d_i = 0 in
+    every group, which is what removes the partition function Z(x).
+    Minimiser: pi' exp(R / beta) / Z for any sampling distribution covering pi' (no importance
+    weights, so off-policy groups are fine). Requires G >= 2.
+
+    aux: the loss split as `adv_term + var_term + cov_term` = means over groups of
+    `0.5/(G-1) [sum a^2 + sum rc^2 - 2 sum rc a]` (var_term = beta^2/2 * within-group variance of
+    the log-ratio, cov_term = -beta * covariance of log-ratio and reward, adv_term = var(R)/2, a
+    constant of the data), d_abs_mean, r_theta_mean, log_ratio_mean (nats per sequence), reward_corr
+    (correlation of rc and a: 1 at the optimum), reward_mean, reward_std (within-group, ddof=1),
+    degenerate_frac (groups with equal rewards), response_len_mean.
+    """
+    B, T = _check_bt("logp", logp)
+    for arg, x in (("anchor_logp", anchor_logp), ("mask", mask)):
+        _check_shape(arg, x, (B, T))
+    _check_shape("rewards", rewards, (B,))
+    G = _check_group_size(group_size, B, minimum=2)
+    _check_positive("beta", beta)
+
+    m_BxT = _fp(mask)
+    len_B = jnp.sum(m_BxT, axis=1)
+    seq_logp_B = jnp.sum(_masked(logp, m_BxT) * m_BxT, axis=1)
+    seq_anchor_B = sg(jnp.sum(_masked(anchor_logp, m_BxT) * m_BxT, axis=1))
+    log_ratio_PxG = (seq_logp_B - seq_anchor_B).reshape(-1, G)
+    r_theta_PxG = beta * log_ratio_PxG
+    rewards_PxG = sg(_fp(rewards)).reshape(-1, G)
+
+    rc_PxG = r_theta_PxG - jnp.mean(r_theta_PxG, axis=1, keepdims=True)
+    a_PxG = rewards_PxG - jnp.mean(rewards_PxG, axis=1, keepdims=True)
+    d_PxG = rc_PxG - a_PxG
+    c = 0.5 / (G - 1)
+    loss = jnp.mean(c * jnp.sum(d_PxG**2, axis=1))
+
+    sum_aa, sum_rr = jnp.sum(a_PxG**2), jnp.sum(rc_PxG**2)
+    sum_ra = jnp.sum(rc_PxG * a_PxG)
+    P = B // G
+    aux = {
+        "loss": loss,
+        "adv_term": c * sum_aa / P,
+        "var_term": c * sum_rr / P,
+        "cov_term": -2.0 * c * sum_ra / P,
+        "d_abs_mean": jnp.mean(jnp.abs(d_PxG)),
+        "r_theta_mean": jnp.mean(r_theta_PxG),
+        "log_ratio_mean": jnp.mean(log_ratio_PxG),
+        "reward_corr": _safe_div(sum_ra, jnp.sqrt(sum_aa * sum_rr)),
+        "reward_mean": jnp.mean(rewards_PxG),
+        "reward_std": jnp.mean(jnp.sqrt(jnp.sum(a_PxG**2, axis=1) / (G - 1))),
+        "degenerate_frac": jnp.mean(jnp.all(rewards_PxG == rewards_PxG[:, :1], axis=1)),
+        "response_len_mean": jnp.mean(len_B),
+    }
+    return loss, _f32_aux(aux)
+
+
+# ----------------------------------------------------------------------------- GRPO family
+
+
+def _kl_penalty(logp_BxT: Array, ref_BxT: Array, estimator: str) -> Array:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta."""
+    delta = ref_BxT - logp_BxT
+    k2 = 0.5 * delta**2
+    if estimator == "k1":
+        return -delta
+    if estimator == "k2":
+        return k2
+    # k3 as verl's low_var_kl: clamps keep one wild token from dominating the batch.
+    clamped = jnp.clip(delta, -20.0, 20.0)
+    k3 = jnp.clip(jnp.exp(clamped) - clamped - 1.0, -10.0, 10.0)
+    if estimator == "k3":
+        return k3
+    return sg(k3) + k2 - sg(k2)  # "k3+": unbiased k3 value, k2's well-behaved gradient
+
+
+def _aggregate(loss_BxT: Array, m_BxT: Array, agg: str, max_tokens=None) -> Array:
+    """Reduce a per-token loss to a scalar. seq-mean-* modes average over the rows that hold at
+    least one token (fully padded rows fill a static batch; they are not responses)."""
+    tok_sum_B = jnp.sum(loss_BxT * m_BxT, axis=1)
+    len_B = jnp.sum(m_BxT, axis=1)
+    if agg == "token-mean":
+        return _safe_div(jnp.sum(tok_sum_B), jnp.sum(len_B))
+    if agg == "seq-mean-token-mean":
+        seq_B = _safe_div(tok_sum_B, len_B)
+    elif agg == "seq-mean-token-sum":
+        seq_B = tok_sum_B
+    else:  # seq-mean-token-sum-norm (Dr. GRPO): a constant divisor, so no length bias
+        seq_B = tok_sum_B / max_tokens
+    valid_B = len_B > 0
+    return _safe_div(jnp.sum(jnp.where(valid_B, seq_B, 0.0)), jnp.sum(valid_B))
+
+
+def grpo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    kl_coef: float = 0.0,
+    ref_logp=None,
+    kl_estimator: str = "k3",
+    agg: str = "seq-mean-token-mean",
+    max_tokens: int | None = None,
+) -> tuple[Array, Aux]:
+    """Clipped-ratio policy loss of GRPO, Dr. GRPO and DAPO (one function, settings differ).
+
+    logp, old_logp, mask (and ref_logp): [B, T]; advantages: [B] or [B, T] (constants).
+    Per token: `rho = exp(clip(logp - old_logp, -20, 20))`,
+    `l = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))`; with `dual_clip=c` (> 1) and A < 0,
+    `l = min(l, -A c)`. Plus `kl_coef * KL` per token, an estimate of KL(pi_theta || pi_ref): "k1"
+    logp - ref, "k2" 0.5 (logp - ref)^2, "k3" exp(ref - logp) - (ref - logp) - 1 (clamped as verl's
+    low_var_kl), "k3+" k3's value with k2's gradient. Then aggregated with `agg` (AGG_MODES;
+    "seq-mean-token-sum-norm" divides each sequence's token sum by the constant `max_tokens`);
+    seq-mean-* modes skip rows without any token.
+
+    aux: pg_loss, clip_frac (= clip_frac_low + clip_frac_high: tokens whose gradient the clip
+    zeroes, A < 0 below / A > 0 above the range), dual_clip_frac, ratio_mean / min / max, kl_old
+    (k3 estimate of KL(pi_old || pi_theta), drift inside the update), adv_mean, adv_abs_mean,
+    response_len_mean; with ref_logp: kl (token mean of the chosen estimator) and kl_loss.
+    """
+    B, T = _check_bt("logp", logp)
+    _check_shape("old_logp", old_logp, (B, T))
+    _check_shape("mask", mask, (B, T))
+    if ref_logp is not None:
+        _check_shape("ref_logp", ref_logp, (B, T))
+    _check_choice("agg", agg, AGG_MODES)
+    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    _check_positive("eps_low", eps_low, strict=False)
+    _check_positive("eps_high", eps_high, strict=False)
+    if agg == "seq-mean-token-sum-norm":
+        if max_tokens is None:
+            raise ValueError(
+                "`max_tokens` is required with agg='seq-mean-token-sum-norm'; pass the maximum "
+                "response length (a constant)."
+            )
+        _check_positive("max_tokens", max_tokens)
+    if dual_clip is not None and isinstance(dual_clip, int | float) and dual_clip <= 1.0:
+        raise ValueError(f"`dual_clip` is {dual_clip} but must be > 1 (e.g. 3.0), or None.")
+    if ref_logp is None and not (isinstance(kl_coef, int | float) and kl_coef == 0):
+        raise ValueError("`kl_coef` is non-zero but `ref_logp` is None; pass ref_logp or set 0.")
+
+    m_BxT = _fp(mask)
+    logp_BxT = _masked(logp, m_BxT)
+    old_BxT = sg(_masked(old_logp, m_BxT))
+    adv_BxT = _advantages_BxT(advantages, B, T, allow_tokens=True, who="grpo_loss")
+
+    ratio_BxT = jnp.exp(jnp.clip(logp_BxT - old_BxT, -20.0, 20.0))
+    pg_BxT = jnp.maximum(
+        -adv_BxT * ratio_BxT, -adv_BxT * jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
+    )
+    aux = _clip_metrics(ratio_BxT, adv_BxT, m_BxT, eps_low, eps_high, "ratio")
+    if dual_clip is not None:
+        # Dual clip bounds the loss of a negative-advantage token whose ratio exploded.
+        dual_BxT = -adv_BxT * dual_clip
+        is_dual = (adv_BxT < 0) & (dual_BxT < pg_BxT)
+        pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, dual_BxT), pg_BxT)
+        aux["dual_clip_frac"] = _token_mean(is_dual, m_BxT)
+
+    loss_BxT = pg_BxT
+    if ref_logp is not None:
+        kl_BxT = _kl_penalty(logp_BxT, sg(_masked(ref_logp, m_BxT)), kl_estimator)
+        loss_BxT = pg_BxT + kl_coef * kl_BxT
+        aux["kl"] = _token_mean(kl_BxT, m_BxT)
+        aux["kl_loss"] = kl_coef * _aggregate(kl_BxT, m_BxT, agg, max_tokens)
+    loss = _aggregate(loss_BxT, m_BxT, agg, max_tokens)
+
+    aux |= {
+        "loss": loss,
+        "pg_loss": _aggregate(pg_BxT, m_BxT, agg, max_tokens),
+        "kl_old": _token_mean(_kl_penalty(old_BxT, logp_BxT, "k3"), m_BxT),
+        "adv_mean": _token_mean(adv_BxT, m_BxT),
+        "adv_abs_mean": _token_mean(jnp.abs(adv_BxT), m_BxT),
+        "response_len_mean": jnp.mean(jnp.sum(m_BxT, axis=1)),
+    }
+    return loss, _f32_aux(aux)
+
+
+# ----------------------------------------------------------------------------- GSPO
+
+
+def gspo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    token_level: bool = False,
+) -> tuple[Array, Aux]:
+    """GSPO (arXiv 2507.18071): clipping on the length-normalised sequence ratio.
+
+    logp, old_logp, mask: [B, T]; advantages: [B] (or [B, T] with token_level=True).
+    `log s_i = min(sum_t (logp - old_logp) m / L_i, 10)`, `l_i = max(-A_i s_i, -A_i clip(s_i,
+    1 - eps_low, 1 + eps_high))`, loss = mean over sequences with at least one token (never
+    token-weighted). GSPO-token (`token_level=True`): `log s_it = sg[log s_i] + logp_t - sg[logp_t]`
+    (same clamp), per-token advantages allowed, aggregated seq-mean-token-mean; with per-sequence
+    advantages it equals GSPO in value and gradient.
+
+    aux: pg_loss, clip_frac (+ _low / _high), seq_ratio_mean / min / max (all over sequences, or
+    over tokens when token_level), kl_old, adv_mean, adv_abs_mean, response_len_mean.
+    """
+    B, T = _check_bt("logp", logp)
+    _check_shape("old_logp", old_logp, (B, T))
+    _check_shape("mask", mask, (B, T))
+    _check_positive("eps_low", eps_low, strict=False)
+    _check_positive("eps_high", eps_high, strict=False)
+    who = "gspo_loss(token_level=True)" if token_level else "gspo_loss"
+    adv_BxT = _advantages_BxT(advantages, B, T, allow_tokens=token_level, who=who)
+
+    m_BxT = _fp(mask)
+    logp_BxT = _masked(logp, m_BxT)
+    old_BxT = sg(_masked(old_logp, m_BxT))
+    len_B = jnp.sum(m_BxT, axis=1)
+    valid_B = len_B > 0
+    seq_log_ratio_B = _safe_div(jnp.sum((logp_BxT - old_BxT) * m_BxT, axis=1), len_B)
+
+    if token_level:
+        log_s_BxT = sg(seq_log_ratio_B)[:, None] + logp_BxT - sg(logp_BxT)
+        s_BxT, w_BxT, adv = jnp.exp(jnp.minimum(log_s_BxT, 10.0)), m_BxT, adv_BxT
+    else:
+        # A sequence is one "token" of weight valid_B: same clip and metric code for both modes.
+        s_BxT = jnp.exp(jnp.minimum(seq_log_ratio_B, 10.0))[:, None]
+        w_BxT, adv = valid_B[:, None].astype(m_BxT.dtype), adv_BxT[:, :1]
+    pg = jnp.maximum(-adv * s_BxT, -adv * jnp.clip(s_BxT, 1.0 - eps_low, 1.0 + eps_high))
+    loss = _aggregate(pg, w_BxT, "seq-mean-token-mean")
+    aux = _clip_metrics(s_BxT, adv, w_BxT, eps_low, eps_high, "seq_ratio")
+    aux |= {
+        "loss": loss,
+        "pg_loss": loss,
+        "kl_old": _token_mean(_kl_penalty(old_BxT, logp_BxT, "k3"), m_BxT),
+        "adv_mean": _token_mean(adv_BxT, m_BxT),
+        "adv_abs_mean": _token_mean(jnp.abs(adv_BxT), m_BxT),
+        "response_len_mean": jnp.mean(len_B),
+    }
+    return loss, _f32_aux(aux)
+
+
+# ----------------------------------------------------------------------------- token log-probs
+
+
+def token_logprobs_from_logits(logits_BxTxV, targets_BxT, mask_BxT=None) -> Array:
+    """Reference `log p(targets[b, t])` under `logits[b, t]`: [B, T] float32, 0 where mask == 0.
+
+    logits[b, t] must already be the prediction for targets[b, t] (shift before calling: for a
+    causal LM, logits[:, :-1] predict tokens[:, 1:]). log-softmax in float32 whatever the logits
+    dtype. Materialises [B, T, V] in float32: fine for tests and small vocabularies.
+    """
+    B, T, _ = jnp.shape(logits_BxTxV)
+    _check_shape("targets_BxT", targets_BxT, (B, T))
+    logp_BxTxV = jax.nn.log_softmax(jnp.asarray(logits_BxTxV).astype(jnp.float32), axis=-1)
+    logp_BxT = jnp.take_along_axis(logp_BxTxV, jnp.asarray(targets_BxT)[..., None], axis=-1)[..., 0]
+    if mask_BxT is None:
+        return logp_BxT
+    _check_shape("mask_BxT", mask_BxT, (B, T))
+    return jnp.where(jnp.asarray(mask_BxT) > 0, logp_BxT, 0.0)
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+@dataclasses.dataclass(frozen=True)
+class LossPreset:
+    """A named algorithm: which loss, its default settings, and what the trainer must provide.
+
+    kind: "gvpo" | "clip" (grpo_loss) | "gspo". kwargs: default keyword arguments of loss_fn.
+    adv_scale: group_advantages scale for clipped losses ("group" | "none"); GVPO uses the raw
+    centered reward inside its loss. dynamic_sampling / overlong_penalty: DAPO's batch filtering and
+    reward shaping, applied by the trainer (see informative_groups, overlong_penalty).
+    uses_old_logp: the loss needs the rollout policy's log-probs (for gvpo: as the default anchor).
+    """
+
+    name: str
+    kind: str
+    loss_fn: Callable[..., tuple[Array, Aux]]
+    kwargs: Mapping[str, Any] = dataclasses.field(hash=False)
+    adv_scale: str
+    reference: str
+    dynamic_sampling: bool = False
+    overlong_penalty: bool = False
+    uses_old_logp: bool = True
+
+
+def _preset(name, kind, loss_fn, adv_scale, reference, **kwargs) -> LossPreset:
+    flags = {k: kwargs.pop(k) for k in ("dynamic_sampling", "overlong_penalty") if k in kwargs}
+    return LossPreset(
+        name, kind, loss_fn, types.MappingProxyType(kwargs), adv_scale, reference, **flags
+    )
+
+
+_CLIP = dict(dual_clip=None, kl_estimator="k3")
+LOSSES: dict[str, LossPreset] = {
+    p.name: p
+    for p in (
+        _preset("gvpo", "gvpo", gvpo_loss, "none",
+                "Zhang et al. 2025, GVPO: Group Variance Policy Optimization, arXiv:2504.19599",
+                beta=0.1),
+        _preset("grpo", "clip", grpo_loss, "group",
+                "Shao et al. 2024, DeepSeekMath (GRPO), arXiv:2402.03300",
+                eps_low=0.2, eps_high=0.2, kl_coef=0.04, agg="seq-mean-token-mean", **_CLIP),
+        _preset("dr_grpo", "clip", grpo_loss, "none",
+                "Liu et al. 2025, Understanding R1-Zero-Like Training (Dr. GRPO), arXiv:2503.20783",
+                eps_low=0.2, eps_high=0.2, kl_coef=0.0, agg="seq-mean-token-sum-norm", **_CLIP),
+        _preset("dapo", "clip", grpo_loss, "group",
+                "Yu et al. 2025, DAPO, arXiv:2503.14476",
+                eps_low=0.2, eps_high=0.28, kl_coef=0.0, agg="token-mean", **_CLIP,
+                dynamic_sampling=True, overlong_penalty=True),
+        _preset("gspo", "gspo", gspo_loss, "group",
+                "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
+                eps_low=3e-4, eps_high=4e-4, token_level=False),
+        _preset("gspo_token", "gspo", gspo_loss, "group",
+                "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
+                eps_low=3e-4, eps_high=4e-4, token_level=True),
+    )
+}  # fmt: skip
+
+# Arguments preset_loss fills itself; every other keyword-only parameter may be overridden.
+_FILLED = ("group_size", "ref_logp", "max_tokens")
+
+
+def _overridable(preset: LossPreset) -> set[str]:
+    params = inspect.signature(preset.loss_fn).parameters.values()
+    names = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _FILLED}
+    return names | ({"adv_scale"} if preset.kind != "gvpo" else set())
+
+
+def get_preset(name: str) -> LossPreset:
+    """LOSSES[name] with a ValueError naming the known presets."""
+    if name not in LOSSES:
+        raise ValueError(f"Unknown loss preset {name!r}; choose one of {', '.join(LOSSES)}.")
+    return LOSSES[name]
+
+
+def preset_loss(
+    name: str,
+    *,
+    logp,
+    old_logp,
+    rewards,
+    mask,
+    group_size: int,
+    ref_logp=None,
+    anchor_logp=None,
+    max_tokens: int | None = None,
+    **overrides,
+) -> tuple[Array, Aux]:
+    """The loss of preset `name` on a rollout batch: one entry point for every algorithm.
+
+    logp, old_logp, mask, ref_logp, anchor_logp: [B, T]; rewards: [B] (already shaped, e.g. with
+    DAPO's overlong penalty added). Clipped losses get `group_advantages(rewards, group_size,
+    preset.adv_scale)`; gvpo uses `anchor_logp` if given (e.g. the frozen reference: anchor="ref")
+    else `old_logp` (anchor="old"), and ignores ref_logp. `overrides` replace the preset's kwargs
+    (plus `adv_scale` for non-gvpo presets). aux also gets informative_frac (groups with unequal
+    rewards). jit with name, group_size, max_tokens and overrides static, e.g.
+    `jax.jit(functools.partial(preset_loss, "dapo", group_size=8))`.
+    """
+    preset = get_preset(name)
+    unknown = sorted(set(overrides) - _overridable(preset))
+    if unknown:
+        raise ValueError(
+            f"Unknown override(s) {unknown} for preset {name!r}; allowed: "
+            f"{', '.join(sorted(_overridable(preset)))}."
+        )
+    kwargs = {**preset.kwargs, **overrides}
+    adv_scale = kwargs.pop("adv_scale", preset.adv_scale)
+    if preset.kind == "gvpo":
+        anchor = anchor_logp if anchor_logp is not None else old_logp
+        if anchor is None:
+            raise ValueError("Preset 'gvpo' needs `anchor_logp` or `old_logp` (the anchor policy).")
+        loss, aux = gvpo_loss(logp, anchor, rewards, mask, group_size=group_size, **kwargs)
+    else:
+        if old_logp is None:
+            raise ValueError(f"Preset {name!r} needs `old_logp` (the rollout policy's log-probs).")
+        if kwargs.get("agg") == "seq-mean-token-sum-norm" and max_tokens is None:
+            raise ValueError(
+                f"Preset {name!r} needs `max_tokens`; pass the maximum response length."
+            )
+        advantages = group_advantages(rewards, group_size, scale=adv_scale)
+        if preset.kind == "clip":
+            loss, aux = preset.loss_fn(
+                logp, old_logp, advantages, mask, ref_logp=ref_logp, max_tokens=max_tokens, **kwargs
+            )
+        else:
+            loss, aux = preset.loss_fn(logp, old_logp, advantages, mask, **kwargs)
+    aux["informative_frac"] = jnp.mean(informative_groups(rewards, group_size).astype(jnp.float32))
+    return loss, aux
