@@ -1,0 +1,144 @@
+"""Verifiable rewards on text: math correctness (math-verify), boxed / think format, exact match.
+
+Every function here has the reward signature `fn(completion, gold, timeout_s) -> float` and may
+raise; `RewardTimeout` means the soft (signal) deadline expired. `timeout_s` is honoured only in a
+main thread (SIGALRM), and cannot interrupt a long C call (e.g. a huge big-integer power): the
+worker pool of `gvpo_jax.rewards.pool` is the hard guarantee and calls these with `timeout_s=None`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+import signal
+import threading
+
+import sympy
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+from gvpo_jax.rewards.extract import boxed_spans, gsm8k_final_answer
+
+# math-verify warns once per process that its own timeouts are off; ours replace them.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+# A boxed answer wins over "the answer is ..." phrases and over bare numbers in the text.
+_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
+_GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
+# "1\,000" and "1{,}000" are LaTeX thousands separators that math-verify reads as a product.
+_LATEX_THOUSANDS_RE = re.compile(r"(\d)(?:\\,|\{,\})(\d{3})(?!\d)")
+_THINK_RE = re.compile(r"\s*<think>(?:(?!</?think>).)+</think>\s*\S.*", re.DOTALL)
+
+
+class RewardTimeout(BaseException):
+    """A reward overran its deadline (BaseException, so math-verify cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def soft_deadline(timeout_s: float | None):
+    """Raises RewardTimeout in the body after `timeout_s` seconds (main thread only, else no-op)."""
+    if not timeout_s or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _expire(signum, frame):
+        raise RewardTimeout(f"reward exceeded {timeout_s} s")
+
+    previous = signal.signal(signal.SIGALRM, _expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def normalize_completion(text: str) -> str:
+    """Rewrites spellings math-verify misreads: LaTeX thousands separators, a bare GSM8K '####'."""
+    previous = None
+    while previous != text:
+        previous, text = text, _LATEX_THOUSANDS_RE.sub(r"\1\2", text)
+    if not boxed_spans(text):
+        final = gsm8k_final_answer(text)
+        if final is not None:
+            # GSM8K-style output: the number after '####' is the answer, not the last number seen.
+            text = f"{text}\n\\boxed{{{final}}}"
+    return text
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_gold(gold: str) -> tuple:
+    """The gold answer as math-verify objects; a bare answer string is read as boxed LaTeX."""
+    gold = gold.strip()
+    text = gold if "\\boxed" in gold else f"\\boxed{{{gold}}}"
+    parsed = parse(text, extraction_config=_GOLD_CONFIG, parsing_timeout=None)
+    if not parsed:
+        parsed = parse(gold, extraction_config=_GOLD_CONFIG, parsing_timeout=None)
+    return tuple(parsed)
+
+
+def parse_prediction(completion: str) -> list:
+    """The model's final answer as math-verify objects (empty list: no answer found)."""
+    return parse(
+        normalize_completion(completion), extraction_config=_PRED_CONFIG, parsing_timeout=None
+    )
+
+
+def math_score(completion: str, gold: str, timeout_s: float | None = None) -> float:
+    """1.0 iff the final answer of `completion` equals `gold` mathematically, else 0.0.
+
+    Several boxed answers are read together as one set (math-verify's rule), so hedging with
+    multiple candidates scores 0 unless the gold answer is that set. May raise RewardTimeout.
+    """
+    with soft_deadline(timeout_s):
+        gold_parsed = parse_gold(gold)
+        pred_parsed = parse_prediction(completion)
+        if not gold_parsed or not pred_parsed:
+            return 0.0
+        return 1.0 if verify(list(gold_parsed), pred_parsed, timeout_seconds=None) else 0.0
+
+
+def math_answer(completion: str, timeout_s: float | None = None) -> str | None:
+    """A canonical string of the final answer (for majority voting), or None if there is none."""
+    with soft_deadline(timeout_s):
+        parsed = parse_prediction(completion)
+        if not parsed:
+            return None
+        expr = parsed[0]
+        if isinstance(expr, sympy.Float):
+            expr = sympy.nsimplify(expr, rational=True)
+        return str(expr)
+
+
+def math_reward(completion: str, gold: str, *, timeout_s: float | None = 5.0) -> float:
+    """Math answer correctness on its own: 1.0 correct, 0.0 otherwise (errors, timeouts too)."""
+    try:
+        return math_score(completion, gold, timeout_s)
+    except (Exception, RewardTimeout):
+        return 0.0
+
+
+def format_score(completion: str, gold: str, timeout_s: float | None = None) -> float:
+    """1.0 iff the completion has exactly one `\\boxed{...}` answer and it is not empty."""
+    del gold, timeout_s
+    spans = boxed_spans(completion)
+    return 1.0 if len(spans) == 1 and spans[0].strip() else 0.0
+
+
+def think_format_score(completion: str, gold: str, timeout_s: float | None = None) -> float:
+    """1.0 iff the completion is `<think>...</think>` followed by a non-empty answer (R1 style)."""
+    del gold, timeout_s
+    return 1.0 if _THINK_RE.fullmatch(completion) else 0.0
+
+
+def exact_match_score(completion: str, gold: str, timeout_s: float | None = None) -> float:
+    """1.0 iff the completion equals the gold string after stripping outer whitespace."""
+    del timeout_s
+    return 1.0 if completion.strip() == gold.strip() else 0.0
+
+
+def stripped_answer(completion: str, timeout_s: float | None = None) -> str | None:
+    """The whole stripped completion as the answer key (exact-match tasks); None if empty."""
+    del timeout_s
+    return completion.strip() or None
