@@ -275,7 +275,7 @@ def test_remat_gives_same_gradients():
     def grads(remat):
         model = models.Transformer(cfg.replace(remat=remat), rngs=nnx.Rngs(7))
         loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 0])
-        return nnx.grad(loss)(model)
+        return nnx.jit(nnx.grad(loss))(model)
 
     g0, g1 = grads(False), grads(True)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
@@ -306,3 +306,61 @@ def test_logical_axis_names_map_onto_a_mesh():
         out = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
     assert state["embedding"].get_value().sharding.spec == P("tensor", "fsdp")
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
+
+
+def _naive_token_logprobs(model, tokens, mask):
+    logp_BxTxV = jax.nn.log_softmax(model(tokens, mask_BxT=mask), axis=-1)
+    logp = jnp.take_along_axis(logp_BxTxV[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+    real = mask.astype(bool)
+    return jnp.pad(jnp.where(real[:, 1:] & real[:, :-1], logp, 0.0), ((0, 0), (1, 0)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied):
+    cfg = models.PRESETS["tiny"].replace(tie_word_embeddings=tied)
+    model = models.Transformer(cfg, rngs=nnx.Rngs(1))
+    tokens = jnp.asarray(_tokens((3, 10), vocab=cfg.vocab_size, seed=9))
+    mask = jnp.asarray((np.arange(10)[None] < np.array([[10], [7], [2]])).astype(np.int32))
+    # float64 numpy reference from the model's logits.
+    logits = np.asarray(model(tokens, mask_BxT=mask), np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    ref = np.zeros((3, 10))
+    for b in range(3):
+        for t in range(1, 10):
+            if mask[b, t] and mask[b, t - 1]:
+                ref[b, t] = logits[b, t - 1, tokens[b, t]] - lse[b, t - 1]
+    weights = jnp.asarray(np.random.default_rng(0).normal(size=(3, 10)), jnp.float32)
+
+    def value_and_grads(logprob_fn):
+        loss = lambda m: (jnp.sum(weights * logprob_fn(m)), logprob_fn(m))
+        return nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+
+    (_, naive), naive_grads = value_and_grads(lambda m: _naive_token_logprobs(m, tokens, mask))
+    np.testing.assert_allclose(np.asarray(naive), ref, atol=1e-5)
+    for chunk in (4, 64):  # 4 does not divide T-1 = 9; 64 is larger than T
+        fn = lambda m, chunk=chunk: models.token_logprobs(m, tokens, mask, chunk_size=chunk)
+        (_, logp), grads = value_and_grads(fn)
+        assert logp.shape == (3, 10) and logp.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(logp), ref, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(naive_grads), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_logprobs_never_hold_full_logits():
+    """XLA's memory analysis: the chunked gradient's temporaries stay below one [B,T,V] buffer."""
+    b, t, d, v = 4, 256, 32, 32768
+    args = (
+        jax.ShapeDtypeStruct((b, t, d), jnp.float32),
+        jax.ShapeDtypeStruct((v, d), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+    )
+
+    def temp_bytes(fn):
+        loss = lambda h, w, y: jnp.sum(fn(h, w, y))
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    full_logits = b * t * v * 4
+    chunked = temp_bytes(lambda h, w, y: models.chunked_logprobs(h, w, y, chunk_size=16))
+    assert temp_bytes(models.naive_logprobs) > 2 * full_logits
+    assert chunked < 0.5 * full_logits

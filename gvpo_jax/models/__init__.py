@@ -9,6 +9,7 @@ from gvpo_jax.models.config import (
     config_to_hf,
 )
 from gvpo_jax.models.hf import from_pretrained, save_pretrained, tensor_maps
+from gvpo_jax.models.logprobs import chunked_logprobs, naive_logprobs, token_logprobs
 from gvpo_jax.models.transformer import (
     ACTIVATION_AXES,
     CACHE_AXES,
@@ -31,11 +32,14 @@ __all__ = [
     "Transformer",
     "abstract_model",
     "attention_mask",
+    "chunked_logprobs",
     "config_from_hf",
     "config_to_hf",
     "default_positions",
     "from_pretrained",
+    "naive_logprobs",
     "param_count",
     "save_pretrained",
     "tensor_maps",
+    "token_logprobs",
 ]
