@@ -1,0 +1,60 @@
+"""Data: GSM8K / MATH (TFDS builders, no TensorFlow), JSONL / parquet, the arithmetic demo task,
+prompt templates and tokenisation, the character tokenizer, and the grain input pipeline.
+
+    from gvpo_jax import data
+    src = data.load_task("gsm8k", "train", path="/data/gsm8k")   # published files or download
+    it = data.make_iterator(src, seed=0, batch_size=16)          # sharded by JAX process
+    examples = next(it)                                          # list of example dicts
+    ids, lens, kept, dropped = data.encode_prompts(tok, examples, template="boxed",
+                                                   max_prompt_len=256, use_chat_template=True)
+"""
+
+from gvpo_jax.data import char_tokenizer
+from gvpo_jax.data.arith import ArithSource, ArithTask
+from gvpo_jax.data.char_tokenizer import build_char_tokenizer
+from gvpo_jax.data.pipeline import make_iterator
+from gvpo_jax.data.prompts import (
+    BOXED_INSTRUCTION,
+    TEMPLATES,
+    PromptTemplate,
+    encode_prompts,
+    encode_sft,
+    get_template,
+    pad_batch,
+    render,
+)
+from gvpo_jax.data.sources import (
+    TASKS,
+    MappedSource,
+    gsm8k_solution,
+    load_gsm8k,
+    load_math,
+    load_records,
+    load_task,
+)
+from gvpo_jax.data.tfds_builders import GvpoGsm8k, GvpoMath
+
+__all__ = [
+    "BOXED_INSTRUCTION",
+    "TASKS",
+    "TEMPLATES",
+    "ArithSource",
+    "ArithTask",
+    "GvpoGsm8k",
+    "GvpoMath",
+    "MappedSource",
+    "PromptTemplate",
+    "build_char_tokenizer",
+    "char_tokenizer",
+    "encode_prompts",
+    "encode_sft",
+    "get_template",
+    "gsm8k_solution",
+    "load_gsm8k",
+    "load_math",
+    "load_records",
+    "load_task",
+    "make_iterator",
+    "pad_batch",
+    "render",
+]
