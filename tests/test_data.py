@@ -170,6 +170,38 @@ def test_builders_download_when_files_are_missing(http_fixtures, tmp_path, math5
         data.load_gsm8k("train", data_dir=str(tmp_path / "b"), source_dir=str(tmp_path), urls=bad)
 
 
+def test_same_named_files_of_both_datasets_in_one_folder_are_told_apart(tmp_path, monkeypatch):
+    import shutil
+
+    for name, src in [("gsm8k", "gsm8k_hf/main"), ("math", "math_lighteval/data")]:
+        shutil.copytree(os.path.join(FIXTURES, src), tmp_path / "mixed" / name)
+    mixed = str(tmp_path / "mixed")
+    monkeypatch.setenv("GVPO_TFDS_DIR", str(tmp_path / "cache"))
+    gsm = data.load_task("gsm8k", "test", path=mixed)  # default data_dir: keyed on the source
+    math_ = data.load_task("math", "test", path=mixed)
+    assert {ex["dataset"] for ex in gsm} == {"gsm8k"} and len(gsm) == 4
+    assert {ex["dataset"] for ex in math_} == {"math"} and len(math_) == 4
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(data_dir_of(mixed))]
+
+
+def data_dir_of(source_dir):
+    from gvpo_jax.data import tfds_builders
+
+    return tfds_builders.default_data_dir(source_dir)
+
+
+def test_default_data_dir_changes_when_the_source_files_change(tmp_path, monkeypatch):
+    monkeypatch.setenv("GVPO_TFDS_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    before = data_dir_of(str(src))
+    assert before == data_dir_of(str(src)) and before.startswith(str(tmp_path / "cache"))
+    (src / "train.jsonl").write_text('{"question": "q2", "answer": "#### 12"}\n')
+    assert data_dir_of(str(src)) != before
+    assert data_dir_of(None).endswith("download")
+
+
 # ------------------------------------------------------------------------- plain records
 
 

@@ -157,8 +157,9 @@ def load_task(
     """The examples of `task` ("arith", "gsm8k", "math", "math500", "jsonl") for `split`.
 
     `path`: published files (gsm8k / math / math500: downloaded when missing) or the jsonl /
-    parquet file or directory. `data_dir`: where TFDS writes array_record files (TFDS default
-    when None). arith: split "train" is the training stream, any other split the held-out set.
+    parquet file or directory. `data_dir`: where TFDS writes array_record files (None: a cache
+    folder keyed on the source files, see `tfds_builders.default_data_dir`). arith: split
+    "train" is the training stream, any other split the held-out set.
     """
     if task == "arith":
         arith = arith or ArithTask()

@@ -8,6 +8,7 @@ access, what grain wants). Text features come back as bytes; `sources.py` decode
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -37,11 +38,15 @@ MATH_FILES = {
     "lighteval": {s: (f"{s}-00000-of-00001.parquet",) for s in ("train", "test")},
     "math500": {"test": ("test.jsonl",)},
 }
+# Fields a candidate file must have: GSM8K's HF parquet and MATH-lighteval's share a file name.
+GSM8K_FIELDS = ("question", "answer")
+MATH_FIELDS = {"lighteval": ("problem", "solution"), "math500": ("problem", "solution", "answer")}
 _MAX_SEARCH_DEPTH = 3  # source_dir may be a repository checkout: look a few folders down
 
 
-def find_file(root: str | None, names: Sequence[str]) -> str | None:
-    """The shallowest file under `root` (<= 3 levels) whose base name is one of `names`, or None."""
+def find_file(root: str | None, names: Sequence[str], fields: Sequence[str] = ()) -> str | None:
+    """The shallowest file under `root` (<= 3 levels) named one of `names` whose records have all
+    of `fields` (so GSM8K's and MATH's identically named test files are told apart), or None."""
     if not root or not os.path.isdir(root):
         return None
     root = os.path.abspath(root)
@@ -50,9 +55,48 @@ def find_file(root: str | None, names: Sequence[str]) -> str | None:
             continue
         dirnames.sort()
         for name in names:
-            if name in filenames:
-                return os.path.join(dirpath, name)
+            path = os.path.join(dirpath, name)
+            if name in filenames and set(fields) <= set(record_fields(path)):
+                return path
     return None
+
+
+def record_fields(path: str) -> list[str]:
+    """Field names of the first record of a .jsonl / .json / .parquet file ([] if unreadable)."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(path).names)
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".jsonl"):
+                return list(json.loads(f.readline()))
+            data = json.load(f)
+        return list((data[0] if isinstance(data, list) else data) if data else [])
+    except (OSError, ValueError, TypeError, IndexError, KeyError):
+        return []
+
+
+def default_data_dir(source_dir: str | None) -> str:
+    """Where prepared array_record files go when no data_dir is given: one folder per source.
+
+    `$GVPO_TFDS_DIR` (default `~/.cache/gvpo_jax/tfds`) / a hash of the source directory's path and
+    its data files' names, sizes and mtimes, so editing or replacing the files re-prepares instead
+    of silently reusing an old build (TFDS itself only keys on name/config/version).
+    """
+    base = os.environ.get("GVPO_TFDS_DIR") or os.path.expanduser("~/.cache/gvpo_jax/tfds")
+    digest = hashlib.sha1()
+    root = os.path.abspath(source_dir) if source_dir else ""
+    digest.update(root.encode())
+    if root and os.path.isdir(root):
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if name.endswith((".jsonl", ".json", ".parquet")):
+                    st = os.stat(os.path.join(dirpath, name))
+                    rel = os.path.relpath(os.path.join(dirpath, name), root)
+                    digest.update(f"{rel}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return os.path.join(base, "download" if not root else digest.hexdigest()[:16])
 
 
 def read_records(path: str) -> list[dict]:
@@ -69,10 +113,14 @@ def read_records(path: str) -> list[dict]:
 
 
 def _resolve(
-    dl_manager, source_dir: str | None, files: Mapping[str, Sequence[str]], urls: Mapping[str, str]
+    dl_manager,
+    source_dir: str | None,
+    files: Mapping[str, Sequence[str]],
+    urls: Mapping[str, str],
+    fields: Sequence[str],
 ) -> dict[str, str]:
     """split -> local path: published files in source_dir, else downloaded from `urls`."""
-    found = {split: find_file(source_dir, names) for split, names in files.items()}
+    found = {split: find_file(source_dir, names, fields) for split, names in files.items()}
     missing = {split: urls[split] for split, path in found.items() if path is None}
     if missing:
         try:
@@ -115,7 +163,9 @@ class GvpoGsm8k(_LocalFirstBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        paths = _resolve(dl_manager, self._source_dir, GSM8K_FILES, self._urls or GSM8K_URLS)
+        paths = _resolve(
+            dl_manager, self._source_dir, GSM8K_FILES, self._urls or GSM8K_URLS, GSM8K_FIELDS
+        )
         return {split: self._generate_examples(split, path) for split, path in paths.items()}
 
     def _generate_examples(self, split: str, path: str) -> Iterator[tuple[int, dict]]:
@@ -169,11 +219,15 @@ class GvpoMath(_LocalFirstBuilder):
     def _split_generators(self, dl_manager):
         name = self.builder_config.name
         files = MATH_FILES[name]
-        if name == "lighteval" and not any(find_file(self._source_dir, f) for f in files.values()):
+        fields = MATH_FIELDS[name]
+        if name == "lighteval" and not any(
+            find_file(self._source_dir, f, fields) for f in files.values()
+        ):
             trees = {split: _hendrycks_tree(self._source_dir, split) for split in files}
             if all(trees.values()):
                 return {split: self._generate_tree(split, paths) for split, paths in trees.items()}
-        paths = _resolve(dl_manager, self._source_dir, files, self._urls or MATH_URLS[name])
+        urls = self._urls or MATH_URLS[name]
+        paths = _resolve(dl_manager, self._source_dir, files, urls, fields)
         return {split: self._generate_examples(split, path) for split, path in paths.items()}
 
     def _generate_examples(self, split: str, path: str) -> Iterator[tuple[str, dict]]:
@@ -229,16 +283,27 @@ def _math_record(row: Mapping, uid: str) -> dict:
 def prepare(
     builder_cls: type[_LocalFirstBuilder],
     *,
-    data_dir: str,
+    data_dir: str | None = None,
     source_dir: str | None = None,
     config: str | None = None,
     urls: Mapping | None = None,
 ) -> tfds.core.DatasetBuilder:
-    """Builds (once; later calls reuse the array_record files) and returns the TFDS builder."""
+    """Builds (once; later calls reuse the array_record files) and returns the TFDS builder.
+
+    `data_dir=None` uses `default_data_dir(source_dir)`, a folder keyed on the source files.
+    """
+    data_dir = data_dir or default_data_dir(source_dir)
     builder = builder_cls(data_dir=data_dir, config=config, source_dir=source_dir, urls=urls)
     tfds.display_progress_bar(False)  # progress bars would flood training logs
-    builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False),
-        file_format="array_record",
-    )
+    try:
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False),
+            file_format="array_record",
+        )
+    except OSError:
+        # Another process prepared the same folder first (TFDS renames its temporary folder into
+        # place, which fails once the target exists): use theirs if it is complete.
+        builder = builder_cls(data_dir=data_dir, config=config, source_dir=source_dir, urls=urls)
+        if not builder.is_prepared():
+            raise
     return builder
