@@ -217,6 +217,15 @@ def test_pool_timeout_kills_hung_worker_quickly(warm_pool):
     assert warm_pool.restarts == restarts + 1
 
 
+def test_pool_reports_workers_that_cannot_start():
+    broken = pool_lib.WorkerPool(1, preload=("gvpo_jax.no_such_module",))
+    try:
+        with pytest.raises(RuntimeError, match="fail to start"):
+            broken.map(operator.add, [(1, 2)], timeout_s=5.0)
+    finally:
+        broken.close()
+
+
 def test_huge_power_hits_pool_timeout_and_scores_zero_quickly(monkeypatch, warm_pool):
     monkeypatch.setattr(registry, "get_pool", lambda n: warm_pool)
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@ import gvpo_jax
 
 DEFAULT_PRELOAD = ("gvpo_jax.rewards.verifiers",)
 _START_ATTEMPTS = 3  # consecutive workers dying before "ready" means a broken environment
+_START_TIMEOUT_S = 120.0  # a worker not ready by then (importing sympy takes ~1 s) is replaced
 
 
 class _Worker:
@@ -45,6 +46,7 @@ class _Worker:
         self.tasks = Connection(self._task_w, readable=False)
         self.results = Connection(self._result_r, writable=False)
         self.ready = False
+        self.start_deadline = time.monotonic() + _START_TIMEOUT_S
         self.task: tuple[int, float] | None = None  # (task index, deadline) while busy
 
     def kill(self) -> None:
@@ -113,7 +115,7 @@ class WorkerPool:
                         pending.appendleft(j)
                         self._restart(self._workers.index(w))
             waiting = [w for w in self._workers if w.task is not None or not w.ready]
-            deadlines = [w.task[1] for w in waiting if w.task is not None]
+            deadlines = [w.task[1] if w.task is not None else w.start_deadline for w in waiting]
             wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             readable = wait([w.results for w in waiting], timeout=wait_s)
             for i, w in enumerate(list(self._workers)):
@@ -125,13 +127,7 @@ class WorkerPool:
                     if w.task is not None:
                         results[w.task[0]] = ("error", f"worker exited ({w.proc.poll()})")
                     elif not w.ready:
-                        failed_starts += 1
-                        if failed_starts >= _START_ATTEMPTS:
-                            raise RuntimeError(
-                                "reward workers die before starting; run "
-                                "`python -m gvpo_jax.rewards.worker 0 1 gvpo_jax.rewards.verifiers`"
-                                " to see the error."
-                            ) from None
+                        failed_starts = self._failed_start(failed_starts)
                     self._restart(i)
                     continue
                 if tag == "ready":
@@ -145,7 +141,19 @@ class WorkerPool:
                 if w.task is not None and now >= w.task[1]:
                     results[w.task[0]] = ("timeout", None)
                     self._restart(i)
+                elif not w.ready and now >= w.start_deadline:
+                    failed_starts = self._failed_start(failed_starts)
+                    self._restart(i)
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _failed_start(failed_starts: int) -> int:
+        if failed_starts + 1 >= _START_ATTEMPTS:
+            raise RuntimeError(
+                "reward workers fail to start; run `python -m gvpo_jax.rewards.worker 0 1 "
+                "gvpo_jax.rewards.verifiers` to see the error."
+            )
+        return failed_starts + 1
 
     def close(self) -> None:
         for w in self._workers:
