@@ -1,0 +1,421 @@
+"""Atomic, async Orbax checkpoints of the train state, data position, replay buffer and config."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as ocm
+
+CHECKPOINT_SUBDIR = "checkpoints"  # checkpoints of a run live in <workdir>/checkpoints/<step>/
+_BYTES_TAG = "__bytes_b64__"  # JSON has no bytes; grain iterator states are bytes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read; the message names the path and the fix."""
+
+
+def checkpoint_dir(workdir: str | os.PathLike) -> Path:
+    """Directory that holds the step directories of the run in `workdir`."""
+    return Path(workdir) / CHECKPOINT_SUBDIR
+
+
+# ---------------------------------------------------------------- JSON-able metadata
+
+
+def _encode_json(obj: Any, where: str = "meta") -> Any:
+    """Maps bytes to a tagged base64 dict and numpy scalars to Python; rejects the rest early.
+
+    Validating here matters: an object Orbax fails to serialise in its background thread
+    leaves a half-written step that blocks later saves of the same step.
+    """
+    if isinstance(obj, bytes | bytearray):
+        return {_BYTES_TAG: base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, Mapping):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{where} has the non-string key {k!r}; use string keys.")
+            out[k] = _encode_json(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(obj, list | tuple):
+        return [_encode_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, np.generic | np.ndarray) and np.ndim(obj) == 0:
+        return obj.item()
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise CheckpointError(
+        f"{where} is a {type(obj).__name__}, which JSON cannot hold; convert it to "
+        "str/int/float/bool/list/dict/bytes before saving."
+    )
+
+
+def _decode_json(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_BYTES_TAG}:
+            return base64.b64decode(obj[_BYTES_TAG])
+        return {k: _decode_json(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_json(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------- state / replay checks
+
+
+def _dtype_of(x: Any) -> np.dtype:
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+@jax.jit
+def _leaf_is_finite(leaves: list) -> jax.Array:
+    """bool[len(leaves)]: whether every element of each leaf is finite (one device round trip)."""
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def nonfinite_leaves(state: Any) -> list[str]:
+    """Key paths (jax.tree_util.keystr) of floating leaves of `state` holding NaN or +-inf."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    floats = [(p, x) for p, x in flat if _is_float(_dtype_of(x))]
+    if not floats:
+        return []
+    ok = np.asarray(jax.device_get(_leaf_is_finite([x for _, x in floats])))
+    return [jax.tree_util.keystr(p) for (p, _), good in zip(floats, ok, strict=True) if not good]
+
+
+def _check_replay(replay: Mapping[str, Any] | None) -> dict[str, np.ndarray]:
+    """Host copies of the replay arrays; numeric or bool dtypes only (tensorstore's types)."""
+    out = {}
+    for k, v in (replay or {}).items():
+        if not isinstance(k, str):
+            raise CheckpointError(f"replay has the non-string key {k!r}; use string keys.")
+        arr = np.asarray(v)
+        if not (
+            arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.number) or _is_float(arr.dtype)
+        ):
+            raise CheckpointError(
+                f"replay[{k!r}] has dtype {arr.dtype}; store token ids or numbers, not objects "
+                "or strings."
+            )
+        out[k] = arr
+    return out
+
+
+def _expected_stored_shape(sds: Any) -> tuple[int, ...]:
+    """Shape Orbax stores for a leaf: typed PRNG keys are stored as their uint32 key data."""
+    if jax.dtypes.issubdtype(sds.dtype, jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, sds).shape
+    return tuple(sds.shape)
+
+
+def _as_abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=getattr(x, "sharding", None))
+
+
+# ---------------------------------------------------------------- the checkpointer
+
+
+def _manager(directory: Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+    """A manager that knows every item's handler, so a fresh process can read metadata."""
+    registry = ocp.handlers.create_default_handler_registry(
+        state=ocp.StandardCheckpointHandler(),
+        meta=ocp.JsonCheckpointHandler(),
+        replay_spec=ocp.JsonCheckpointHandler(),
+        replay=ocp.StandardCheckpointHandler(),
+    )
+    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+
+
+class Checkpointer:
+    """Saves every `save_every` steps, keeps the newest `keep`, writes atomically and async.
+
+    One step directory `<directory>/<step>/` holds the Orbax items
+      state        the train-state pytree (StandardSave; sharded arrays, typed PRNG keys ok),
+      meta         a JSON dict (config, data-iterator state, ...; bytes values round-trip),
+      replay_spec  JSON {name: {shape, dtype}} of the replay arrays (zero-size ones included),
+      replay       the non-empty replay arrays (StandardSave of numpy arrays), if any.
+    Orbax writes into `<step>.orbax-checkpoint-tmp*` and renames on commit, so a killed
+    process never leaves a directory that `latest_step()` lists; such leftovers are removed
+    when the next Checkpointer opens the directory. With `async_save`, `save` returns once
+    the arrays are copied to host (so donating the state to the next step is safe) and the
+    write finishes in a background thread; call `wait()` before exiting or reading back.
+    Replay arrays are numpy (host) data: in a multi-process run only process 0's copy is
+    written, so they must be identical on every process.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        save_every: int,
+        keep: int,
+        async_save: bool = True,
+    ):
+        if save_every < 1:
+            raise CheckpointError(f"save_every={save_every} must be >= 1 (steps between saves).")
+        if keep < 1:
+            raise CheckpointError(f"keep={keep} must be >= 1 (checkpoints to retain).")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            # Any host receiving a JAX preemption notice makes all hosts save at a common step.
+            save_decision_policy=ocm.AnySavePolicy(
+                [ocm.FixedIntervalPolicy(save_every), ocm.PreemptionCheckpointingPolicy()]
+            ),
+            preservation_policy=ocm.LatestN(keep),
+            enable_async_checkpointing=async_save,
+            # A crash mid-save leaves `<step>.orbax-checkpoint-tmp`; re-saving that step after
+            # resume would collide with it, so clear leftovers on start.
+            cleanup_tmp_directories=True,
+        )
+        self._manager = _manager(self.directory, options)
+
+    # -- queries
+    def should_save(self, step: int) -> bool:
+        """True at multiples of save_every (and on a JAX preemption notice) not yet saved."""
+        return self._manager.should_save(step)
+
+    def latest_step(self) -> int | None:
+        """Newest committed step (an in-flight async save counts), or None."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    # -- save
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        meta: Mapping[str, Any],
+        replay: Mapping[str, np.ndarray] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves if `should_save(step)` or `force`; returns whether a save was started.
+
+        A step that is already saved is never rewritten (returns False), so a final forced
+        save at a step that was just saved on schedule is harmless. Raises CheckpointError,
+        before anything is written, if a floating leaf of `state` is NaN/inf, if `meta` is
+        not JSON-able, or if a replay array has a non-numeric dtype.
+        """
+        step = int(step)
+        if step in self._manager.all_steps():
+            return False
+        if not force and not self.should_save(step):
+            return False
+        leaves = jax.tree_util.tree_leaves(state)
+        if not leaves or any(np.size(x) == 0 for x in leaves):
+            raise CheckpointError(
+                f"state for step {step} is empty or has a zero-size leaf; Orbax cannot save it "
+                f"to {self.directory}, so drop empty leaves from the train state."
+            )
+        bad = nonfinite_leaves(state)
+        if bad:
+            raise CheckpointError(
+                f"refusing to save step {step} to {self.directory}: non-finite values in "
+                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; the previous checkpoint "
+                "is kept, resume from it (lower the learning rate or skip the bad batch)."
+            )
+        meta_json = _encode_json(dict(meta))
+        replay_np = _check_replay(replay)
+        spec = {k: {"shape": list(v.shape), "dtype": v.dtype.name} for k, v in replay_np.items()}
+        items = {
+            "state": ocp.args.StandardSave(state),
+            "meta": ocp.args.JsonSave(meta_json),
+            "replay_spec": ocp.args.JsonSave(spec),
+        }
+        nonempty = {k: v for k, v in replay_np.items() if v.size > 0}
+        if nonempty:  # Orbax refuses empty items and zero-size arrays; replay_spec rebuilds them
+            items["replay"] = ocp.args.StandardSave(nonempty)
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    # -- restore
+    def restore(
+        self,
+        abstract_state: Any,
+        *,
+        step: int | None = None,
+        directory: str | os.PathLike | None = None,
+    ) -> tuple[Any, dict, dict[str, np.ndarray]]:
+        """Returns (state, meta, replay) of `step` (default: latest) onto the target shardings.
+
+        abstract_state: pytree of jax.ShapeDtypeStruct with `.sharding` (or of arrays, whose
+          shape/dtype/sharding are used); the checkpoint is resharded onto these shardings,
+          so it may have been written from a different mesh.
+        directory: read another run's checkpoints (e.g. `resolve_restore`'s answer) instead
+          of this Checkpointer's own directory; saving still goes to the own directory.
+        """
+        self.wait()
+        own = directory is None or Path(directory).absolute() == self.directory
+        where = self.directory if own else Path(directory).absolute()
+        manager = (
+            self._manager if own else _manager(where, ocp.CheckpointManagerOptions(read_only=True))
+        )
+        try:
+            steps = manager.all_steps()
+            step = manager.latest_step() if step is None else int(step)
+            if step is None or step not in steps:
+                raise CheckpointError(
+                    f"no checkpoint for step {step} in {where} (found steps {sorted(steps)}); "
+                    "pass one of those steps or another directory."
+                )
+            abstract = jax.tree.map(_as_abstract, abstract_state)
+            stored = manager.item_metadata(step)
+            self._check_shapes(abstract, stored["state"].tree, where / str(step))
+            items = {
+                "state": ocp.args.StandardRestore(abstract),
+                "meta": ocp.args.JsonRestore(),
+                "replay_spec": ocp.args.JsonRestore(),
+            }
+            if stored.get("replay") is not None:
+                items["replay"] = ocp.args.StandardRestore()
+            try:
+                out = manager.restore(step, args=ocp.args.Composite(**items))
+            except ValueError as e:  # structure mismatch Orbax found and we did not name
+                raise CheckpointError(
+                    f"cannot restore {where / str(step)} into the given abstract state ({e}); "
+                    "build the abstract state with the same model/optimizer config as the run."
+                ) from e
+        finally:
+            if not own:
+                manager.close()
+        stored_replay = dict(out["replay"]) if "replay" in items else {}
+        replay = {}
+        for k, s in out["replay_spec"].items():
+            shape, dtype = tuple(s["shape"]), np.dtype(s["dtype"])
+            replay[k] = (
+                np.asarray(stored_replay[k]) if k in stored_replay else np.zeros(shape, dtype)
+            )
+        return out["state"], _decode_json(out["meta"]), replay
+
+    @staticmethod
+    def _check_shapes(abstract: Any, stored_tree: Any, step_dir: Path) -> None:
+        """Names every leaf whose requested shape differs from the stored one."""
+        stored = ocp.tree.to_flat_dict(stored_tree)
+        flat, _ = jax.tree_util.tree_flatten_with_path(abstract)
+        errors = []
+        for path, sds in flat:
+            meta = stored.get(ocp.utils.tuple_path_from_keypath(path))
+            if meta is None:
+                errors.append(f"{jax.tree_util.keystr(path)} is not in the checkpoint")
+                continue
+            want = _expected_stored_shape(sds)
+            if tuple(meta.shape) != want:
+                errors.append(
+                    f"{jax.tree_util.keystr(path)} has shape {tuple(meta.shape)} in the "
+                    f"checkpoint but {want} was requested"
+                )
+        if errors:
+            raise CheckpointError(
+                f"checkpoint {step_dir} does not match the abstract state: {'; '.join(errors[:5])}"
+                f"{' ...' if len(errors) > 5 else ''}; restore with the config that wrote it."
+            )
+
+    # -- lifecycle
+    def wait(self) -> None:
+        """Blocks until any async save has committed (and re-raises its error, if any)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _steps(directory: Path) -> list[int]:
+    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.is_dir() else []
+
+
+def resolve_restore(
+    explicit_path: str | os.PathLike | None, workdir: str | os.PathLike
+) -> tuple[Path, int] | None:
+    """Where to resume from: explicit path > latest in `<workdir>/checkpoints` > None (init).
+
+    `explicit_path` may be a step directory (`.../checkpoints/1200`) or a directory of step
+    directories (its latest committed step is used). Returns (directory of step dirs, step),
+    ready for `Checkpointer.restore(..., step=step, directory=directory)`.
+    """
+    if explicit_path:
+        path = Path(explicit_path).absolute()
+        if not path.exists():
+            raise CheckpointError(
+                f"restore path {path} does not exist; fix the path or drop it to resume from "
+                "the latest checkpoint in the workdir."
+            )
+        if path.name.isdigit() and int(path.name) in _steps(path.parent):
+            return path.parent, int(path.name)
+        steps = _steps(path)
+        if steps:
+            return path, steps[-1]
+        raise CheckpointError(
+            f"restore path {path} is not a committed Orbax checkpoint (neither a step directory "
+            "nor a directory of step directories); point it at e.g. <workdir>/checkpoints/<step>."
+        )
+    steps = _steps(checkpoint_dir(workdir))
+    return (checkpoint_dir(workdir).absolute(), steps[-1]) if steps else None
+
+
+class PreemptionGuard:
+    """Turns SIGTERM/SIGINT into a request to checkpoint at the next step boundary.
+
+    TPU VMs and SLURM send SIGTERM before preemption. The first signal only sets
+    `.requested`; the train loop checks `should_stop()` after each step, saves with
+    `force=True`, waits for the save and exits 0. A second signal exits at once with
+    `os._exit(1)`: this cannot corrupt anything because Orbax commits a step by renaming a
+    finished temporary directory, so the newest committed checkpoint stays intact.
+    Previous handlers are restored on exit. Must be entered from the main thread.
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+        self.signals = tuple(signals)
+        self.requested = False
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        del frame
+        if self.requested:
+            os.write(2, f"PreemptionGuard: second signal {signum}, exiting now.\n".encode())
+            os._exit(1)
+        self.requested, self.signum = True, signum
+        # os.write, not logging: a handler may interrupt code that holds logging's locks.
+        os.write(2, f"PreemptionGuard: signal {signum}, saving at the next step.\n".encode())
+
+    def should_stop(self) -> bool:
+        """Whether any process got a signal (a collective in multi-process runs: call on all)."""
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.requested))
+        return bool(np.any(flags))
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionGuard must be entered from the main thread.")
+        self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
