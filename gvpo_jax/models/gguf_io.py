@@ -1,0 +1,169 @@
+"""GGUF (llama.cpp) loader: dequantise in numpy, undo the q/k permutation, map to HF names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+
+from gvpo_jax.models.config import CheckpointError, ModelConfig
+from gvpo_jax.models.hf import load_tensors
+from gvpo_jax.models.transformer import Transformer
+
+SUPPORTED = ("llama", "qwen2")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> transformers name (None if unknown)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def unpermute_rope(w_OxI: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's Llama q/k permutation (interleaved -> rotate-half RoPE layout).
+
+    llama.cpp stores each head's rows as (H/2, 2) pairs; transformers expects (2, H/2) halves.
+    Works for weights [heads*H, D] and biases [heads*H].
+    """
+    half = w_OxI.shape[0] // num_heads // 2
+    w = w_OxI.reshape(num_heads, half, 2, *w_OxI.shape[1:])
+    return w.swapaxes(1, 2).reshape(w_OxI.shape)
+
+
+def _fields(reader: gguf.GGUFReader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "token_type", "merges")):
+            continue  # large arrays, not needed for the model config
+        try:
+            out[key] = field.contents()
+        except (ValueError, TypeError, IndexError):
+            continue
+    return out
+
+
+def _decimal(x) -> float:
+    """GGUF stores float32: recover the shortest decimal (9.9999997e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def config_from_gguf(fields: dict, tensor_shapes: dict, *, dtype: str, source: str):
+    """ModelConfig from GGUF metadata and tensor shapes (GGUF order, innermost first).
+
+    Raises CheckpointError naming the missing or unsupported key.
+    """
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED:
+        raise CheckpointError(
+            f"{source}: general.architecture={arch!r} is not supported; "
+            f"use a GGUF of one of {SUPPORTED}."
+        )
+
+    def get(key, default=None):
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise CheckpointError(f"{source}: metadata key '{arch}.{key}' is missing.")
+        return value
+
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise CheckpointError(
+            f"{source}: '{arch}.rope.scaling.type'={scaling!r} is not supported (default RoPE)."
+        )
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    if "token_embd.weight" not in tensor_shapes:
+        raise CheckpointError(f"{source}: tensor 'token_embd.weight' is missing.")
+    token_id = lambda key: None if fields.get(key) is None else int(fields[key])
+    return ModelConfig(
+        vocab_size=int(get("vocab_size", tensor_shapes["token_embd.weight"][-1])),
+        hidden_size=hidden,
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        intermediate_size=int(get("feed_forward_length")),
+        rope_theta=_decimal(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        architecture=arch,
+        param_dtype=dtype,
+        max_position_embeddings=int(get("context_length", 32768)),
+        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+        pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def from_gguf(path, dtype="float32", *, load_tokenizer: bool = True):
+    """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama or Qwen2 layout).
+
+    Tensors are dequantised one at a time with `gguf.quants.dequantize` (numpy, fp32) and cast
+    to `dtype`. Llama q/k weights are un-permuted back to the transformers layout. The tokenizer
+    is transformers' own GGUF conversion (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found; pass the path of a .gguf file.")
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {name: tuple(int(x) for x in t.shape) for name, t in tensors.items()}
+    cfg = config_from_gguf(_fields(reader), shapes, dtype=str(jnp.dtype(dtype)), source=str(path))
+
+    def read(t, name):
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        w = w.reshape(tuple(reversed(shapes[name])))  # GGUF shapes are innermost-first
+        if cfg.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_rope(w, cfg.num_heads)
+        elif cfg.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_rope(w, cfg.num_kv_heads)
+        return w
+
+    readers = {}
+    for name, t in tensors.items():
+        target = hf_name(name)
+        if target is None:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has no transformers equivalent for {cfg.architecture}; "
+                "this GGUF layout is not supported."
+            )
+        readers[target] = lambda t=t, name=name: read(t, name)
+    model: Transformer = load_tensors(cfg, readers, source=str(path))
+    tokenizer = None
+    if load_tokenizer:
+        import transformers  # heavy import, only when a tokenizer is wanted
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
+    return model, tokenizer
