@@ -129,15 +129,37 @@ def generate(
       temperature-1 untruncated policy log-prob (use as pi_old); `sample_logp_BxN` is the log-prob
       under the sampling distribution.
     """
-    settings = _check_settings(
-        max_new_tokens, temperature, top_k, top_p, min_p, eos_ids, num_samples, pad_id
+    settings = canonical_settings(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        eos_ids=eos_ids,
+        num_samples=num_samples,
+        pad_id=pad_id,
     )
     graphdef, state = nnx.split(model)
     return generate_split(graphdef, state, prompt_ids, prompt_lens, rng, **settings)
 
 
-def _check_settings(max_new_tokens, temperature, top_k, top_p, min_p, eos_ids, num_samples, pad_id):
-    """Validate and normalise the static settings (hashable, canonical types)."""
+def canonical_settings(
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    eos_ids: Sequence[int] | int = (),
+    num_samples: int = 1,
+    pad_id: int = 0,
+) -> dict:
+    """Validated, canonical static settings for `generate_split` (same meaning as `generate`).
+
+    Canonical types (int, float, sorted tuple of EOS ids) make equal settings hash equal, so
+    `generate_split(graphdef, state, ids, lens, rng, **canonical_settings(...))` never retraces
+    for settings that only differ in spelling (1 vs 1.0, [2, 1] vs (1, 2)).
+    """
     if int(max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     if int(num_samples) < 1:
@@ -152,6 +174,8 @@ def _check_settings(max_new_tokens, temperature, top_k, top_p, min_p, eos_ids, n
         raise ValueError(f"min_p must be in [0, 1) (0 = off), got {min_p}.")
     if isinstance(eos_ids, int):
         eos_ids = (eos_ids,)
+    if float(temperature) == 0.0:
+        top_k, top_p, min_p = 0, 1.0, 0.0  # irrelevant to argmax: one compiled program
     return dict(
         max_new_tokens=int(max_new_tokens),
         num_samples=int(num_samples),
@@ -197,8 +221,8 @@ def generate_split(
     """`generate` on a split model `(graphdef, state) = nnx.split(model)`; all settings static.
 
     Use this directly from code that already holds the split model (e.g. inside a trainer's own
-    jit). Arguments and result are as in `generate`; settings must be hashable and canonical
-    (ints, floats, a sorted tuple of EOS ids), as `generate` produces them.
+    jit). Arguments and result are as in `generate`; pass the settings as
+    `**canonical_settings(...)`.
     """
     p, t = prompt_ids.shape
     g, n = num_samples, max_new_tokens

@@ -72,6 +72,25 @@ def test_pad_prompts_and_bucket_length():
         sampler.pad_prompts([[1], []], (8,))
 
 
+def test_invalid_settings_raise_and_equal_settings_are_canonical():
+    for bad in (
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=4, temperature=-1.0),
+        dict(max_new_tokens=4, top_k=-1),
+        dict(max_new_tokens=4, top_p=0.0),
+        dict(max_new_tokens=4, min_p=1.0),
+        dict(max_new_tokens=4, num_samples=0),
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad.keys() - {"max_new_tokens"}), "max_")):
+            sampler.canonical_settings(**bad)
+    a = sampler.canonical_settings(max_new_tokens=4, temperature=1, eos_ids=[3, 1, 3])
+    b = sampler.canonical_settings(max_new_tokens=4.0, temperature=1.0, eos_ids=(1, 3))
+    assert a == b and hash(tuple(a.items())) == hash(tuple(b.items()))
+    assert sampler.canonical_settings(max_new_tokens=4, temperature=0, top_k=5) == (
+        sampler.canonical_settings(max_new_tokens=4, temperature=0.0)
+    )
+
+
 def test_greedy_matches_transformers_generate(hf_and_model):
     hf, model = hf_and_model
     n = 12
@@ -166,11 +185,24 @@ def test_first_and_second_token_distributions(hf_and_model, settings):
     assert _chi_square_pvalue(counts2, q1 @ q2) > P_VALUE  # marginal of the second token
 
 
-@pytest.mark.parametrize("settings", SAMPLING_CASES, ids=lambda s: str(sorted(s.items())))
+# On these logits the 64 most likely tokens hold 47% of the mass at T=1.3 (top-p 0.6 takes the
+# bisection branch of `_nucleus_threshold`) and 97% at T=0.5 (top-p 0.9 reads the top 64).
+OPS_LOGITS_V = np.random.default_rng(0).normal(size=1000).astype(np.float32) * 2.0
+OPS_CASES = [*SAMPLING_CASES, dict(temperature=0.5, top_p=0.9)]
+
+
+def test_ops_cases_cover_both_nucleus_branches():
+    def top64_mass(temperature):
+        q = _reference_dist(OPS_LOGITS_V, temperature, 0, 1.0, 0.0)
+        return np.sort(q)[::-1][:64].sum()
+
+    assert top64_mass(1.3) < 0.6 and top64_mass(0.5) > 0.9
+
+
+@pytest.mark.parametrize("settings", OPS_CASES, ids=lambda s: str(sorted(s.items())))
 def test_select_tokens_distribution_and_logps(settings):
     """Token selection alone on fixed logits: 20000 draws, chi-square, and both log-probs."""
-    rng = np.random.default_rng(0)
-    logits_V = rng.normal(size=1000).astype(np.float32) * 2.0  # 4 blocks of the 2-level draw
+    logits_V = OPS_LOGITS_V  # 1000 tokens: 4 blocks of the 2-level draw
     b = 20000
     logits_BxV = jnp.broadcast_to(jnp.asarray(logits_V), (b, 1000))
     tokens, logp, sample_logp = jax.jit(lambda x, k: sampling_ops.select_tokens(x, k, **settings))(

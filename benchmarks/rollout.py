@@ -1,0 +1,171 @@
+"""Rollout throughput: gvpo_jax.sampler.generate vs transformers generate on the bench-45m model.
+
+Run: `.venv/bin/python benchmarks/rollout.py [--repeats 3] [--hf-repeats 2] [--skip-hf]`
+(about 2 minutes on 2 CPU cores, most of it in transformers). Prints a markdown table: wall time,
+tokens/s, model FLOP/s and utilisation of the machine's measured fp32 matmul throughput, plus
+the compile time of `generate` separately. Shape: 8 prompts x 4 samples, prompt 64 tokens,
+128 new tokens, sampling at T=1 with EOS disabled so every row runs to the end.
+
+FLOP convention (per generate call, counting the prompt for every sample as a non-shared
+implementation would): 2*N*B*(P+G) + 4*L*d*B*sum_{c=1..P+G} c, with N all matmul weights
+including the tied output layer, B rows, P prompt length, G generated length, L layers,
+d = heads * head_dim. The machine may be shared: take the best of several runs.
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from gvpo_jax import models, sampler  # noqa: E402
+
+PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 4, 64, 128
+
+
+def matmul_flops_per_s(size: int = 2048, repeats: int = 10) -> float:
+    """Best fp32 [size x size] @ [size x size] throughput of this machine under XLA, FLOP/s."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    best = min(_timed(lambda: jax.block_until_ready(f(a))) for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+def generation_flops(cfg: models.ModelConfig, b: int, p: int, g: int) -> float:
+    """The FLOP convention of the module docstring."""
+    d, h, n, k, f = (
+        cfg.hidden_size,
+        cfg.head_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.intermediate_size,
+    )
+    per_layer = d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+    weights = cfg.vocab_size * d + cfg.num_layers * per_layer
+    context = (p + g) * (p + g + 1) // 2
+    return 2 * weights * b * (p + g) + 4 * cfg.num_layers * n * h * b * context
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_jax(model, prompt_ids, repeats: int) -> dict:
+    """Trace and XLA-compile times (ahead of time), then best/median of timed generate calls."""
+    lens = np.full((PROMPTS,), PROMPT_LEN, np.int32)
+    settings = sampler.canonical_settings(
+        max_new_tokens=NEW_TOKENS, temperature=1.0, num_samples=SAMPLES
+    )
+    graphdef, state = nnx.split(model)
+    start = time.perf_counter()
+    lowered = sampler.generate_split.lower(
+        graphdef, state, prompt_ids, lens, jax.random.key(0), **settings
+    )
+    traced = time.perf_counter()
+    lowered.compile()
+    compiled = time.perf_counter()
+
+    def call(seed):
+        out = sampler.generate(model, prompt_ids, lens, rng=jax.random.key(seed), **settings)
+        return jax.block_until_ready(out)
+
+    first = _timed(lambda: call(0))  # the jit cache may or may not reuse the AOT compile
+    times = [_timed(lambda s=s: call(s)) for s in range(1, repeats + 1)]
+    assert int(call(0).lengths_B.min()) == NEW_TOKENS  # EOS disabled: every row ran to the end
+    return dict(
+        best=min(times),
+        median=float(np.median(times)),
+        trace=traced - start,
+        compile=compiled - traced,
+        first=first,
+    )
+
+
+def bench_hf(hf_dir: str, prompt_ids, repeats: int) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    x = torch.tensor(prompt_ids, dtype=torch.long)
+    kwargs = dict(
+        attention_mask=torch.ones_like(x),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,  # transformers' default is 50; the JAX run samples the full distribution
+        top_p=1.0,
+        num_return_sequences=SAMPLES,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+    def call(n):
+        with torch.no_grad():
+            out = hf.generate(x, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        assert out.shape == (PROMPTS * SAMPLES, PROMPT_LEN + n)
+
+    call(8)  # warm-up
+    times = [_timed(lambda: call(NEW_TOKENS)) for _ in range(repeats)]
+    return dict(best=min(times), median=float(np.median(times)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="timed gvpo_jax calls")
+    parser.add_argument("--hf-repeats", type=int, default=2, help="timed transformers calls")
+    parser.add_argument("--skip-hf", action="store_true", help="only time gvpo_jax")
+    args = parser.parse_args()
+
+    cfg = models.PRESETS["bench-45m"]
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    prompt_ids = np.random.default_rng(0).integers(1, cfg.vocab_size, (PROMPTS, PROMPT_LEN))
+    prompt_ids = prompt_ids.astype(np.int32)
+    tokens = PROMPTS * SAMPLES * NEW_TOKENS
+    flops = generation_flops(cfg, PROMPTS * SAMPLES, PROMPT_LEN, NEW_TOKENS)
+    peaks = [matmul_flops_per_s()]
+    print(
+        f"bench-45m: {models.param_count(model) / 1e6:.1f}M params; {PROMPTS} prompts x "
+        f"{SAMPLES} samples, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, T=1, no EOS"
+    )
+    print(f"FLOPs per generate call (convention): {flops / 1e9:.1f} GFLOP")
+
+    rows = [("gvpo_jax generate", bench_jax(model, prompt_ids, args.repeats))]
+    peaks.append(matmul_flops_per_s())
+    if not args.skip_hf:
+        with tempfile.TemporaryDirectory() as hf_dir:
+            models.save_pretrained(model, hf_dir)
+            rows.append(("transformers generate", bench_hf(hf_dir, prompt_ids, args.hf_repeats)))
+        peaks.append(matmul_flops_per_s())
+    # The best of the interleaved measurements: utilisation is then a conservative figure.
+    peak = max(peaks)
+    print(f"machine fp32 matmul (2048^3, XLA, best of {len(peaks)}): {peak / 1e9:.0f} GFLOP/s\n")
+
+    print("| implementation | best s | median s | tokens/s | GFLOP/s | % of matmul peak |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows:
+        print(
+            f"| {name} | {r['best']:.2f} | {r['median']:.2f} | {tokens / r['best']:.0f} | "
+            f"{flops / r['best'] / 1e9:.0f} | {100 * flops / r['best'] / peak:.0f}% |"
+        )
+    j = rows[0][1]
+    print(
+        f"\ngvpo_jax compile: trace+lower {j['trace']:.1f} s, XLA compile {j['compile']:.1f} s; "
+        f"first generate call (incl. any compile) {j['first']:.1f} s"
+    )
+    if len(rows) == 2:
+        print(f"speed-up over transformers: {rows[1][1]['best'] / rows[0][1]['best']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
