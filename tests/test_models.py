@@ -100,6 +100,10 @@ def test_logit_parity_padded_batches(checkpoints, kind, side):
     ref = _hf_logits(hf_model, tokens, mask, positions)
     real = mask.astype(bool)
     np.testing.assert_allclose(ours[real], ref[real], atol=TOL, rtol=0)
+    # Pad ids are invisible, even out-of-range ones.
+    junk = np.asarray(model(jnp.asarray(np.where(real, tokens, -1)), mask_BxT=jnp.asarray(mask)))
+    assert np.isfinite(junk).all()
+    np.testing.assert_allclose(junk[real], ours[real], atol=1e-6, rtol=0)
     # Each padded row also equals the unpadded forward of its real tokens alone.
     for b in range(len(lengths)):
         alone = np.asarray(model(jnp.asarray(tokens[b][real[b]][None])))[0]

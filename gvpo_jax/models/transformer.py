@@ -230,7 +230,8 @@ class Transformer(nnx.Module):
 
         mask_BxT: 1/True for real tokens, 0 for padding (default all real).
         positions_BxT: RoPE positions, default cumsum(mask)-1 clipped at 0; required with a cache.
-        cache/cache_index: the T new keys/values go to slots [cache_index, cache_index + T).
+        cache/cache_index: the T new keys/values go to slots [cache_index, cache_index + T);
+          the caller keeps cache_index + T <= S (dynamic_update_slice would clamp the start).
         """
         cfg = self.config
         b, t = tokens_BxT.shape
@@ -241,7 +242,9 @@ class Transformer(nnx.Module):
             positions_BxT = default_positions(mask_BxT, b, t)
         if cache is not None and cache_index is None:
             raise ValueError("cache_index is required with a KV cache.")
-        x_BxTxD = jnp.take(self.embedding[...], tokens_BxT, axis=0)
+        # mode="clip": out-of-range pad ids (e.g. -1) must not turn into NaN rows, since a NaN
+        # value at a masked key would still poison the attention output through 0 * NaN.
+        x_BxTxD = jnp.take(self.embedding[...], tokens_BxT, axis=0, mode="clip")
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
         new_cache = [] if cache is not None else None
         for layer_index, block in enumerate(self.layers):
