@@ -368,3 +368,26 @@ def test_chunked_logprobs_never_hold_full_logits():
     chunked = temp_bytes(lambda h, w, y: models.chunked_logprobs(h, w, y, chunk_size=16))
     assert temp_bytes(models.naive_logprobs) > 2 * full_logits
     assert chunked < 0.5 * full_logits
+
+
+def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints):
+    path = checkpoints["qwen2-untied"][0]
+    cfg = models.from_pretrained(path).config
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rules = (("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"), ("embed", "fsdp"))
+    rules += (("kv_heads", None), ("head_dim", None), ("norm", None))
+    with nnx.logical_axis_rules(rules):
+        abstract = nnx.state(models.abstract_model(cfg), nnx.Param)
+        shardings = nnx.get_named_sharding(abstract, mesh)
+    model = models.from_pretrained(path, shardings=shardings)
+    P = jax.sharding.PartitionSpec
+    assert model.lm_head.get_value().sharding.spec == P("tensor", "fsdp")
+    up = model.layers[1].mlp.up_kernel.get_value()
+    assert up.sharding.spec == P("fsdp", "tensor") and len(up.addressable_shards) == 8
+    tokens = _tokens((2, 5), seed=10)
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(tokens))),
+        _hf_logits(checkpoints["qwen2-untied"][1], tokens),
+        atol=TOL,
+        rtol=0,
+    )
