@@ -1,0 +1,152 @@
+"""Tests for gvpo_jax.metrics: JSONL/TensorBoard writing, curves, summary table, lagged fetch."""
+
+import json
+import math
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from gvpo_jax.metrics import (
+    LaggedFetch,
+    MetricWriter,
+    plot_curves,
+    read_jsonl,
+    summary_table,
+    to_python_scalar,
+)
+
+
+def _tb_events(tb_dir):
+    """All Event protos of the TFRecord event files in `tb_dir` (length, crc, data, crc)."""
+    events = []
+    for f in sorted(tb_dir.glob("events.out.tfevents.*")):
+        buf = f.read_bytes()
+        i = 0
+        while i < len(buf):
+            (n,) = struct.unpack("<Q", buf[i : i + 8])
+            events.append(event_pb2.Event.FromString(buf[i + 12 : i + 12 + n]))
+            i += 12 + n + 4
+    return events
+
+
+def test_write_scalars_jsonl_rows_nan_as_null_and_tb_events(tmp_path):
+    with MetricWriter(tmp_path, enabled=True) as w:
+        w.write_scalars(1, {"reward_mean": jnp.float32(0.25), "kl_ref": np.float64(0.5)})
+        w.write_scalars(
+            2,
+            {"reward_mean": 0.75, "loss": jnp.array(jnp.nan), "n_tokens": np.int32(7)},
+        )
+        w.write_scalars(3, {"eval": {"accuracy": jnp.array([0.5])}, "grad_norm": np.inf})
+        w.flush()
+    raw = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in raw and "Infinity" not in raw
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["reward_mean"] == 0.25 and rows[0]["kl_ref"] == 0.5
+    assert rows[1]["reward_mean"] == 0.75 and rows[1]["loss"] is None
+    assert rows[1]["n_tokens"] == 7 and isinstance(rows[1]["n_tokens"], int)
+    assert rows[2]["eval/accuracy"] == 0.5 and rows[2]["grad_norm"] is None
+    assert all(isinstance(r["time"], float) for r in rows)
+    scalars = [
+        (e.step, v.tag, v.simple_value)
+        for e in _tb_events(tmp_path / "tb")
+        for v in e.summary.value
+        if v.HasField("simple_value")
+    ]
+    assert (1, "reward_mean", 0.25) in scalars and (2, "reward_mean", 0.75) in scalars
+    assert (3, "eval/accuracy", 0.5) in scalars
+    assert any(s == 2 and t == "loss" and math.isnan(v) for s, t, v in scalars)
+
+
+def test_write_texts_to_samples_jsonl_and_tb(tmp_path):
+    with MetricWriter(tmp_path, enabled=True) as w:
+        w.write_texts(4, {"sample/0": "Q: 2+2?\nA: 4", "sample/1": "\u00e9\u00e8 <eos>"})
+    rows = read_jsonl(tmp_path / "samples.jsonl")
+    assert rows == [{"step": 4, "sample/0": "Q: 2+2?\nA: 4", "sample/1": "\u00e9\u00e8 <eos>"}]
+    tags = {v.tag for e in _tb_events(tmp_path / "tb") for v in e.summary.value}
+    assert any(t.startswith("sample/0") for t in tags)
+
+
+def test_disabled_writer_is_a_noop(tmp_path):
+    w = MetricWriter(tmp_path / "other_process", enabled=False)
+    w.write_scalars(1, {"a": 1.0})
+    w.write_texts(1, {"t": "x"})
+    w.flush()
+    w.close()
+    assert not (tmp_path / "other_process").exists()
+
+
+def test_writer_appends_on_resume_and_closed_writer_is_noop(tmp_path):
+    with MetricWriter(tmp_path, enabled=True) as w:
+        w.write_scalars(1, {"a": 1.0})
+    w.write_scalars(2, {"a": 2.0})  # after close: ignored, not an error
+    with MetricWriter(tmp_path, enabled=True) as w:
+        w.write_scalars(2, {"a": 3.0})
+    assert [(r["step"], r["a"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        (1, 1.0),
+        (2, 3.0),
+    ]
+
+
+def test_read_jsonl_skips_truncated_last_line_only(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 1, "a": 1}\n\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    assert read_jsonl(p) == [{"step": 1, "a": 1}, {"step": 2, "a": 2}]
+    p.write_text('{"step": 1\n{"step": 2}\n')
+    with pytest.raises(json.JSONDecodeError):
+        read_jsonl(p)
+
+
+def _rows():
+    rows = [{"step": s, "reward_mean": s / 10, "kl_ref": 0.01 * s} for s in range(1, 11)]
+    rows += [{"step": s, "eval/accuracy": 0.1 * s} for s in (5, 10)]
+    rows += [{"step": 9, "reward_mean": None}, {"step": 10, "reward_mean": 2.0}]  # resumed run
+    return rows
+
+
+def test_plot_curves_writes_nonempty_png_with_a_subplot_per_present_key(tmp_path):
+    out = tmp_path / "plots" / "curves.png"
+    present = plot_curves(_rows(), out, title="test run")
+    assert present == ["reward_mean", "eval/accuracy", "kl_ref"]  # response_len_mean absent
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1000, 640)  # 2 columns x 2 rows at 100 dpi
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_curves(_rows(), tmp_path / "none.png", keys=("missing",))
+
+
+def test_summary_table_first_last_min_max_with_last_write_wins(tmp_path):
+    table = summary_table(_rows(), ["reward_mean", "eval/accuracy", "missing"])
+    lines = table.splitlines()
+    assert lines[0].split() == ["key", "n", "first", "last", "min", "max"]
+    assert set(lines[1]) <= {"-", " "}
+    # step 9 was overwritten by a null, step 10 by 2.0 -> 9 points 0.1..0.8 then 2.0
+    assert lines[2].split() == ["reward_mean", "9", "0.1", "2", "0.1", "2"]
+    assert lines[3].split() == ["eval/accuracy", "2", "0.5", "1", "0.5", "1"]
+    assert lines[4].split() == ["missing", "0", "-", "-", "-", "-"]
+
+
+def test_lagged_fetch_returns_step_t_at_t_plus_1_and_last_at_flush():
+    lf = LaggedFetch()
+    got = []
+    for t in range(1, 4):
+        m = {"loss": jnp.float32(t) * 2, "acc": {"top1": jnp.array(t / 4)}}
+        got.append(lf.push(t, m))
+    assert got[0] is None
+    assert got[1] == (1, {"loss": 2.0, "acc/top1": 0.25})
+    assert got[2] == (2, {"loss": 4.0, "acc/top1": 0.5})
+    assert all(type(v) is float for v in got[2][1].values())
+    assert lf.flush() == (3, {"loss": 6.0, "acc/top1": 0.75})
+    assert lf.flush() is None
+
+
+def test_to_python_scalar_types_and_rejects_vectors():
+    assert to_python_scalar(jnp.bool_(True)) == 1
+    assert type(to_python_scalar(np.int64(3))) is int
+    assert type(to_python_scalar(jnp.bfloat16(1.5))) is float
+    with pytest.raises(ValueError, match="not a scalar"):
+        to_python_scalar(np.ones(2))
