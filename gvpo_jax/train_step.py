@@ -1,0 +1,224 @@
+"""Pure jitted pieces of training: state, optimizer, log-prob recompute, RL and SFT updates."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from gvpo_jax import losses, models
+
+
+@struct.dataclass
+class TrainState:
+    """Everything an update changes. Graph definition and optimizer are static, bound elsewhere."""
+
+    step: jax.Array  # optimizer updates applied (skipped non-finite updates do not count)
+    params: nnx.State  # policy parameters
+    opt_state: optax.OptState
+    rng: jax.Array  # the run's PRNG key, split once per RL step
+    bad_steps: jax.Array  # consecutive non-finite updates skipped so far
+
+
+def make_optimizer(
+    *,
+    lr: float,
+    total_updates: int,
+    warmup_steps: int = 0,
+    schedule: str = "constant",
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    grad_clip: float = 1.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warm-up then constant / cosine / linear decay, and global-norm clipping."""
+    warmup_steps = min(warmup_steps, max(total_updates - 1, 0))
+    decay_steps = max(total_updates - warmup_steps, 1)
+    if schedule == "constant":
+        after = optax.constant_schedule(lr)
+    elif schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, decay_steps, alpha=0.1)
+    elif schedule == "linear":
+        after = optax.linear_schedule(lr, 0.1 * lr, decay_steps)
+    else:
+        raise ValueError(f"schedule {schedule!r} is unknown; use constant, cosine or linear.")
+    if warmup_steps:
+        warm = optax.linear_schedule(lr / max(warmup_steps, 1), lr, warmup_steps)
+        sched = optax.join_schedules([warm, after], [warmup_steps])
+    else:
+        sched = after
+    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+    parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+    return optax.chain(*parts), sched
+
+
+def init_state(params: nnx.State, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        rng=rng,
+        bad_steps=jnp.zeros((), jnp.int32),
+    )
+
+
+def response_logprobs(
+    graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len: int, chunk_size: int
+) -> jax.Array:
+    """log pi(y_t | x, y_<t) of the response slots [prompt_len:] of a left-padded batch -> [B, N].
+
+    Rows are `[pad.., prompt, response, pad..]` with the prompt right-aligned at `prompt_len`, so
+    slot prompt_len-1 always holds the last prompt token and positions come from the mask.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden_BxSxD = model.hidden(tokens_BxS, None, attn_mask_BxS)
+    # Only the response slots need logits: hidden state s-1 predicts token s.
+    logp_BxN = models.chunked_logprobs(
+        hidden_BxSxD[:, prompt_len - 1 : -1],
+        model.unembed_matrix(),
+        tokens_BxS[:, prompt_len:],
+        chunk_size=chunk_size,
+    )
+    return jnp.where(attn_mask_BxS[:, prompt_len:] > 0, logp_BxN, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "chunk_size"))
+def batch_logprobs(graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len, chunk_size):
+    """One jitted forward over a whole rollout batch (old / reference / anchor log-probs)."""
+    return response_logprobs(
+        graphdef, params, tokens_BxS, attn_mask_BxS, prompt_len=prompt_len, chunk_size=chunk_size
+    )
+
+
+def rl_loss(
+    params,
+    batch,
+    *,
+    graphdef,
+    algo: str,
+    group_size: int,
+    prompt_len: int,
+    chunk_size: int,
+    anchor: str,
+    loss_kwargs: dict,
+):
+    """The configured preset loss on one micro-batch of whole groups -> (loss, aux)."""
+    logp_BxN = response_logprobs(
+        graphdef,
+        params,
+        batch["tokens"],
+        batch["attn_mask"],
+        prompt_len=prompt_len,
+        chunk_size=chunk_size,
+    )
+    mask_BxN = batch["resp_mask"]
+    anchor_logp = batch.get("ref_logp") if anchor == "ref" else None
+    loss, aux = losses.preset_loss(
+        algo,
+        logp=logp_BxN,
+        old_logp=batch["old_logp"],
+        rewards=batch["rewards"],
+        mask=mask_BxN,
+        group_size=group_size,
+        ref_logp=batch.get("ref_logp"),
+        anchor_logp=anchor_logp,
+        **loss_kwargs,
+    )
+    aux = dict(aux)
+    if "ref_logp" in batch:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens
+        diff = batch["ref_logp"] - logp_BxN
+        k3 = jnp.exp(diff) - diff - 1.0
+        aux["kl_ref"] = jnp.sum(k3 * mask_BxN) / jnp.maximum(jnp.sum(mask_BxN), 1.0)
+    return loss, aux
+
+
+def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
+    """Token-mean cross-entropy of the answer tokens (cold-start SFT) -> (loss, aux)."""
+    logp_BxN = response_logprobs(
+        graphdef,
+        params,
+        batch["tokens"],
+        batch["attn_mask"],
+        prompt_len=prompt_len,
+        chunk_size=chunk_size,
+    )
+    mask_BxN = batch["resp_mask"]
+    ntok = jnp.maximum(jnp.sum(mask_BxN), 1.0)
+    nll = -jnp.sum(logp_BxN * mask_BxN) / ntok
+    return nll, {"nll": nll, "answer_tokens": ntok}
+
+
+def _where_tree(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def update_step(
+    state: TrainState,
+    batch: dict,
+    *,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    micro_batches: int,
+    lr_fn=None,
+):
+    """One optimizer update on `batch` with gradient accumulation over `micro_batches`.
+
+    `batch` arrays have B rows (whole groups; B divisible by micro_batches * group size, which the
+    config validation guarantees). A non-finite loss or gradient leaves params and optimizer state
+    untouched and increments `bad_steps`; a finite one resets it.
+    """
+
+    def micro(carry, mb):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
+        acc_grads, acc_loss, acc_aux = carry
+        acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
+        acc_aux = jax.tree.map(jnp.add, acc_aux, aux)
+        return (acc_grads, acc_loss + loss, acc_aux), None
+
+    split = jax.tree.map(
+        lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch
+    )
+    first = jax.tree.map(lambda x: x[0], split)
+    aux_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], state.params, first)
+    zeros_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+    zeros_grads = jax.tree.map(jnp.zeros_like, state.params)
+    (grads, loss, aux), _ = jax.lax.scan(
+        micro, (zeros_grads, jnp.zeros((), jnp.float32), zeros_aux), split
+    )
+    scale = 1.0 / micro_batches
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    loss = loss * scale
+    aux = jax.tree.map(lambda a: a * scale, aux)
+
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = tx.update(safe_grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    new_state = state.replace(
+        step=state.step + finite.astype(jnp.int32),
+        params=_where_tree(finite, new_params, state.params),
+        opt_state=_where_tree(finite, new_opt, state.opt_state),
+        bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
+    )
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "skipped": 1.0 - finite.astype(jnp.float32),
+        **aux,
+    }
+    if lr_fn is not None:
+        metrics["lr"] = lr_fn(state.step)
+    return new_state, metrics
+
+
+def jit_update(loss_fn, tx, micro_batches, lr_fn=None):
+    """The update step, jitted with the state donated (its buffers are reused for the new state)."""
+    fn = functools.partial(
+        update_step, loss_fn=loss_fn, tx=tx, micro_batches=micro_batches, lr_fn=lr_fn
+    )
+    return jax.jit(fn, donate_argnames=("state",))

@@ -1,0 +1,115 @@
+"""Config validation: each invalid setting fails with one sentence naming the field."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gvpo_jax import config as config_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _arith():
+    sys.path.insert(0, REPO)
+    from configs import arith_tiny
+
+    return arith_tiny.get_config()
+
+
+INVALID = [
+    ("mode", "fly", "config.mode is 'fly'"),
+    ("algo.name", "ppo", "config.algo.name is 'ppo'"),
+    ("rollout.group_size", 1, "config.rollout.group_size is 1"),
+    ("rollout.prompts_per_step", 0, "config.rollout.prompts_per_step is 0"),
+    ("algo.num_minibatches", 3, "config.algo.num_minibatches=3 does not divide"),
+    ("optim.micro_batches", 5, "config.optim.micro_batches=5 does not divide"),
+    ("rollout.temperature", 0.0, "config.rollout.temperature is 0.0"),
+    ("rollout.top_p", 1.5, "config.rollout.top_p is 1.5"),
+    ("rollout.top_k", -1, "config.rollout.top_k is -1"),
+    ("algo.beta", 0.0, "config.algo.beta is 0.0"),
+    ("algo.anchor", "new", "config.algo.anchor is 'new'"),
+    ("algo.replay_fraction", 1.0, "config.algo.replay_fraction is 1.0"),
+    ("model.dtype", "float16", "config.model.dtype is 'float16'"),
+    ("model.preset", "gpt5", "config.model.preset is 'gpt5'"),
+    ("model.hf_dir", "/nonexistent/dir", "config.model.hf_dir '/nonexistent/dir' has no config"),
+    ("data.task", "chess", "config.data.task is 'chess'"),
+    ("data.on_too_long", "truncate", "config.data.on_too_long is 'truncate'"),
+    ("optim.lr", -1.0, "config.optim.lr and config.sft.lr must be > 0"),
+    ("optim.schedule", "step", "config.optim.schedule is 'step'"),
+    ("train.reward_timeout_s", 0.0, "config.train.reward_timeout_s is 0.0"),
+    ("mesh.fsdp", 0, "config.mesh.fsdp is 0"),
+    ("tokenizer.kind", "bpe", "config.tokenizer.kind is 'bpe'"),
+    ("algo.overlong_cache", 50, "config.algo.overlong_cache is 50"),
+    ("train.max_bad_steps", 0, "config.train.max_bad_steps is 0"),
+]
+
+# Settings that are only invalid together with another one.
+INCONSISTENT = [
+    ({"algo.name": "grpo", "algo.replay_fraction": 0.5}, "clipped-ratio losses assume"),
+    ({"algo.name": "dapo", "algo.demo_slot": True}, "config.algo.demo_slot needs algo.name=gvpo"),
+    ({"data.task": "gsm8k", "data.path": ""}, "config.data.path is empty"),
+    ({"mode": "sft", "sft.steps": 0}, "config.sft.steps is 0 but config.mode is 'sft'"),
+    ({"train.steps": 0, "sft.steps": 0}, "are both 0"),
+]
+
+
+def _set(c, path, value):
+    *parents, leaf = path.split(".")
+    for p in parents:
+        c = c[p]
+    c[leaf] = value
+
+
+def test_default_config_validates():
+    config_lib.validate(_arith())
+
+
+@pytest.mark.parametrize("path,value,message", INVALID, ids=[x[0] for x in INVALID])
+def test_invalid_field_names_field_and_fix(path, value, message):
+    c = _arith()
+    _set(c, path, value)
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.validate(c)
+    text = str(err.value)
+    assert message in text
+    assert text.count(". ") == 0 and text.endswith("."), f"not one sentence: {text}"
+
+
+@pytest.mark.parametrize("changes,message", INCONSISTENT, ids=[m for _, m in INCONSISTENT])
+def test_inconsistent_settings_fail(changes, message):
+    c = _arith()
+    for path, value in changes.items():
+        _set(c, path, value)
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate(c)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("--config.algo.name=ppo", "config.algo.name is 'ppo'"),
+        ("--config.rollout.group_size=1", "config.rollout.group_size is 1"),
+        ("--config.algo.num_minibatches=3", "does not divide"),
+    ],
+)
+def test_cli_exits_2_before_compiling(tmp_path, override, message):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gvpo_jax.main",
+            "--config=configs/arith_tiny.py",
+            f"--workdir={workdir}",
+            override,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert not workdir.exists(), "nothing may be written before validation passes"

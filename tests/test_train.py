@@ -1,0 +1,228 @@
+"""The RL loop end to end on a tiny model: every algorithm, learning, replay, the GVPO gradient."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gvpo_jax import config as config_lib
+from gvpo_jax import data, losses, rollout, session, train, train_step
+from gvpo_jax.replay import ReplayBuffer
+
+TARGET = "7"
+
+
+class ToyTask:
+    """Prompts of digits; reward = share of response characters equal to TARGET (dense, easy)."""
+
+    def __init__(self, tokenizer, seed=0):
+        self.tokenizer = tokenizer
+        self.rng = np.random.default_rng(seed)
+        self.eval_examples = [self._example() for _ in range(8)]
+        self.calls = 0
+
+    def _example(self):
+        text = "".join(str(d) for d in self.rng.integers(0, 10, size=3)) + "="
+        ids = self.tokenizer.encode(text)
+        return {"prompt": text, "answer": TARGET, "prompt_ids": ids}
+
+    def next_train(self, n):
+        return [self._example() for _ in range(n)]
+
+    def score(self, completions, golds):
+        self.calls += 1
+        r = [c.count(TARGET) / max(len(c), 1) for c in completions]
+        return np.asarray(r, np.float32), {"timeouts": 0, "errors": 0}
+
+    eval_reward = staticmethod(lambda c, g: float(c.count(TARGET) / max(len(c), 1)))
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+    def close(self):
+        pass
+
+
+class NullWriter:
+    def write_scalars(self, *a, **k):
+        pass
+
+    write_texts = flush = close = write_scalars
+
+
+def toy_config(algo="gvpo", **changes):
+    c = config_lib.base_config()
+    c.model.overrides.update(dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  head_dim=16, intermediate_size=64))  # fmt: skip
+    c.algo.name = algo
+    c.data.max_prompt_len = 6
+    c.rollout.prompts_per_step = 4
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 4
+    c.algo.overlong_cache = 2
+    c.optim.lr = 3e-3
+    c.optim.grad_clip = 0.0
+    c.model.logprob_chunk = 8
+    for path, value in changes.items():
+        node = c
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    config_lib.validate(c)
+    return c
+
+
+def make_run(config):
+    tok = data.build_char_tokenizer()
+    model, _ = session.build_model(config, tok)
+    graphdef, params = nnx.split(model, nnx.Param)
+    run = train.Run(
+        config=config, workdir="", graphdef=graphdef, tokenizer=tok, task=ToyTask(tok),
+        settings=session.rollout_settings(config, tok), writer=NullWriter(), ckpt=None,
+        replay=session.make_replay(config), np_rng=np.random.default_rng(0),
+    )  # fmt: skip
+    c = config
+    _, _, update = train.make_update_fns(run, c.train.steps * c.algo.num_minibatches)
+    tx = train.make_update_fns(run, 10)[0]
+    state = train_step.init_state(params, tx, jax.random.key_data(jax.random.key(c.seed)))
+    if train.needs_reference(c):
+        session.freeze_reference(run, params)
+    return run, state, update
+
+
+def _flat(params):
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
+
+
+@pytest.mark.parametrize("algo", ["gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token"])
+def test_every_algorithm_runs_and_changes_the_policy(algo):
+    c = toy_config(algo, **({"algo.num_minibatches": 2} if algo != "gvpo" else {}))
+    run, state, update = make_run(c)
+    before = _flat(state.params)
+    for step in (1, 2):
+        state, metrics, _, _ = train.rl_step(run, state, update, step)
+    after = _flat(state.params)
+    assert np.isfinite(after).all()
+    assert np.abs(after - before).max() > 1e-5
+    for key in ("reward_mean", "loss", "grad_norm", "response_len_mean", "entropy_mc"):
+        assert np.isfinite(metrics[key]), key
+    if algo in ("grpo",):
+        assert "kl_ref" in metrics  # grpo's preset KL penalty needs the frozen reference
+    if algo != "gvpo":
+        assert (
+            "clip_frac" in metrics
+            or "clip_frac_low" in metrics
+            or any(k.startswith("clip") for k in metrics)
+        )
+    assert metrics["sampler_logp_gap_max"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["gvpo", "grpo"])
+def test_reward_rises_on_toy_task(algo):
+    c = toy_config(algo, **{"rollout.prompts_per_step": 8, "optim.lr": 1e-2})
+    run, state, update = make_run(c)
+    rewards = []
+    for step in range(1, 31):
+        state, metrics, _, _ = train.rl_step(run, state, update, step)
+        rewards.append(metrics["reward_mean"])
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    # A random policy over the character vocabulary scores ~0.03; measured with this seed both
+    # algorithms reach ~1.0 by step 25 (first five steps ~0.03).
+    assert first < 0.1 and last > 0.8, (algo, rewards)
+
+
+def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
+    """With logp == anchor, dL/d seq_logp_i = -beta * a_i / (G-1) / P, checked on parameters."""
+    c = toy_config("gvpo")
+    run, state, _ = make_run(c)
+    G, P, beta = c.rollout.group_size, c.rollout.prompts_per_step, c.algo.beta
+    batch, _, _, _ = train.collect_rollout(run, state.params, jax.random.key(1), P)
+    batch["rewards"] = np.random.default_rng(0).random(P * G).astype(np.float32)
+    kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk)
+    batch["old_logp"] = train_step.batch_logprobs(
+        run.graphdef, state.params, batch["tokens"], batch["attn_mask"], **kw
+    )
+    ub = {k: jnp.asarray(batch[k]) for k in ("tokens", "attn_mask", "resp_mask", "rewards",
+                                             "old_logp")}  # fmt: skip
+    loss_fn = functools.partial(
+        train_step.rl_loss, graphdef=run.graphdef, algo="gvpo", group_size=G,
+        anchor="old", loss_kwargs={"beta": beta}, **kw,
+    )  # fmt: skip
+    g_loss = jax.grad(lambda p: loss_fn(p, ub)[0])(state.params)
+    r = batch["rewards"].reshape(P, G)
+    a = (r - r.mean(1, keepdims=True)).reshape(-1)
+    w = -beta * a / (G - 1) / P
+
+    def surrogate(p):
+        logp = train_step.response_logprobs(run.graphdef, p, ub["tokens"], ub["attn_mask"], **kw)
+        return jnp.sum(w * jnp.sum(logp * ub["resp_mask"], -1))
+
+    g_ref = jax.grad(surrogate)(state.params)
+    for x, y in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-7)
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_ref)) > 1e-4
+
+
+def test_replayed_groups_use_current_anchor_logprobs(monkeypatch):
+    c = toy_config("gvpo", **{"algo.replay_fraction": 0.5, "rollout.prompts_per_step": 4})
+    run, state, update = make_run(c)
+    assert isinstance(run.replay, ReplayBuffer)
+    seen = []
+    real = train_step.batch_logprobs
+
+    def spy(graphdef, params, tokens, attn, **kw):
+        out = real(graphdef, params, tokens, attn, **kw)
+        seen.append((np.asarray(tokens), np.asarray(out), _flat(params)))
+        return out
+
+    monkeypatch.setattr(train_step, "batch_logprobs", spy)
+    for step in (1, 2, 3):
+        state, metrics, _, _ = train.rl_step(run, state, update, step)
+    assert metrics["replayed_groups"] == 2.0
+    tokens3, old3, params3 = seen[-1]
+    assert tokens3.shape[0] == 4 * c.rollout.group_size  # 2 fresh + 2 replayed groups
+    # The buffer stores no log-probs, so the replayed rows' anchor log-probs in this step were
+    # recomputed under the current parameters: they differ from the values of the step that
+    # sampled them.
+    assert not any("logp" in k for k in run.replay.state_dict())
+    replayed = slice(2 * c.rollout.group_size, None)
+    earlier = {tuple(t): lp for toks, lps, _ in seen[:-1] for t, lp in zip(toks, lps, strict=True)}
+    changed = [
+        np.abs(earlier[tuple(t)] - lp).max() > 1e-6
+        for t, lp in zip(tokens3[replayed], old3[replayed], strict=True)
+        if tuple(t) in earlier
+    ]
+    assert changed and all(changed)
+    assert not np.allclose(params3, seen[0][2])
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_stops_at_bound():
+    c = toy_config("dapo", **{"algo.max_extra_rounds": 2})
+    run, state, _ = make_run(c)
+    G, P = c.rollout.group_size, c.rollout.prompts_per_step
+    # Reward 1 for every response in even-numbered calls -> those groups are uninformative.
+    task = run.task
+    pattern = iter([np.ones(P * G), np.tile([1.0, 0.0, 0.0, 0.0], P), np.ones(P * G)] * 3)
+
+    def score(completions, golds):
+        task.calls += 1
+        return next(pattern).astype(np.float32), {"timeouts": 0, "errors": 0}
+
+    task.score = score
+    batch, _, _, m = train.collect_rollout(run, state.params, jax.random.key(0), P)
+    assert m["rollout_rounds"] == 2.0  # round 1 all-equal, round 2 fills the batch
+    assert losses.informative_groups(batch["task_rewards"], G).all()
+    # Never informative: stops after 1 + max_extra_rounds rounds and fills with what it has.
+    task.score = lambda comp, golds: (np.ones(len(comp), np.float32), {"timeouts": 0, "errors": 0})
+    batch, _, _, m = train.collect_rollout(run, state.params, jax.random.key(1), P)
+    assert m["rollout_rounds"] == 3.0
+    assert batch["rewards"].shape[0] == P * G
+    assert rollout.informative_mask(batch["task_rewards"], G).sum() == 0
