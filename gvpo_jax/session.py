@@ -10,6 +10,7 @@ import time
 import jax
 import ml_collections
 import numpy as np
+import tqdm
 from flax import nnx
 
 from gvpo_jax import checkpoint, metrics, models, rollout, tasks, train_step
@@ -43,8 +44,9 @@ def build_model(config, tokenizer):
     if c.hf_dir:
         return models.from_pretrained(c.hf_dir, dtype=c.dtype, remat=c.remat), tokenizer
     if c.gguf:
-        path = models.smollm2_gguf_path() if c.gguf == "smollm2" else c.gguf
-        model, gguf_tok = models.from_gguf(path, dtype=c.dtype)
+        from gvpo_jax.config import resolve_gguf
+
+        model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), dtype=c.dtype)
         return model, tokenizer or gguf_tok
     base = models.PRESETS[c.preset] if c.preset else None
     fields = dict(c.overrides.to_dict())
@@ -220,7 +222,9 @@ def evaluate(run, params, *, step: int) -> dict:
     flat["eval/time_s"] = time.perf_counter() - t0
     run.writer.write_scalars(step, flat)
     acc = flat.get("eval/avg@1", flat.get(f"eval/avg@{n}", float("nan")))
-    print(f"[eval] step {step}: accuracy {acc:.3f} on {len(run.task.eval_examples)} problems")
+    tqdm.tqdm.write(
+        f"[eval] step {step}: accuracy {acc:.3f} on {len(run.task.eval_examples)} problems"
+    )
     return {"accuracy": acc, **flat}
 
 
@@ -272,10 +276,30 @@ def finish(run, params, summary: dict) -> None:
         print(f"{k}: {v}")
 
 
-def progress(step: int, total: int, m: dict) -> None:
-    shown = "  ".join(f"{k} {m[k]:.3f}" for k in PROGRESS_KEYS if k in m)
-    t = m.get("rollout_time_s", 0) + m.get("update_time_s", 0)
-    print(f"[rl] step {step}/{total}  {shown}  ({t:.2f}s)", file=sys.stdout, flush=True)
+class Progress:
+    """A tqdm bar with the key metrics on a terminal; one plain line per log step otherwise."""
+
+    def __init__(self, total: int, initial: int, log_every: int):
+        self.tty = sys.stdout.isatty()
+        self.total, self.log_every = total, log_every
+        self.bar = tqdm.tqdm(total=total, initial=initial, desc="rl", dynamic_ncols=True,
+                             disable=not self.tty or jax.process_index() != 0)  # fmt: skip
+
+    def update(self, step: int, m: dict) -> None:
+        shown = {k.split("/")[-1]: f"{m[k]:.3f}" for k in PROGRESS_KEYS if k in m}
+        t = m.get("rollout_time_s", 0) + m.get("update_time_s", 0)
+        if self.tty:
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(1)
+        elif step % self.log_every == 0 or step == self.total:
+            text = "  ".join(f"{k} {v}" for k, v in shown.items())
+            print(f"[rl] step {step}/{self.total}  {text}  ({t:.2f}s)", flush=True)
+
+    def write(self, text: str) -> None:
+        (self.bar.write if self.tty else print)(text)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def sample_texts(examples, completions, config, count: int = 4) -> dict[str, str]:

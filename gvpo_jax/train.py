@@ -349,24 +349,28 @@ def train_rl(run_: Run, state, update, start: int, summary: dict) -> dict:
     c = run_.config
     summary["eval_start"] = session.evaluate(run_, state.params, step=start)["accuracy"]
     guard = session.preemption_guard()
+    bar = session.Progress(c.train.steps, start, c.train.log_every)
     with guard:
         for step in range(start + 1, c.train.steps + 1):
             state, metrics, completions, examples = rl_step(run_, state, update, step)
             if step % c.train.log_every == 0:
                 run_.writer.write_scalars(step, metrics)
-            session.progress(step, c.train.steps, metrics)
+            bar.update(step, metrics)
             if c.train.sample_log_every and step % c.train.sample_log_every == 0:
                 run_.writer.write_texts(step, session.sample_texts(examples, completions, c))
             if c.train.eval_every and step % c.train.eval_every == 0 and step < c.train.steps:
                 session.evaluate(run_, state.params, step=step)
             last = step == c.train.steps
-            if last or guard.requested or run_.ckpt.should_save(step):
+            stop = guard.should_stop()  # a collective in multi-process runs: every process calls
+            if last or stop or run_.ckpt.should_save(step):
                 session.save(run_, state, step)
-            if guard.requested and not last:
+            if stop and not last:
                 run_.ckpt.wait()
+                bar.close()
                 print(f"Preempted: saved step {step} in {run_.workdir}; exiting.", flush=True)
                 summary["preempted_at"] = step
                 return summary
+    bar.close()
     summary["eval_end"] = session.evaluate(run_, state.params, step=c.train.steps)["accuracy"]
     session.finish(run_, state.params, summary)
     with open(os.path.join(run_.workdir, "summary.json"), "w") as f:
