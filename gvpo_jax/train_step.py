@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from gvpo_jax import losses, models
+from gvpo_jax import losses, models, sharding
 
 
 @struct.dataclass
@@ -66,6 +66,29 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, rng: jax.Arr
     )
 
 
+def train_state_shardings(params, tx: optax.GradientTransformation, rng, mesh, rules=None):
+    """NamedShardings of `init_state(params, tx, rng)` (params and Adam moments by their logical
+    axes, scalars and the key replicated), from shapes only."""
+    rules = sharding.LOGICAL_RULES if rules is None else rules
+    abstract = jax.eval_shape(lambda p, r: init_state(p, tx, r), params, rng)
+    return sharding.state_shardings(abstract, mesh, rules)
+
+
+def init_state_sharded(params, tx: optax.GradientTransformation, rng, mesh, rules=None):
+    """`init_state` with the optimizer state created directly in its shards.
+
+    Returns (state, shardings); `params` should already be sharded (e.g. `sharding.init_sharded`)
+    and are passed through. `shardings` are the `state_shardings` for `jit_update`.
+    """
+    shardings = train_state_shardings(params, tx, rng, mesh, rules)
+    init = jax.jit(
+        lambda p, r: init_state(p, tx, r),
+        in_shardings=(shardings.params, sharding.replicated(mesh)),
+        out_shardings=shardings,
+    )
+    return init(params, rng), shardings
+
+
 def response_logprobs(
     graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len: int, chunk_size: int
 ) -> jax.Array:
@@ -92,6 +115,36 @@ def batch_logprobs(graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len, c
     return response_logprobs(
         graphdef, params, tokens_BxS, attn_mask_BxS, prompt_len=prompt_len, chunk_size=chunk_size
     )
+
+
+def jit_logprobs(
+    graphdef, *, prompt_len: int, chunk_size: int, mesh=None, param_shardings=None, rules=None
+):
+    """`batch_logprobs` as a function of (params, tokens_BxS, attn_mask_BxS) -> logp [B, N].
+
+    With a mesh: jitted with explicit shardings (params as given, rows over data x fsdp in and
+    out) and the model's activation constraints active; the same function serves the policy and
+    the frozen reference, which share their shardings.
+    """
+    if mesh is None:
+        return functools.partial(
+            batch_logprobs, graphdef, prompt_len=prompt_len, chunk_size=chunk_size
+        )
+    rules = sharding.LOGICAL_RULES if rules is None else rules
+    rows = sharding.batch_sharding(mesh)
+
+    def logprobs(params, tokens_BxS, attn_mask_BxS):
+        with sharding.tracing_mesh(mesh, rules):
+            return response_logprobs(
+                graphdef,
+                params,
+                tokens_BxS,
+                attn_mask_BxS,
+                prompt_len=prompt_len,
+                chunk_size=chunk_size,
+            )
+
+    return jax.jit(logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows)
 
 
 def rl_loss(
@@ -156,6 +209,23 @@ def _where_tree(pred, a, b):
     return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
+def split_micro_batches(x, micro_batches: int, row_shards: int = 1):
+    """[B, ...] -> [M, B/M, ...]; micro-batch m is the m-th slice of every one of the row shards.
+
+    With row_shards=1 this is `x.reshape(M, B/M, ...)` (contiguous micro-batches). With the
+    batch split over S row shards, slicing every shard keeps each micro-batch spread over all
+    devices (no resharding) and, when every shard slice holds whole groups, keeps groups whole.
+    """
+    b = x.shape[0]
+    if b % (row_shards * micro_batches):
+        raise ValueError(
+            f"{b} rows cannot be split into {micro_batches} micro-batches on each of "
+            f"{row_shards} row shards; make the rows a multiple of {row_shards * micro_batches}."
+        )
+    x = x.reshape(row_shards, micro_batches, b // (row_shards * micro_batches), *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(micro_batches, b // micro_batches, *x.shape[3:])
+
+
 def update_step(
     state: TrainState,
     batch: dict,
@@ -164,12 +234,15 @@ def update_step(
     tx: optax.GradientTransformation,
     micro_batches: int,
     lr_fn=None,
+    row_shards: int = 1,
 ):
     """One optimizer update on `batch` with gradient accumulation over `micro_batches`.
 
     `batch` arrays have B rows (whole groups; B divisible by micro_batches * group size, which the
     config validation guarantees). A non-finite loss or gradient leaves params and optimizer state
-    untouched and increments `bad_steps`; a finite one resets it.
+    untouched and increments `bad_steps`; a finite one resets it. `row_shards` > 1 (the number of
+    data x fsdp shards of a sharded batch) takes micro-batches across shards
+    (`split_micro_batches`); B must then be divisible by row_shards * micro_batches * group size.
     """
 
     def micro(carry, mb):
@@ -179,9 +252,7 @@ def update_step(
         acc_aux = jax.tree.map(jnp.add, acc_aux, aux)
         return (acc_grads, acc_loss + loss, acc_aux), None
 
-    split = jax.tree.map(
-        lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch
-    )
+    split = jax.tree.map(lambda x: split_micro_batches(x, micro_batches, row_shards), batch)
     first = jax.tree.map(lambda x: x[0], split)
     aux_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], state.params, first)
     zeros_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
@@ -216,9 +287,41 @@ def update_step(
     return new_state, metrics
 
 
-def jit_update(loss_fn, tx, micro_batches, lr_fn=None):
-    """The update step, jitted with the state donated (its buffers are reused for the new state)."""
-    fn = functools.partial(
-        update_step, loss_fn=loss_fn, tx=tx, micro_batches=micro_batches, lr_fn=lr_fn
+def jit_update(
+    loss_fn, tx, micro_batches, lr_fn=None, *, mesh=None, state_shardings=None, rules=None
+):
+    """The update step `(state, batch) -> (state, metrics)`, jitted with the state donated.
+
+    Without a mesh: shardings follow the inputs (one device). With a mesh: explicit shardings,
+    `state_shardings` (from `train_state_shardings` / `init_state_sharded`) for the state in and
+    out, rows over data x fsdp for every batch array, replicated metrics; the model's logical
+    activation constraints are active under `rules` (default `sharding.LOGICAL_RULES`; pass
+    `sharding.logical_rules(mesh, model_cfg)`). Call it positionally: update(state, batch).
+    """
+    if mesh is None:
+        fn = functools.partial(
+            update_step, loss_fn=loss_fn, tx=tx, micro_batches=micro_batches, lr_fn=lr_fn
+        )
+        return jax.jit(fn, donate_argnames=("state",))
+    if state_shardings is None:
+        raise ValueError("jit_update with a mesh needs state_shardings (train_state_shardings).")
+    rules = sharding.LOGICAL_RULES if rules is None else rules
+    step = functools.partial(
+        update_step,
+        loss_fn=loss_fn,
+        tx=tx,
+        micro_batches=micro_batches,
+        lr_fn=lr_fn,
+        row_shards=sharding.batch_shards(mesh),
     )
-    return jax.jit(fn, donate_argnames=("state",))
+
+    def update(state, batch):
+        with sharding.tracing_mesh(mesh, rules):
+            return step(state, batch)
+
+    return jax.jit(
+        update,
+        in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        donate_argnames=("state",),
+    )

@@ -1,0 +1,505 @@
+"""Device mesh, logical-axis rules, sharded init/loading, batch sharding and multi-host helpers.
+
+The distributed engine is JAX's own: one program per process (`jax.distributed`), GSPMD inside
+`jax.jit`. This module only says where arrays live:
+
+* Mesh axes `("data", "fsdp", "tensor")`. Rows of a batch are split over `data` x `fsdp`;
+  parameters and optimizer state are split over `fsdp` (ZeRO-3 / FSDP) and `tensor` (Megatron-
+  style tensor parallelism: attention heads, MLP width, vocabulary).
+* The model names the axes of every parameter and activation (`models.PARAM_AXES`,
+  `models.ACTIVATION_AXES`); `logical_rules` maps those names onto mesh axes. Flax applies the
+  rules in order and never uses a mesh axis twice in one array, so activations whose `batch`
+  axis already took `fsdp` keep `embed` whole (FSDP gathers weights, not activations).
+* Batches hold whole groups: rows `g*G .. g*G+G-1` are one prompt's responses, so every shard
+  must hold a whole number of groups (`check_batch`), and the loss never crosses shards for a
+  group mean (GSPMD all-reduces only the final sums).
+
+Constraints (checked by `logical_rules` with a model config):
+  heads % tensor == 0, mlp % tensor == 0, vocab % tensor == 0, embed % fsdp == 0;
+  kv_heads % tensor != 0 replicates the K/V projections (GQA with few KV heads, as MaxText).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gvpo_jax import models
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # rows of a batch are split over these (whole groups per shard)
+
+# Logical name -> mesh axis (None: replicated). Order matters for activations: `batch` first,
+# so that an activation [batch, length, embed] gets ((data, fsdp), None, None).
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", BATCH_AXES),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("head_dim", None),
+    ("norm", None),
+    ("length", None),
+    ("cache_length", None),
+)
+
+# Model-config field behind each sharded parameter axis (for the divisibility checks).
+_AXIS_SIZE_FIELD = {
+    "vocab": "vocab_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "mlp": "intermediate_size",
+    "embed": "hidden_size",
+}
+
+
+class ShardingError(ValueError):
+    """A mesh / batch / model combination that cannot be sharded; the message names the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Mesh and rules
+
+
+def mesh_shape(data: int = -1, fsdp: int = 1, tensor: int = 1, *, num_devices: int) -> tuple:
+    """Resolves one -1 entry to fill `num_devices`; returns (data, fsdp, tensor) sizes."""
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise ShardingError(
+            f"mesh sizes {sizes} have more than one -1; set all but one axis explicitly."
+        )
+    for k, v in sizes.items():
+        if v != -1 and (not isinstance(v, int) or v < 1):
+            raise ShardingError(f"mesh.{k}={v!r}; use a positive size or -1 to fill the rest.")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if num_devices % fixed:
+            raise ShardingError(
+                f"{num_devices} devices cannot be split into a mesh with {sizes} "
+                f"({fixed} does not divide {num_devices}); change the mesh sizes."
+            )
+        sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ShardingError(
+            f"mesh {sizes} needs {fixed} devices but {num_devices} are available; "
+            "set one axis to -1 or match the device count."
+        )
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes).
+
+    Axis types are Auto (GSPMD propagation). Device order comes from `jax.make_mesh`, which
+    keeps `tensor` and `fsdp` on the fastest links (within a host / ICI ring) and puts `data`
+    outermost, so with one process per host each process owns a contiguous block of rows.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(data, fsdp, tensor, num_devices=len(devices))
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
+    )
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """{'data': d, 'fsdp': f, 'tensor': t} of a Mesh or AbstractMesh."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def _mesh_size(sizes: Mapping[str, int], target) -> int:
+    if target is None:
+        return 1
+    names = (target,) if isinstance(target, str) else target
+    return math.prod(sizes.get(n, 1) for n in names)
+
+
+def logical_rules(mesh=None, model_cfg: models.ModelConfig | None = None) -> tuple:
+    """LOGICAL_RULES, checked against (and adapted to) a mesh and a model's shapes.
+
+    Raises ShardingError when a sharded parameter dimension is not divisible by its mesh axis
+    (e.g. heads % tensor); kv_heads not divisible by tensor falls back to replicated K/V
+    projections (the usual choice for GQA with fewer KV heads than tensor shards).
+    """
+    if mesh is None or model_cfg is None:
+        return LOGICAL_RULES
+    sizes = mesh_sizes(mesh)
+    rules = []
+    for name, target in LOGICAL_RULES:
+        field = _AXIS_SIZE_FIELD.get(name)
+        n = _mesh_size(sizes, target)
+        if field is not None and n > 1 and getattr(model_cfg, field) % n:
+            dim = getattr(model_cfg, field)
+            if name == "kv_heads":
+                target = None  # replicate K/V; queries stay split over heads
+            else:
+                raise ShardingError(
+                    f"model {field}={dim} is not divisible by mesh axis {target!r} of size {n}; "
+                    f"pick mesh.{target} dividing {dim} (logical axis {name!r})."
+                )
+        rules.append((name, target))
+    return tuple(rules)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: jax.sharding.Mesh, rules=LOGICAL_RULES):
+    """Mesh + logical-axis rules for code traced inside (activation constraints become real).
+
+    Wrap calls of functions jitted elsewhere (e.g. `sampler.generate`) with it; jax keys its
+    compilation cache on the active mesh, so a call inside and one outside never share a trace.
+    """
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        yield
+
+
+@contextlib.contextmanager
+def tracing_mesh(mesh, rules):
+    """Inside a traced function: the abstract mesh and rules for `with_logical_constraint`."""
+    if mesh is None:
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(rules):
+        yield
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters and state
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(tree, mesh: jax.sharding.Mesh, rules=LOGICAL_RULES):
+    """NamedSharding for every leaf of `tree` (abstract or concrete).
+
+    Leaves inside nnx Variables (parameters, and the Adam moments optax builds from them) follow
+    their logical axis names through `rules`; every other leaf (step, PRNG key, counters) is
+    replicated. The result has the structure of `tree` (Variables kept), as jit shardings need.
+    """
+    with nnx.logical_axis_rules(rules):
+        return nnx.get_named_sharding(tree, mesh)
+
+
+def param_shardings(abstract_params_or_model, mesh: jax.sharding.Mesh, rules=LOGICAL_RULES):
+    """Shardings of `nnx.state(model, nnx.Param)`; pass a model (abstract or not) or that state."""
+    tree = abstract_params_or_model
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree, nnx.Param)
+    return state_shardings(tree, mesh, rules)
+
+
+def abstract_with_shardings(tree, shardings):
+    """ShapeDtypeStructs carrying shardings (restore targets for Orbax, `jit(...).lower`)."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings
+    )
+
+
+def init_sharded(
+    model_cfg: models.ModelConfig, mesh: jax.sharding.Mesh, seed: int, rules=None
+) -> models.Transformer:
+    """`Transformer(model_cfg, rngs=nnx.Rngs(seed))` created directly in its shards.
+
+    The init runs under `jax.jit` with the parameter shardings as `out_shardings`, so every
+    device computes only its own slice (never a full copy on one device); the values equal an
+    unsharded init with the same seed (threefry keys are independent of the sharding).
+    """
+    rules = logical_rules(mesh, model_cfg) if rules is None else rules
+    graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
+    shardings = state_shardings(abstract, mesh, rules)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def init():
+        return nnx.state(models.Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+
+    return nnx.merge(graphdef, init())
+
+
+def hf_model_config(hf_dir, dtype: str = "float32") -> models.ModelConfig:
+    """The ModelConfig of a Hugging Face directory (reads only config.json)."""
+    path = Path(hf_dir) / "config.json"
+    return models.config_from_hf(json.loads(path.read_text()), dtype=dtype, source=str(path))
+
+
+def load_pretrained_sharded(
+    hf_dir, mesh: jax.sharding.Mesh, dtype: str = "float32", *, remat: bool = False, rules=None
+) -> models.Transformer:
+    """`models.from_pretrained` with every tensor placed straight into its shards.
+
+    Multi-host: every process reads the same files (shared or copied disk) and keeps only its
+    addressable shards.
+    """
+    cfg = hf_model_config(hf_dir, dtype)
+    rules = logical_rules(mesh, cfg) if rules is None else rules
+    shardings = param_shardings(models.abstract_model(cfg), mesh, rules)
+    return models.from_pretrained(hf_dir, dtype=dtype, remat=remat, shardings=shardings)
+
+
+def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules=None) -> nnx.Module:
+    """Moves an already built model (e.g. from GGUF) onto its shardings; returns a new module."""
+    rules = logical_rules(mesh, model.config) if rules is None else rules
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh, rules)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """Rows over data x fsdp, every other dimension whole; a prefix for any batch pytree."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_shards(mesh) -> int:
+    """Number of row shards (data x fsdp)."""
+    sizes = mesh_sizes(mesh)
+    return sizes["data"] * sizes["fsdp"]
+
+
+def check_batch(num_rows: int, group_size: int, mesh, micro_batches: int = 1) -> None:
+    """Raises ShardingError unless every (shard, micro-batch) slice holds whole groups."""
+    shards = batch_shards(mesh)
+    if num_rows % group_size:
+        raise ShardingError(
+            f"{num_rows} rows are not whole groups of {group_size}; lay out P x G rows."
+        )
+    groups = num_rows // group_size
+    if groups % (shards * micro_batches):
+        raise ShardingError(
+            f"{groups} groups cannot be split evenly over {shards} data x fsdp shards x "
+            f"{micro_batches} micro-batches (whole groups per shard); make the groups per "
+            f"update a multiple of {shards * micro_batches} (rollout.prompts_per_step / "
+            "algo.num_minibatches) or shrink mesh.data x mesh.fsdp."
+        )
+
+
+def _row_blocks(mesh) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """Distinct [start, stop) blocks of row shards held by processes, and this process's block.
+
+    Counted in units of row shards (data x fsdp positions); replicas of the same rows (e.g. a
+    tensor axis spanning hosts) share one block.
+    """
+    shards = batch_shards(mesh)
+    by_process: dict[int, list[int]] = {}
+    for device, (rows,) in batch_sharding(mesh).devices_indices_map((shards,)).items():
+        start, stop, _ = rows.indices(shards)
+        by_process.setdefault(device.process_index, []).extend([start, stop])
+    spans = {p: (min(v), max(v)) for p, v in by_process.items()}
+    mine = spans[jax.process_index()]
+    if (mine[1] - mine[0]) * len(set(spans.values())) != shards:
+        raise ShardingError(
+            f"process {jax.process_index()} holds row shards {mine} of {shards}, not one "
+            "contiguous equal block; build the mesh with sharding.make_mesh (data outermost)."
+        )
+    return sorted(set(spans.values())), mine
+
+
+def process_rows(num_rows: int, mesh) -> tuple[int, int, int, int]:
+    """(start, stop, block index, number of blocks) of the global rows this process feeds.
+
+    Each process reads rows [start, stop) only: its `block index` of `number of blocks` equal
+    parts (use them as the data shard index / count). Processes that are replicas of the same
+    rows get the same block and must feed identical data.
+    """
+    shards = batch_shards(mesh)
+    if num_rows % shards:
+        raise ShardingError(
+            f"{num_rows} rows cannot be split over {shards} data x fsdp shards; use a multiple."
+        )
+    blocks, mine = _row_blocks(mesh)
+    per_shard = num_rows // shards
+    return mine[0] * per_shard, mine[1] * per_shard, blocks.index(mine), len(blocks)
+
+
+def shard_batch(
+    batch: Mapping[str, np.ndarray],
+    mesh: jax.sharding.Mesh,
+    *,
+    group_size: int | None = None,
+    micro_batches: int = 1,
+    process_local: bool = True,
+) -> dict[str, jax.Array]:
+    """Global row-sharded arrays from host rows.
+
+    process_local=True: `batch` holds only this process's rows (`process_rows`), in order; the
+    global batch is their concatenation over the process blocks
+    (`jax.make_array_from_process_local_data`). In a single-process run that is the whole
+    batch. process_local=False: every process passes the same full batch. With `group_size`,
+    checks that every (shard, micro-batch) slice holds whole groups.
+    """
+    sharding = batch_sharding(mesh)
+    num_blocks = len(_row_blocks(mesh)[0]) if process_local else 1
+    out = {}
+    for name, value in batch.items():
+        value = np.asarray(value)
+        rows = value.shape[0] * num_blocks
+        if group_size is not None:
+            check_batch(rows, group_size, mesh, micro_batches)
+        if jax.process_count() == 1:
+            out[name] = jax.device_put(value, sharding)
+        elif process_local:
+            out[name] = jax.make_array_from_process_local_data(
+                sharding, value, (rows, *value.shape[1:])
+            )
+        else:
+            out[name] = jax.make_array_from_callback(value.shape, sharding, lambda i, v=value: v[i])
+    return out
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a row-sharded (or replicated) global array, as numpy, in order."""
+    if jax.process_count() == 1 or x.ndim == 0:
+        return np.asarray(x)
+    pieces = {}
+    for shard in x.addressable_shards:
+        if shard.data.shape[1:] != x.shape[1:]:
+            raise ShardingError(
+                f"array of shape {x.shape} is split along more than its rows "
+                f"({x.sharding}); only row-sharded arrays have process-local rows."
+            )
+        pieces.setdefault(shard.index[0].indices(x.shape[0])[0], np.asarray(shard.data))
+    return np.concatenate([pieces[k] for k in sorted(pieces)], axis=0)
+
+
+def gather(tree):
+    """Every leaf as a full numpy array on every process (an all-gather across processes)."""
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-host
+
+
+def is_primary() -> bool:
+    """True on process 0: the one process that writes metrics, samples and exports."""
+    return jax.process_index() == 0
+
+
+def maybe_initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    mode: str = "auto",
+) -> bool:
+    """Starts JAX's multi-controller runtime when asked; returns whether it is running.
+
+    Call before anything touches a device. Arguments override the environment variables
+    JAX_COORDINATOR_ADDRESS ("host:port"), JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+    mode: "off" never initializes; "on" always does (JAX auto-detects TPU pods, SLURM, Open MPI
+    for anything not given); "auto" initializes when an address is given or in the environment,
+    when GVPO_DISTRIBUTED=1 (set by launch/tpu_pod.sh), or inside a multi-task SLURM step.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ShardingError(f"distributed mode {mode!r}; use auto, on or off.")
+    if jax.distributed.is_initialized():
+        return True
+    if mode == "off":
+        return False
+    env = os.environ
+    address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+    nproc = num_processes if num_processes is not None else env.get("JAX_NUM_PROCESSES")
+    pid = process_id if process_id is not None else env.get("JAX_PROCESS_ID")
+    wanted = (
+        mode == "on"
+        or address is not None
+        or env.get("GVPO_DISTRIBUTED", "") == "1"
+        or int(env.get("SLURM_NTASKS", "1")) > 1
+    )
+    if not wanted:
+        return False
+    if address is not None and (nproc is None or pid is None):
+        raise ShardingError(
+            f"coordinator address {address!r} is set but the number of processes or this "
+            "process's id is not; set JAX_NUM_PROCESSES and JAX_PROCESS_ID (or pass both)."
+        )
+    jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=None if nproc is None else int(nproc),
+        process_id=None if pid is None else int(pid),
+    )
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling with explicit shardings
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_generate(graphdef, mesh, rules, state_shardings_, settings: tuple):
+    from gvpo_jax import sampler
+
+    kw = dict(settings)
+    raw = sampler.generate_split.__wrapped__  # the undecorated function; jitted here instead
+    rows = batch_sharding(mesh)
+
+    def fn(state, prompt_ids, prompt_lens, rng):
+        with tracing_mesh(mesh, rules):
+            return raw(graphdef, state, prompt_ids, prompt_lens, rng, **kw)
+
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings_.tree, rows, rows, replicated(mesh)),
+        out_shardings=rows,
+    )
+
+
+def generate(model, prompt_ids, prompt_lens, *, mesh, rules=LOGICAL_RULES, rng, **settings):
+    """`sampler.generate` jitted with explicit shardings: prompts and outputs split by rows.
+
+    `settings` are `sampler.generate`'s keywords (max_new_tokens, temperature, top_k, top_p,
+    min_p, eos_ids, num_samples, pad_id). The model stays where it is (its shardings are the
+    in_shardings); the P prompts are split over data x fsdp, so P must be divisible by the
+    number of row shards, and the P*G output rows come back split the same way (prompt p's
+    samples on the shard that held prompt p). In multi-process runs pass global arrays
+    (`shard_batch`) and read results with `local_rows`.
+    """
+    from gvpo_jax import sampler
+
+    canon = sampler.canonical_settings(**settings)
+    graphdef, state = nnx.split(model)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    if prompt_ids.shape[0] % batch_shards(mesh):
+        raise ShardingError(
+            f"{prompt_ids.shape[0]} prompts cannot be split over {batch_shards(mesh)} data x "
+            "fsdp shards; sample a multiple of that many prompts."
+        )
+    fn = _jitted_generate(graphdef, mesh, rules, _Hashable(shardings), tuple(canon.items()))
+    return fn(state, prompt_ids, prompt_lens, rng)
+
+
+class _Hashable:
+    """Wraps a sharding pytree for lru_cache (compared by its leaves and structure)."""
+
+    def __init__(self, tree):
+        self.tree = tree
+        leaves, self.treedef = jax.tree.flatten(tree)
+        self.leaves = tuple(leaves)
+
+    def __hash__(self):
+        return hash((self.treedef, self.leaves))
+
+    def __eq__(self, other):
+        return self.treedef == other.treedef and self.leaves == other.leaves
