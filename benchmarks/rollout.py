@@ -29,15 +29,24 @@ from flax import nnx  # noqa: E402
 from gvpo_jax import models, sampler  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 4, 64, 128
+_square = jax.jit(lambda x: x @ x)
 
 
-def matmul_flops_per_s(size: int = 2048, repeats: int = 10) -> float:
+def matmul_flops_per_s(size: int = 2048, repeats: int = 5) -> float:
     """Best fp32 [size x size] @ [size x size] throughput of this machine under XLA, FLOP/s."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    jax.block_until_ready(f(a))
-    best = min(_timed(lambda: jax.block_until_ready(f(a))) for _ in range(repeats))
+    jax.block_until_ready(_square(a))
+    best = min(_timed(lambda: jax.block_until_ready(_square(a))) for _ in range(repeats))
     return 2 * size**3 / best
+
+
+def timed_runs(fn, repeats: int) -> list[tuple[float, float]]:
+    """(seconds, matmul FLOP/s measured just before) per run: the machine's load drifts."""
+    runs = []
+    for i in range(repeats):
+        peak = matmul_flops_per_s()
+        runs.append((_timed(lambda i=i: fn(i)), peak))
+    return runs
 
 
 def generation_flops(cfg: models.ModelConfig, b: int, p: int, g: int) -> float:
@@ -81,15 +90,9 @@ def bench_jax(model, prompt_ids, repeats: int) -> dict:
         return jax.block_until_ready(out)
 
     first = _timed(lambda: call(0))  # the jit cache may or may not reuse the AOT compile
-    times = [_timed(lambda s=s: call(s)) for s in range(1, repeats + 1)]
     assert int(call(0).lengths_B.min()) == NEW_TOKENS  # EOS disabled: every row ran to the end
-    return dict(
-        best=min(times),
-        median=float(np.median(times)),
-        trace=traced - start,
-        compile=compiled - traced,
-        first=first,
-    )
+    runs = timed_runs(lambda i: call(i + 1), repeats)
+    return dict(runs=runs, trace=traced - start, compile=compiled - traced, first=first)
 
 
 def bench_hf(hf_dir: str, prompt_ids, repeats: int) -> dict:
@@ -116,8 +119,7 @@ def bench_hf(hf_dir: str, prompt_ids, repeats: int) -> dict:
         assert out.shape == (PROMPTS * SAMPLES, PROMPT_LEN + n)
 
     call(8)  # warm-up
-    times = [_timed(lambda: call(NEW_TOKENS)) for _ in range(repeats)]
-    return dict(best=min(times), median=float(np.median(times)))
+    return dict(runs=timed_runs(lambda i: call(NEW_TOKENS), repeats))
 
 
 def main():
@@ -133,7 +135,6 @@ def main():
     prompt_ids = prompt_ids.astype(np.int32)
     tokens = PROMPTS * SAMPLES * NEW_TOKENS
     flops = generation_flops(cfg, PROMPTS * SAMPLES, PROMPT_LEN, NEW_TOKENS)
-    peaks = [matmul_flops_per_s()]
     print(
         f"bench-45m: {models.param_count(model) / 1e6:.1f}M params; {PROMPTS} prompts x "
         f"{SAMPLES} samples, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, T=1, no EOS"
@@ -141,22 +142,24 @@ def main():
     print(f"FLOPs per generate call (convention): {flops / 1e9:.1f} GFLOP")
 
     rows = [("gvpo_jax generate", bench_jax(model, prompt_ids, args.repeats))]
-    peaks.append(matmul_flops_per_s())
     if not args.skip_hf:
         with tempfile.TemporaryDirectory() as hf_dir:
             models.save_pretrained(model, hf_dir)
             rows.append(("transformers generate", bench_hf(hf_dir, prompt_ids, args.hf_repeats)))
-        peaks.append(matmul_flops_per_s())
-    # The best of the interleaved measurements: utilisation is then a conservative figure.
-    peak = max(peaks)
-    print(f"machine fp32 matmul (2048^3, XLA, best of {len(peaks)}): {peak / 1e9:.0f} GFLOP/s\n")
+    peaks = [peak for _, r in rows for _, peak in r["runs"]]
+    print(f"machine fp32 matmul (2048^3, XLA): best {max(peaks) / 1e9:.0f} GFLOP/s, ", end="")
+    print(f"worst {min(peaks) / 1e9:.0f} GFLOP/s over the run\n")
 
     print("| implementation | best s | median s | tokens/s | GFLOP/s | % of matmul peak |")
     print("|---|---|---|---|---|---|")
     for name, r in rows:
+        times = [t for t, _ in r["runs"]]
+        best = min(times)
+        # Utilisation of each run against the matmul throughput measured just before it.
+        util = max(flops / t / peak for t, peak in r["runs"])
         print(
-            f"| {name} | {r['best']:.2f} | {r['median']:.2f} | {tokens / r['best']:.0f} | "
-            f"{flops / r['best'] / 1e9:.0f} | {100 * flops / r['best'] / peak:.0f}% |"
+            f"| {name} | {best:.2f} | {np.median(times):.2f} | {tokens / best:.0f} | "
+            f"{flops / best / 1e9:.0f} | {100 * util:.0f}% |"
         )
     j = rows[0][1]
     print(
@@ -164,7 +167,8 @@ def main():
         f"first generate call (incl. any compile) {j['first']:.1f} s"
     )
     if len(rows) == 2:
-        print(f"speed-up over transformers: {rows[1][1]['best'] / rows[0][1]['best']:.2f}x")
+        best = [min(t for t, _ in r["runs"]) for _, r in rows]
+        print(f"speed-up over transformers (best vs best): {best[1] / best[0]:.2f}x")
 
 
 if __name__ == "__main__":
