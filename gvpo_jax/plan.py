@@ -1,0 +1,393 @@
+"""Memory planner: per-device bytes of a config on its mesh, from shapes alone; optional compile.
+
+    python -m gvpo_jax.plan --config=configs/qwen_math.py --num_devices=32 --device=v5p
+    python -m gvpo_jax.plan --config=configs/arith_tiny.py --num_devices=8 \
+        --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2 --compile
+
+Parameters, Adam moments and the reference copy are exact (the shapes `jax.eval_shape` gives,
+split as `sharding.logical_rules` says, counted per device with padding to whole shards).
+Gradients, the rollout's KV cache and activations are estimates (formulas in
+`activation_bytes` / `kv_cache_bytes`). `--compile` lowers and compiles the real train step for
+the mesh on fake CPU devices (small presets: compile time grows with the layer count) and prints
+XLA's own per-device memory analysis next to the estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from gvpo_jax import models, sharding, train_step
+
+GiB = 2**30
+# Memory per device (GiB) as the accelerator reports it (one JAX device each).
+DEVICE_MEMORY_GIB = {
+    "v4": 32,
+    "v5e": 16,
+    "v5p": 95,
+    "v6e": 32,
+    "a100-40g": 40,
+    "a100-80g": 80,
+    "h100": 80,
+    "h200": 141,
+}
+USABLE_FRACTION = 0.9  # headroom for XLA's own buffers, fragmentation and the runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device (the most loaded device) of one RL run; see the module docstring."""
+
+    mesh: dict[str, int]
+    params: int
+    opt_state: int
+    reference: int
+    gradients: int
+    activations: int
+    kv_cache: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def update_peak(self) -> int:
+        """During an update: state + reference + gradients + activations."""
+        return self.params + self.opt_state + self.reference + self.gradients + self.activations
+
+    @property
+    def rollout_peak(self) -> int:
+        """During the rollout: state + reference + KV cache of the whole rollout batch."""
+        return self.params + self.opt_state + self.reference + self.kv_cache
+
+    @property
+    def peak(self) -> int:
+        return max(self.update_peak, self.rollout_peak)
+
+    def fits(self, device_gib: float) -> bool:
+        return self.peak <= USABLE_FRACTION * device_gib * GiB
+
+    def table(self) -> str:
+        rows = [
+            ("parameters", self.params, "exact"),
+            ("optimizer state (AdamW)", self.opt_state, "exact"),
+            ("reference / frozen anchor", self.reference, "exact"),
+            ("gradients (accumulator + micro-batch)", self.gradients, "estimate"),
+            ("activations of one micro-batch", self.activations, "estimate"),
+            ("KV cache of the rollout batch", self.kv_cache, "estimate"),
+            ("peak during update", self.update_peak, ""),
+            ("peak during rollout", self.rollout_peak, ""),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = [
+            f"{name:<{width}}  {nbytes / GiB:10.3f} GiB  {kind}" for name, nbytes, kind in rows
+        ]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes
+
+
+def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
+    """The run's ModelConfig without loading weights: hf_dir/config.json > preset > overrides."""
+    c = config.model
+    dtype = c.dtype
+    if c.hf_dir and os.path.isfile(os.path.join(c.hf_dir, "config.json")):
+        cfg = sharding.hf_model_config(c.hf_dir, dtype)
+    elif c.preset:
+        cfg = models.PRESETS[c.preset].replace(param_dtype=dtype)
+    elif c.gguf == "smollm2":
+        cfg = models.PRESETS["smollm2-135m"].replace(param_dtype=dtype)
+    else:
+        fields = dict(c.overrides.to_dict())
+        if "vocab_size" not in fields:
+            if config.tokenizer.kind != "char":
+                raise ValueError(
+                    "config.model has no preset and no overrides.vocab_size; set one of them "
+                    "(or model.hf_dir to a directory with config.json) to plan from shapes."
+                )
+            from gvpo_jax.data import char_tokenizer
+
+            fields["vocab_size"] = len(char_tokenizer.SPECIAL_TOKENS) + len(char_tokenizer.CHARS)
+        fields["param_dtype"] = dtype
+        cfg = models.ModelConfig(**fields)
+    return cfg.replace(remat=bool(c.remat))
+
+
+def abstract_mesh(data: int, fsdp: int, tensor: int) -> jax.sharding.AbstractMesh:
+    """A mesh of the given sizes without devices (for shardings of shapes only)."""
+    return jax.sharding.AbstractMesh(
+        (data, fsdp, tensor), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3
+    )
+
+
+def spec_bytes(shape, dtype, spec, sizes: dict[str, int]) -> int:
+    """Bytes of one device's shard of an array (ceil-divided: uneven shards are padded)."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    local = [
+        math.ceil(dim / sharding._mesh_size(sizes, axes))
+        for dim, axes in zip(shape, spec, strict=True)
+    ]
+    return math.prod(local) * jnp.dtype(dtype).itemsize
+
+
+def tree_bytes(abstract_tree, mesh, rules) -> int:
+    """Per-device bytes of a pytree of ShapeDtypeStructs (nnx Variables follow their axes)."""
+    with nnx.logical_axis_rules(rules):
+        specs = nnx.get_partition_spec(abstract_tree)
+    sizes = sharding.mesh_sizes(mesh)
+    leaves = jax.tree.leaves(abstract_tree)
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    return sum(
+        spec_bytes(x.shape, x.dtype, s, sizes) for x, s in zip(leaves, spec_leaves, strict=True)
+    )
+
+
+def kv_cache_bytes(cfg: models.ModelConfig, rows: int, length: int, sizes: dict) -> int:
+    """Sampler KV cache per device: L x (k, v) [B, S, K, H] + valid [B, S] (bool).
+
+    Rows split over data x fsdp; K split over tensor when divisible (else replicated, as in
+    `sharding.logical_rules`).
+    """
+    b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
+    t = sizes["tensor"]
+    k = cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads
+    kv = 2 * b * length * k * cfg.head_dim * cfg.dtype.itemsize
+    return cfg.num_layers * (kv + b * length)
+
+
+def activation_bytes(
+    cfg: models.ModelConfig, rows: int, length: int, sizes: dict, logprob_chunk: int
+) -> int:
+    """Estimated live activations of one micro-batch's forward + backward on one device.
+
+    b rows per device, T tokens, a = bytes per activation, t = tensor shards. Per layer kept for
+    the backward pass: a*b*T*(4D + 2(N+K)H/t + 3F/t) (norm inputs, q/k/v/out, MLP gate/up/act)
+    plus the attention scores (fp32) and probabilities: b*N*T^2*(4+a)/t. With remat only the
+    L layer inputs (a*b*T*D each) stay, plus one layer's working set during its recompute.
+    The chunked log-probs add ~3 fp32 [b, chunk, V/t] buffers.
+    """
+    b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
+    t, a, T = sizes["tensor"], cfg.dtype.itemsize, length
+    d, f, n, k, h = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
+    per_layer = a * b * T * (4 * d + 2 * (n + k) * h / t + 3 * f / t) + b * n * T * T * (4 + a) / t
+    if cfg.remat:
+        layers = cfg.num_layers * a * b * T * d + per_layer
+    else:
+        layers = cfg.num_layers * per_layer
+    logits = 3 * 4 * b * min(logprob_chunk, T) * math.ceil(cfg.vocab_size / t)
+    return int(layers + logits)
+
+
+def _needs_reference(config) -> bool:
+    from gvpo_jax import train
+
+    return train.needs_reference(config)
+
+
+def resolve_mesh(config, num_devices: int) -> tuple[int, int, int]:
+    m = config.mesh
+    return sharding.mesh_shape(m.data, m.fsdp, m.tensor, num_devices=num_devices)
+
+
+def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPlan:
+    """Per-device memory of `config` on `num_devices` devices (its mesh with -1 resolved)."""
+    cfg = model_config(config)
+    data, fsdp, tensor = resolve_mesh(config, num_devices)
+    mesh = abstract_mesh(data, fsdp, tensor)
+    sizes = sharding.mesh_sizes(mesh)
+    rules = sharding.logical_rules(mesh, cfg)
+    _, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+    tx = _optimizer(config)
+    state = jax.eval_shape(
+        lambda p: train_step.init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params
+    )
+    param_bytes = tree_bytes(state.params, mesh, rules)
+    opt_bytes = tree_bytes(state.opt_state, mesh, rules)
+    c = config
+    P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
+    Tp = c.data.max_prompt_len
+    micro_rows = P * G // (c.algo.num_minibatches * c.optim.micro_batches)
+    grads = param_bytes * (2 if c.optim.micro_batches > 1 else 1)
+    notes = []
+    if dict(rules)["kv_heads"] is None and tensor > 1:
+        notes.append(
+            f"num_kv_heads={cfg.num_kv_heads} is not divisible by tensor={tensor}: K/V "
+            "projections and the KV cache are replicated over the tensor axis."
+        )
+    if P * G % (data * fsdp):
+        notes.append(f"P*G={P * G} rollout rows do not split over data x fsdp={data * fsdp}.")
+    return MemoryPlan(
+        mesh=sizes,
+        params=param_bytes,
+        opt_state=opt_bytes,
+        reference=param_bytes if _needs_reference(c) else 0,
+        gradients=grads,
+        activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
+        kv_cache=kv_cache_bytes(cfg, P * G, Tp + N - 1, sizes),
+        notes=tuple(notes),
+    )
+
+
+def _optimizer(config):
+    c = config.optim
+    tx, _ = train_step.make_optimizer(
+        lr=c.lr,
+        total_updates=max(config.train.steps, 1),
+        warmup_steps=c.warmup_steps,
+        schedule=c.schedule,
+        weight_decay=c.weight_decay,
+        b1=c.b1,
+        b2=c.b2,
+        grad_clip=c.grad_clip,
+    )
+    return tx
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile check
+
+
+def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+    """Lowers and compiles the config's RL update for `mesh` (shapes only, nothing allocated).
+
+    Raises whatever sharding error XLA or jax finds. Returns the `jax.stages.Compiled`; its
+    `memory_analysis()` gives per-device argument / output / temporary bytes.
+    """
+    from gvpo_jax import train
+
+    cfg = model_config(config)
+    rules = sharding.logical_rules(mesh, cfg)
+    graphdef, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+    tx = _optimizer(config)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    shardings = train_step.train_state_shardings(params, tx, rng, mesh, rules)
+    state = jax.eval_shape(lambda p, r: train_step.init_state(p, tx, r), params, rng)
+    state = sharding.abstract_with_shardings(state, shardings)
+    c = config
+    kw = train.loss_kwargs(c)
+    loss_fn = functools.partial(
+        train_step.rl_loss,
+        graphdef=graphdef,
+        algo=c.algo.name,
+        group_size=c.rollout.group_size,
+        prompt_len=c.data.max_prompt_len,
+        chunk_size=c.model.logprob_chunk,
+        anchor=c.algo.anchor,
+        loss_kwargs=kw,
+    )
+    update = train_step.jit_update(
+        loss_fn, tx, c.optim.micro_batches, mesh=mesh, state_shardings=shardings, rules=rules
+    )
+    rows = c.rollout.prompts_per_step * c.rollout.group_size // c.algo.num_minibatches
+    sharding.check_batch(rows, c.rollout.group_size, mesh, c.optim.micro_batches)
+    S, N = c.data.max_prompt_len + c.rollout.max_new_tokens, c.rollout.max_new_tokens
+    rows_sharding = sharding.batch_sharding(mesh)
+    spec = {
+        "tokens": ((rows, S), jnp.int32),
+        "attn_mask": ((rows, S), jnp.float32),
+        "resp_mask": ((rows, N), jnp.float32),
+        "rewards": ((rows,), jnp.float32),
+        "old_logp": ((rows, N), jnp.float32),
+    }
+    if _needs_reference(c):
+        spec["ref_logp"] = ((rows, N), jnp.float32)
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
+        for k, (shape, dtype) in spec.items()
+    }
+    return update.lower(state, batch).compile()
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def report(config, num_devices: int, device: str | None = None, memory_gib: float | None = None):
+    """The planner's printout (also returned as text)."""
+    cfg = model_config(config)
+    plan = plan_memory(config, num_devices)
+    lines = [
+        f"model: {cfg.num_layers} layers, D={cfg.hidden_size}, vocab={cfg.vocab_size}, "
+        f"{models.param_count(models.abstract_model(cfg)) / 1e9:.3f}B parameters "
+        f"({cfg.param_dtype}, remat={cfg.remat})",
+        f"mesh: data={plan.mesh['data']} fsdp={plan.mesh['fsdp']} tensor={plan.mesh['tensor']} "
+        f"({num_devices} devices)",
+        "per-device memory (most loaded device):",
+        plan.table(),
+        *[f"note: {n}" for n in plan.notes],
+        f"fits (peak <= {USABLE_FRACTION:.0%} of device memory):",
+    ]
+    targets = dict(DEVICE_MEMORY_GIB)
+    if memory_gib:
+        targets = {device or "given": memory_gib}
+    elif device:
+        targets = {device: DEVICE_MEMORY_GIB[device]}
+    for name, gib in targets.items():
+        verdict = "FITS" if plan.fits(gib) else "DOES NOT FIT"
+        lines.append(f"  {name:<9} {gib:6.0f} GiB: {verdict} (peak {plan.peak / GiB:.2f} GiB)")
+    return "\n".join(lines)
+
+
+def main(argv):
+    from absl import flags
+
+    del argv
+    FLAGS = flags.FLAGS
+    config = FLAGS.config
+    if FLAGS.device and FLAGS.device not in DEVICE_MEMORY_GIB:
+        raise SystemExit(
+            f"--device={FLAGS.device} is unknown; use one of {', '.join(DEVICE_MEMORY_GIB)} "
+            "or --device_memory_gib."
+        )
+    num_devices = FLAGS.num_devices
+    if not num_devices:
+        if -1 in (config.mesh.data, config.mesh.fsdp, config.mesh.tensor):
+            raise SystemExit(
+                "the config's mesh has a -1 axis; give --num_devices (the slice size)."
+            )
+        num_devices = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    print(report(config, num_devices, FLAGS.device, FLAGS.device_memory_gib))
+    if FLAGS.compile:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", num_devices)
+        mesh = sharding.make_mesh(*resolve_mesh(config, num_devices))
+        mem = compile_train_step(config, mesh).memory_analysis()
+        print(
+            f"compiled the train step for {dict(mesh.shape)} on {num_devices} CPU devices: "
+            f"arguments {mem.argument_size_in_bytes / GiB:.3f} GiB, "
+            f"temporaries {mem.temp_size_in_bytes / GiB:.3f} GiB, "
+            f"outputs {mem.output_size_in_bytes / GiB:.3f} GiB per device"
+        )
+
+
+def _define_flags():
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.")
+    flags.DEFINE_integer("num_devices", 0, "Devices of the slice (default: the mesh's product).")
+    flags.DEFINE_string("device", None, f"One of {', '.join(DEVICE_MEMORY_GIB)}.")
+    flags.DEFINE_float("device_memory_gib", None, "Device memory in GiB (overrides --device).")
+    flags.DEFINE_bool("compile", False, "Also compile the train step on fake CPU devices.")
+    flags.mark_flag_as_required("config")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main)

@@ -1,0 +1,197 @@
+"""One process of the 2-process CPU test: sharded GVPO steps, an Orbax round trip, greedy samples.
+
+Started by launch/local_multiprocess.sh (which sets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID and the fake CPU device count):
+    launch/local_multiprocess.sh --num_processes 2 --devices_per_process 2 \
+        --module tests.mp_worker -- --out /tmp/mp
+Each process builds only its rows of every global batch (`sharding.process_rows`), the model is
+initialised in its shards, and process 0 writes `result.npz` with the gathered parameters,
+per-step losses and greedy tokens. `reference_run` computes the same on one device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+import numpy as np
+
+MODEL = "tiny"  # with NUM_LAYERS layers: compile time grows with the layer count
+NUM_LAYERS = 1
+GROUP = 2  # G
+PROMPTS = 8  # P groups per step (global)
+PROMPT_LEN, NEW = 4, 4  # Tp, N
+STEPS = 3
+SEED = 0
+MESH = (1, 2, 2)  # data, fsdp, tensor: rows and parameters both split across the processes
+
+
+def global_batch(step: int, vocab: int) -> dict[str, np.ndarray]:
+    """The full P*G-row batch of `step` (deterministic; every process can build any rows)."""
+    rng = np.random.default_rng(100 + step)
+    B, S = PROMPTS * GROUP, PROMPT_LEN + NEW
+    tokens = rng.integers(1, vocab, (B, S)).astype(np.int32)
+    plen = rng.integers(1, PROMPT_LEN + 1, PROMPTS).repeat(GROUP)
+    rlen = rng.integers(1, NEW + 1, B)
+    attn = np.zeros((B, S), np.float32)
+    for b in range(B):
+        attn[b, PROMPT_LEN - plen[b] : PROMPT_LEN] = 1.0
+        attn[b, PROMPT_LEN : PROMPT_LEN + rlen[b]] = 1.0
+    return {
+        "tokens": tokens,
+        "attn_mask": attn,
+        "resp_mask": attn[:, PROMPT_LEN:].copy(),
+        "rewards": rng.random(B).astype(np.float32),
+    }
+
+
+def prompts(vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    lens = rng.integers(1, PROMPT_LEN + 1, PROMPTS).astype(np.int32)
+    ids = rng.integers(1, vocab, (PROMPTS, PROMPT_LEN)).astype(np.int32)
+    return ids * (np.arange(PROMPT_LEN) < lens[:, None]), lens
+
+
+def _pieces(graphdef):
+    import optax
+
+    from gvpo_jax import train_step
+
+    # Clipped SGD with momentum: the parameter error is lr x gradient error (AdamW's first steps
+    # amplify round-off of near-zero gradients; see tests/test_sharding.py).
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
+    loss_fn = functools.partial(
+        train_step.rl_loss,
+        graphdef=graphdef,
+        algo="gvpo",
+        group_size=GROUP,
+        prompt_len=PROMPT_LEN,
+        chunk_size=4,
+        anchor="old",
+        loss_kwargs={"beta": 0.1},
+    )
+    return tx, loss_fn
+
+
+def reference_run(init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same steps on one device from the same initial parameters (`init["layers/0/..."]`)."""
+    import jax
+    from flax import nnx
+
+    from gvpo_jax import models, sampler, train_step
+
+    cfg = models.PRESETS[MODEL].replace(num_layers=NUM_LAYERS)
+    graphdef, abstract = nnx.split(models.abstract_model(cfg), nnx.Param)
+    flat = [
+        (path, v.replace(jax.device_put(init["/".join(map(str, path))], jax.devices()[0])))
+        for path, v in nnx.to_flat_state(abstract)
+    ]
+    params = nnx.from_flat_state(flat)
+    tx, loss_fn = _pieces(graphdef)
+    state = train_step.init_state(params, tx, jax.random.key_data(jax.random.key(SEED)))
+    update = train_step.jit_update(loss_fn, tx, 1)
+    logprobs = train_step.jit_logprobs(graphdef, prompt_len=PROMPT_LEN, chunk_size=4)
+    losses = []
+    for step in range(STEPS):
+        batch = global_batch(step, cfg.vocab_size)
+        batch["old_logp"] = logprobs(state.params, batch["tokens"], batch["attn_mask"])
+        state, m = update(state, batch)
+        losses.append(float(m["loss"]))
+    ids, lens = prompts(cfg.vocab_size)
+    out = sampler.generate(
+        nnx.merge(graphdef, state.params),
+        ids,
+        lens,
+        max_new_tokens=NEW,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        num_samples=GROUP,
+    )
+    flat = {
+        "/".join(map(str, k)): np.asarray(v.get_value())
+        for k, v in nnx.to_flat_state(jax.device_get(state.params))
+    }
+    return {"losses": np.asarray(losses), "tokens": np.asarray(out.tokens_BxN), **flat}
+
+
+def worker(out_dir: str) -> None:
+    import jax
+    from flax import nnx
+
+    from gvpo_jax import checkpoint, models, sharding, train_step
+
+    assert sharding.maybe_initialize_distributed(), "launch with JAX_COORDINATOR_ADDRESS set"
+    mesh = sharding.make_mesh(*MESH)
+    cfg = models.PRESETS[MODEL].replace(num_layers=NUM_LAYERS)
+    rules = sharding.logical_rules(mesh, cfg)
+    model = sharding.init_sharded(cfg, mesh, SEED, rules)
+    graphdef, params = nnx.split(model, nnx.Param)
+    init_host = sharding.gather(params)  # the reference starts from exactly these values
+    tx, loss_fn = _pieces(graphdef)
+    key = jax.random.key_data(jax.random.key(SEED))
+    state, shardings = train_step.init_state_sharded(params, tx, key, mesh, rules)
+    update = train_step.jit_update(
+        loss_fn, tx, 1, mesh=mesh, state_shardings=shardings, rules=rules
+    )
+    logprobs = train_step.jit_logprobs(
+        graphdef,
+        prompt_len=PROMPT_LEN,
+        chunk_size=4,
+        mesh=mesh,
+        param_shardings=shardings.params,
+        rules=rules,
+    )
+    start, stop, _, _ = sharding.process_rows(PROMPTS * GROUP, mesh)
+    ckpt = checkpoint.Checkpointer(os.path.join(out_dir, "ckpt"), save_every=1, keep=1)
+    losses = []
+    for step in range(STEPS):
+        local = {k: v[start:stop] for k, v in global_batch(step, cfg.vocab_size).items()}
+        batch = sharding.shard_batch(local, mesh, group_size=GROUP)
+        batch["old_logp"] = logprobs(state.params, batch["tokens"], batch["attn_mask"])
+        state, m = update(state, batch)
+        losses.append(float(m["loss"]))  # replicated scalar: readable on every process
+        if step == 0:  # multi-host Orbax round trip: every process writes/reads its shards
+            ckpt.save(step, state, meta={"step": step}, force=True)
+            target = sharding.abstract_with_shardings(state, shardings)
+            state, meta, _ = ckpt.restore(target, step=step)
+            assert meta["step"] == 0
+    ckpt.close()
+    ids, lens = prompts(cfg.vocab_size)
+    p0, p1, _, _ = sharding.process_rows(PROMPTS, mesh)
+    dev = sharding.shard_batch({"ids": ids[p0:p1], "lens": lens[p0:p1]}, mesh)
+    out = sharding.generate(
+        nnx.merge(graphdef, state.params),
+        dev["ids"],
+        dev["lens"],
+        mesh=mesh,
+        rules=rules,
+        rng=jax.random.key(0),
+        max_new_tokens=NEW,
+        temperature=0.0,
+        num_samples=GROUP,
+    )
+    local_tokens = sharding.local_rows(out.tokens_BxN)
+    assert local_tokens.shape[0] == (p1 - p0) * GROUP
+    tokens, final = sharding.gather((out.tokens_BxN, state.params))
+    if sharding.is_primary():
+        flat = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(final)}
+        init = {
+            "init/" + "/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(init_host)
+        }
+        np.savez(
+            os.path.join(out_dir, "result.npz"),
+            losses=np.asarray(losses),
+            tokens=tokens,
+            process_count=jax.process_count(),
+            device_count=jax.device_count(),
+            **flat,
+            **init,
+        )
+    print(f"process {jax.process_index()}: rows [{start}, {stop}) losses {losses}", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    worker(parser.parse_args().out)

@@ -1,0 +1,382 @@
+"""Sharding on 8 fake CPU devices: mesh/rules, sharded init and HF loading, the GVPO step and
+greedy sampling against one device, batch layout, and the memory planner against real bytes."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from gvpo_jax import config as config_lib
+from gvpo_jax import models, plan, sampler, sharding, train_step
+
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]  # (data, fsdp, tensor)
+G, NUM_PROMPTS, TP, NEW = 4, 16, 6, 6  # group size, prompts, prompt slots, response slots
+# The "tiny" preset (GQA 4/2 heads, biases, tied) with one layer: compile time is per layer.
+CFG = models.PRESETS["tiny"].replace(num_layers=1)
+
+
+def _jit_init(cfg, seed):
+    """Unsharded reference init on one device (one compiled program, not op by op)."""
+    return jax.jit(lambda: nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(seed)), nnx.Param)[1])()
+
+
+def _flat(state) -> dict[str, np.ndarray]:
+    return {
+        "/".join(map(str, k)): np.asarray(v.get_value())
+        for k, v in nnx.to_flat_state(jax.device_get(state))
+    }
+
+
+# Expected partition specs, written out by hand from the rules in sharding.py's docstring:
+# vocab/heads/kv_heads/mlp -> tensor, embed -> fsdp, head_dim/norm replicated.
+EXPECTED_SPECS = {
+    "embedding": P("tensor", "fsdp"),
+    "lm_head": P("tensor", "fsdp"),
+    "q_kernel": P("fsdp", "tensor", None),
+    "k_kernel": P("fsdp", "tensor", None),
+    "v_kernel": P("fsdp", "tensor", None),
+    "o_kernel": P("tensor", None, "fsdp"),
+    "q_bias": P("tensor", None),
+    "k_bias": P("tensor", None),
+    "v_bias": P("tensor", None),
+    "gate_kernel": P("fsdp", "tensor"),
+    "up_kernel": P("fsdp", "tensor"),
+    "down_kernel": P("tensor", "fsdp"),
+    "scale": P(None),
+}
+
+
+def _check_placement(state, mesh):
+    """Every parameter has its expected spec and each device holds only its slice."""
+    sizes = dict(mesh.shape)
+    for path, value in nnx.to_flat_state(state):
+        arr = value.get_value()
+        want = EXPECTED_SPECS[path[-1]]
+        assert arr.sharding.spec == want, (path, arr.sharding.spec)
+        local = tuple(
+            d // (1 if a is None else sizes[a])
+            for d, a in zip(arr.shape, tuple(want) + (None,) * arr.ndim, strict=False)
+        )
+        assert len(arr.addressable_shards) == 8
+        assert all(s.data.shape == local for s in arr.addressable_shards), path
+
+
+# ---------------------------------------------------------------------------------- mesh, rules
+
+
+def test_mesh_shape_fills_the_free_axis_and_rejects_impossible_meshes():
+    assert sharding.mesh_shape(-1, 2, 2, num_devices=8) == (2, 2, 2)
+    assert sharding.mesh_shape(1, -1, 1, num_devices=8) == (1, 8, 1)
+    mesh = sharding.make_mesh(2, -1, 2)
+    assert mesh.axis_names == ("data", "fsdp", "tensor") and dict(mesh.shape)["fsdp"] == 2
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    with pytest.raises(sharding.ShardingError, match="more than one -1"):
+        sharding.mesh_shape(-1, -1, 1, num_devices=8)
+    with pytest.raises(sharding.ShardingError, match="3 does not divide 8"):
+        sharding.mesh_shape(-1, 3, 1, num_devices=8)
+    with pytest.raises(sharding.ShardingError, match="needs 4 devices but 8"):
+        sharding.mesh_shape(2, 2, 1, num_devices=8)
+
+
+def test_rules_name_every_model_axis_and_check_divisibility():
+    names = {name for name, _ in sharding.LOGICAL_RULES}
+    assert set(models.PARAM_AXES) | set(models.ACTIVATION_AXES) | set(models.CACHE_AXES) <= names
+    tiny = models.PRESETS["tiny"]  # 4 heads, 2 KV heads, D 64
+    rules = dict(sharding.logical_rules(sharding.make_mesh(1, 2, 4), tiny))
+    assert rules["heads"] == "tensor" and rules["kv_heads"] is None  # GQA: K/V replicated
+    with pytest.raises(sharding.ShardingError, match="num_heads=4 is not divisible"):
+        sharding.logical_rules(sharding.make_mesh(1, 1, 8), tiny)
+    with pytest.raises(sharding.ShardingError, match="hidden_size=60 is not divisible"):
+        sharding.logical_rules(sharding.make_mesh(1, 8, 1), tiny.replace(hidden_size=60))
+    # An activation [batch, length, embed]: batch takes fsdp, so embed stays whole (FSDP).
+    from flax.linen import logical_to_mesh_axes
+
+    spec = logical_to_mesh_axes(("batch", "length", "embed"), sharding.LOGICAL_RULES)
+    assert spec == P(("data", "fsdp"), None, None)
+
+
+def test_init_sharded_lands_in_shards_with_the_unsharded_values():
+    cfg = CFG.replace(tie_word_embeddings=False)
+    mesh = sharding.make_mesh(2, 2, 2)
+    model = sharding.init_sharded(cfg, mesh, seed=3)
+    _check_placement(nnx.state(model, nnx.Param), mesh)
+    single = _flat(_jit_init(cfg, 3))
+    for k, v in _flat(nnx.state(model, nnx.Param)).items():
+        # Same threefry draws; only the fusion of `normal * std` may differ (1 ulp).
+        np.testing.assert_allclose(v, single[k], rtol=1e-6, atol=1e-8, err_msg=k)
+
+
+def test_from_pretrained_lands_sharded_as_the_rules_say(tmp_path):
+    import torch
+    import transformers
+
+    hf_cfg = transformers.Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    hf.save_pretrained(tmp_path)
+    mesh = sharding.make_mesh(2, 2, 2)
+    model = sharding.load_pretrained_sharded(tmp_path, mesh)
+    _check_placement(nnx.state(model, nnx.Param), mesh)
+    tokens = np.random.default_rng(0).integers(0, 96, (8, 7)).astype(np.int32)
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    rules = sharding.logical_rules(mesh, model.config)
+    with sharding.use_mesh(mesh, rules):
+        got = jax.jit(lambda m, t: m(t))(
+            model, jax.device_put(tokens, sharding.batch_sharding(mesh))
+        )
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- batches
+
+
+def test_batch_sharding_keeps_whole_groups_per_shard():
+    mesh = sharding.make_mesh(2, 4, 1)
+    rows = np.arange(16 * G)
+    batch = sharding.shard_batch({"rows": rows}, mesh, group_size=G)
+    assert sharding.process_rows(16 * G, mesh) == (0, 16 * G, 0, 1)
+    for shard in batch["rows"].addressable_shards:
+        held = np.asarray(shard.data)
+        assert held.size == 2 * G and held[0] % G == 0  # two whole groups, contiguous
+    np.testing.assert_array_equal(sharding.local_rows(batch["rows"]), rows)
+    with pytest.raises(sharding.ShardingError, match="12 groups cannot be split evenly over 8"):
+        sharding.shard_batch({"rows": np.arange(12 * G)}, mesh, group_size=G)
+    with pytest.raises(sharding.ShardingError, match="8 data x fsdp shards x 2 micro-batches"):
+        sharding.check_batch(8 * G, G, mesh, micro_batches=2)
+    with pytest.raises(sharding.ShardingError, match="not whole groups"):
+        sharding.check_batch(8 * G + 1, G, mesh)
+
+
+def test_micro_batches_take_a_slice_of_every_shard():
+    x = jnp.arange(16)
+    np.testing.assert_array_equal(train_step.split_micro_batches(x, 2), x.reshape(2, 8))
+    split = np.asarray(train_step.split_micro_batches(x, 2, row_shards=4))
+    np.testing.assert_array_equal(split[0], [0, 1, 4, 5, 8, 9, 12, 13])
+    np.testing.assert_array_equal(split[1], [2, 3, 6, 7, 10, 11, 14, 15])
+
+
+# ---------------------------------------------------------------------------------- GVPO step
+
+
+def _rollout_batch(vocab: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    B, S = NUM_PROMPTS * G, TP + NEW
+    plen = rng.integers(1, TP + 1, NUM_PROMPTS).repeat(G)
+    rlen = rng.integers(1, NEW + 1, B)
+    attn = np.zeros((B, S), np.float32)
+    for b in range(B):
+        attn[b, TP - plen[b] : TP] = 1.0
+        attn[b, TP : TP + rlen[b]] = 1.0
+    resp = attn[:, TP:].copy()
+    return {
+        "tokens": rng.integers(0, vocab, (B, S)).astype(np.int32),
+        "attn_mask": attn,
+        "resp_mask": resp,
+        "rewards": rng.random(B).astype(np.float32),
+        "old_logp": (-0.5 * rng.random((B, NEW)) * resp).astype(np.float32),
+    }
+
+
+def _gvpo_pieces(graphdef):
+    # SGD with momentum (an optimizer state sharded like the params) after global-norm clipping
+    # (a cross-shard reduction). Not AdamW: its first step lr*g/(|g|+eps) amplifies round-off of
+    # near-zero gradient entries up to lr/eps-fold (a 1e-8 gradient moved one weight by 4e-5),
+    # which says nothing about sharding. With SGD the parameter error is lr x gradient error.
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
+    loss_fn = functools.partial(
+        train_step.rl_loss,
+        graphdef=graphdef,
+        algo="gvpo",
+        group_size=G,
+        prompt_len=TP,
+        chunk_size=4,
+        anchor="old",
+        loss_kwargs={"beta": 0.1},
+    )
+    return tx, loss_fn
+
+
+@pytest.fixture(scope="module")
+def unsharded_step():
+    """Initial params, one GVPO step (2 micro-batches) and log-probs, all on one device."""
+    cfg = CFG
+    params = _jit_init(cfg, 0)
+    graphdef = nnx.split(models.abstract_model(cfg), nnx.Param)[0]
+    init = jax.device_get(params)
+    tx, loss_fn = _gvpo_pieces(graphdef)
+    batch = _rollout_batch(cfg.vocab_size)
+    logp = train_step.jit_logprobs(graphdef, prompt_len=TP, chunk_size=4)(
+        params, batch["tokens"], batch["attn_mask"]
+    )
+    state = train_step.init_state(params, tx, jax.random.key_data(jax.random.key(0)))
+    new, metrics = train_step.jit_update(loss_fn, tx, 2)(state, batch)
+    return init, batch, np.asarray(logp), _flat(new.params), jax.device_get(metrics)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_gvpo_step_on_a_mesh_equals_the_unsharded_step(unsharded_step, shape):
+    init, batch, logp_ref, params_ref, metrics_ref = unsharded_step
+    cfg = CFG
+    mesh = sharding.make_mesh(*shape)
+    rules = sharding.logical_rules(mesh, cfg)
+    abstract = models.abstract_model(cfg)
+    graphdef = nnx.split(abstract, nnx.Param)[0]
+    params = jax.device_put(init, sharding.param_shardings(abstract, mesh, rules))
+    tx, loss_fn = _gvpo_pieces(graphdef)
+    key = jax.random.key_data(jax.random.key(0))
+    state, shardings = train_step.init_state_sharded(params, tx, key, mesh, rules)
+    trace = state.opt_state[1][0].trace["layers"][0]["mlp"]["down_kernel"].get_value()
+    assert trace.sharding.spec == P("tensor", "fsdp")  # momentum sharded like the params
+    device_batch = sharding.shard_batch(batch, mesh, group_size=G, micro_batches=2)
+    logp = train_step.jit_logprobs(
+        graphdef,
+        prompt_len=TP,
+        chunk_size=4,
+        mesh=mesh,
+        param_shardings=shardings.params,
+        rules=rules,
+    )(state.params, device_batch["tokens"], device_batch["attn_mask"])
+    assert logp.sharding.spec == P(("data", "fsdp"))
+    np.testing.assert_allclose(np.asarray(logp), logp_ref, atol=1e-5)
+    update = train_step.jit_update(
+        loss_fn, tx, 2, mesh=mesh, state_shardings=shardings, rules=rules
+    )
+    new, metrics = update(state, device_batch)
+    assert state.step.is_deleted()  # donated
+    _check_placement(new.params, mesh)
+    # fp32 with highest matmul precision: layouts differ only in summation order, so gradients
+    # agree to ~1e-7 relative (a few ulps of sums over <= 64 rows x 12 tokens). The clipped
+    # gradient has norm 1, the step 0.5 * g moves weights by up to ~1e-2 and its round-off is
+    # ~1e-9; the new weights (|w| <= ~1, ulp 1.2e-7) may then round differently by an ulp or two.
+    # 1e-6 covers that with margin, while a real sharding bug (a group split across shards or
+    # micro-batches, a wrong shard) changes the step by the size of the step itself (~1e-3).
+    np.testing.assert_allclose(float(metrics["loss"]), float(metrics_ref["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(metrics["grad_norm"]), float(metrics_ref["grad_norm"]), rtol=1e-6
+    )
+    got = _flat(new.params)
+    moved = max(np.abs(params_ref[k] - _flat(init)[k]).max() for k in got)
+    assert moved > 5e-3  # the step really moved the weights
+    for k, v in got.items():
+        np.testing.assert_allclose(v, params_ref[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+# ---------------------------------------------------------------------------------- sampling
+
+
+def test_greedy_sampling_under_a_mesh_matches_one_device():
+    cfg = CFG
+    mesh = sharding.make_mesh(2, 2, 2)
+    rules = sharding.logical_rules(mesh, cfg)
+    model = sharding.init_sharded(cfg, mesh, seed=1)
+    graphdef, state = nnx.split(model)
+    # Larger weights than the 0.02 init so greedy decoding does not repeat one token.
+    state = jax.tree.map(lambda x: x * 12.0 if x.ndim > 1 else x, state)
+    model = nnx.merge(graphdef, state)
+    host = nnx.merge(graphdef, jax.device_put(jax.device_get(state), jax.devices()[0]))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, 256, n)) for n in (3, 5, 2, 7)]
+    ids, lens = sampler.pad_prompts(prompts, (8,))
+    kw = dict(max_new_tokens=6, temperature=0.0, num_samples=2)
+    ref = sampler.generate(host, ids, lens, rng=jax.random.key(0), **kw)
+    assert len(np.unique(np.asarray(ref.tokens_BxN))) > 6  # a non-trivial sequence to match
+    rows = sharding.batch_sharding(mesh)
+    with sharding.use_mesh(mesh, rules):  # GSPMD propagation from sharded params and inputs
+        prop = sampler.generate(
+            model,
+            jax.device_put(ids, rows),
+            jax.device_put(lens, rows),
+            rng=jax.random.key(0),
+            **kw,
+        )
+    explicit = sharding.generate(
+        model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(0), **kw
+    )
+    assert explicit.tokens_BxN.sharding.spec == P(("data", "fsdp"))
+    for out in (prop, explicit):
+        np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN))
+        np.testing.assert_allclose(np.asarray(out.logp_BxN), np.asarray(ref.logp_BxN), atol=1e-4)
+    with pytest.raises(sharding.ShardingError, match="3 prompts cannot be split over 4"):
+        sharding.generate(model, ids[:3], lens[:3], mesh=mesh, rules=rules, rng=None, **kw)
+
+
+# ---------------------------------------------------------------------------------- planner
+
+
+def _small_config():
+    c = config_lib.base_config()
+    c.model.overrides = dataclasses.asdict(CFG)  # a from-scratch model of CFG's shapes
+    c.rollout.prompts_per_step, c.rollout.group_size = 8, 2
+    c.rollout.max_new_tokens, c.data.max_prompt_len = 4, 4
+    c.algo.overlong_cache = 2
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+    return c
+
+
+def _max_device_bytes(tree) -> int:
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def test_planner_matches_the_bytes_of_the_initialised_state():
+    c = _small_config()
+    c.model.overrides.tie_word_embeddings = False  # untied: lm_head is counted too
+    cfg = plan.model_config(c)
+    report = plan.plan_memory(c, num_devices=8)
+    mesh = sharding.make_mesh(2, 2, 2)
+    rules = sharding.logical_rules(mesh, cfg)
+    model = sharding.init_sharded(cfg, mesh, seed=0, rules=rules)
+    tx = plan._optimizer(c)
+    key = jax.random.key_data(jax.random.key(0))
+    state, _ = train_step.init_state_sharded(nnx.state(model, nnx.Param), tx, key, mesh, rules)
+    assert report.params == _max_device_bytes(state.params) > 0
+    assert report.opt_state == _max_device_bytes(state.opt_state)
+    total = models.param_count(model) * 4
+    assert report.params < total / 3  # split 4 ways (fsdp x tensor) but for the norm scales
+    # The reference copy appears exactly when the run needs one (GVPO anchor="ref").
+    c.algo.anchor = "ref"
+    assert plan.plan_memory(c, num_devices=8).reference == report.params
+
+
+def test_planner_compiles_the_train_step_and_reports_fit():
+    c = _small_config()
+    compiled = plan.compile_train_step(c, sharding.make_mesh(2, 2, 2))
+    mem = compiled.memory_analysis()
+    assert mem.argument_size_in_bytes > 0
+    c.mesh.tensor = 8  # tiny has 4 heads: the planner refuses before compiling
+    c.mesh.data, c.mesh.fsdp = 1, 1
+    with pytest.raises(sharding.ShardingError, match="num_heads=4"):
+        plan.compile_train_step(c, sharding.make_mesh(1, 1, 8))
+    # The paper's 7B setting from shapes alone: FSDP over a v5p-64 slice (32 chips) fits,
+    # one 16 GiB v5e chip per 1/32 of the model does not (the rollout's KV cache dominates).
+    from configs import qwen_math
+
+    q = qwen_math.get_config()
+    text = plan.report(q, num_devices=32)
+    assert "mesh: data=1 fsdp=32 tensor=1 (32 devices)" in text
+    assert re.search(r"v5p\s+95 GiB: FITS", text) and re.search(r"v5e\s+16 GiB: DOES NOT FIT", text)
+    params = plan.plan_memory(q, num_devices=32).params
+    assert params == pytest.approx(7.616e9 * 2 / 32, rel=0.01)  # bf16, split 32 ways
