@@ -349,6 +349,9 @@ def shard_batch(
     num_blocks = len(_row_blocks(mesh)[0]) if process_local else 1
     out = {}
     for name, value in batch.items():
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            out[name] = value if value.sharding == sharding else jax.device_put(value, sharding)
+            continue  # already a global array (e.g. log-probs computed under the mesh)
         value = np.asarray(value)
         rows = value.shape[0] * num_blocks
         if group_size is not None:

@@ -164,3 +164,19 @@ def test_gpu_slurm_dry_run_outside_and_inside_an_allocation():
     script = srun[srun.index("-c") + 1]
     assert 'JAX_PROCESS_ID="$SLURM_PROCID"' in script and "gvpo_jax.main" in script
     assert srun[-3:] == [sys.executable, *args]
+
+
+def test_distributed_init_only_when_asked(monkeypatch):
+    from gvpo_jax import sharding
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("GVPO_DISTRIBUTED", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert sharding.maybe_initialize_distributed() is False  # a plain single-process run
+    assert sharding.maybe_initialize_distributed(mode="off") is False
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(sharding.ShardingError, match="set JAX_NUM_PROCESSES and JAX_PROCESS_ID"):
+        sharding.maybe_initialize_distributed()
+    with pytest.raises(sharding.ShardingError, match="use auto, on or off"):
+        sharding.maybe_initialize_distributed(mode="yes")
