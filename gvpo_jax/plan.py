@@ -228,8 +228,15 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
             f"num_kv_heads={cfg.num_kv_heads} is not divisible by tensor={tensor}: K/V "
             "projections and the KV cache are replicated over the tensor axis."
         )
-    if P * G % (data * fsdp):
-        notes.append(f"P*G={P * G} rollout rows do not split over data x fsdp={data * fsdp}.")
+    try:  # the layout the trainer will insist on, reported here before any pod is booked
+        sharding.check_batch(P * G // c.algo.num_minibatches, G, mesh, c.optim.micro_batches)
+    except sharding.ShardingError as e:
+        notes.append(f"NOT RUNNABLE on this mesh: {e}")
+    if P % (data * fsdp):
+        notes.append(
+            f"NOT RUNNABLE on this mesh: the rollout's {P} prompts do not split over "
+            f"data x fsdp = {data * fsdp} shards; make rollout.prompts_per_step a multiple."
+        )
     return MemoryPlan(
         mesh=sizes,
         params=param_bytes,
