@@ -28,6 +28,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -103,15 +104,28 @@ def mesh_shape(data: int = -1, fsdp: int = 1, tensor: int = 1, *, num_devices: i
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
     """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes).
 
-    Axis types are Auto (GSPMD propagation). Device order comes from `jax.make_mesh`, which
-    keeps `tensor` and `fsdp` on the fastest links (within a host / ICI ring) and puts `data`
-    outermost, so with one process per host each process owns a contiguous block of rows.
+    Axis types are Auto (GSPMD propagation). Device order comes from `jax.make_mesh` (a ring over
+    the physical topology on TPUs; the given order elsewhere); on multi-slice TPUs `data` is
+    split across slices (`create_hybrid_device_mesh`) so only gradient all-reduces cross DCN.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(data, fsdp, tensor, num_devices=len(devices))
-    return jax.make_mesh(
-        shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
-    )
+    auto = (jax.sharding.AxisType.Auto,) * 3
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if len(slices) > 1:  # multi-slice TPU: `data` crosses the slow links (DCN) between slices
+        from jax.experimental import mesh_utils
+
+        n = len(slices)
+        if shape[0] % n:
+            raise ShardingError(
+                f"{n} TPU slices need mesh.data to be a multiple of {n} (data parallel across "
+                f"slices), got data={shape[0]}."
+            )
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (shape[0] // n, shape[1], shape[2]), (n, 1, 1), devices
+        )
+        return jax.sharding.Mesh(grid, MESH_AXES, axis_types=auto)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
 
 
 def mesh_sizes(mesh) -> dict[str, int]:
@@ -291,42 +305,50 @@ def check_batch(num_rows: int, group_size: int, mesh, micro_batches: int = 1) ->
         )
 
 
-def _row_blocks(mesh) -> tuple[list[tuple[int, int]], tuple[int, int]]:
-    """Distinct [start, stop) blocks of row shards held by processes, and this process's block.
-
-    Counted in units of row shards (data x fsdp positions); replicas of the same rows (e.g. a
-    tensor axis spanning hosts) share one block.
+def _row_shard_sets(mesh) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """Distinct sets of row shards (data x fsdp positions) held by the processes, and this
+    process's set. Replicas (e.g. a tensor axis spanning hosts) share one set. On TPU pods a
+    host's devices need not be neighbours along the row axis, so a set may be non-contiguous.
     """
     shards = batch_shards(mesh)
-    by_process: dict[int, list[int]] = {}
+    by_process: dict[int, set[int]] = {}
     for device, (rows,) in batch_sharding(mesh).devices_indices_map((shards,)).items():
-        start, stop, _ = rows.indices(shards)
-        by_process.setdefault(device.process_index, []).extend([start, stop])
-    spans = {p: (min(v), max(v)) for p, v in by_process.items()}
-    mine = spans[jax.process_index()]
-    if (mine[1] - mine[0]) * len(set(spans.values())) != shards:
+        by_process.setdefault(device.process_index, set()).add(rows.indices(shards)[0])
+    sets = {p: tuple(sorted(v)) for p, v in by_process.items()}
+    distinct = sorted(set(sets.values()))
+    if sum(len(x) for x in distinct) != shards or len({len(x) for x in distinct}) != 1:
         raise ShardingError(
-            f"process {jax.process_index()} holds row shards {mine} of {shards}, not one "
-            "contiguous equal block; build the mesh with sharding.make_mesh (data outermost)."
+            f"processes hold overlapping or unequal sets of the {shards} row shards "
+            f"({distinct}); build the mesh with sharding.make_mesh."
         )
-    return sorted(set(spans.values())), mine
+    return distinct, sets[jax.process_index()]
 
 
-def process_rows(num_rows: int, mesh) -> tuple[int, int, int, int]:
-    """(start, stop, block index, number of blocks) of the global rows this process feeds.
+class ProcessRows(NamedTuple):
+    """The rows of a global batch that this process feeds (see `process_rows`)."""
 
-    Each process reads rows [start, stop) only: its `block index` of `number of blocks` equal
-    parts (use them as the data shard index / count). Processes that are replicas of the same
-    rows get the same block and must feed identical data.
+    rows: np.ndarray  # int64 global row indices, ascending; local row i is global rows[i]
+    index: int  # this process's data shard (replicas of the same rows share an index)
+    count: int  # number of distinct data shards (processes / replicas per shard)
+
+
+def process_rows(num_rows: int, mesh) -> ProcessRows:
+    """Which rows of a `num_rows`-row global batch this process reads and feeds.
+
+    Each process loads only `len(rows)` examples per batch, as shard `index` of `count` of the
+    data (e.g. grain's ShardOptions); passed to `shard_batch` in that order, local row i lands
+    at global row `rows[i]`. Processes that are replicas of the same rows must feed identical
+    data. With one process: all rows, index 0 of 1.
     """
     shards = batch_shards(mesh)
     if num_rows % shards:
         raise ShardingError(
             f"{num_rows} rows cannot be split over {shards} data x fsdp shards; use a multiple."
         )
-    blocks, mine = _row_blocks(mesh)
-    per_shard = num_rows // shards
-    return mine[0] * per_shard, mine[1] * per_shard, blocks.index(mine), len(blocks)
+    distinct, mine = _row_shard_sets(mesh)
+    per = num_rows // shards
+    rows = np.concatenate([np.arange(s * per, (s + 1) * per) for s in mine])
+    return ProcessRows(rows=rows, index=distinct.index(mine), count=len(distinct))
 
 
 def shard_batch(
@@ -339,14 +361,13 @@ def shard_batch(
 ) -> dict[str, jax.Array]:
     """Global row-sharded arrays from host rows.
 
-    process_local=True: `batch` holds only this process's rows (`process_rows`), in order; the
-    global batch is their concatenation over the process blocks
-    (`jax.make_array_from_process_local_data`). In a single-process run that is the whole
-    batch. process_local=False: every process passes the same full batch. With `group_size`,
-    checks that every (shard, micro-batch) slice holds whole groups.
+    process_local=True: `batch` holds only this process's rows, local row i being global row
+    `process_rows(...).rows[i]` (`jax.make_array_from_process_local_data`). In a single-process
+    run that is the whole batch. process_local=False: every process passes the same full batch.
+    With `group_size`, checks that every (shard, micro-batch) slice holds whole groups.
     """
     sharding = batch_sharding(mesh)
-    num_blocks = len(_row_blocks(mesh)[0]) if process_local else 1
+    num_blocks = len(_row_shard_sets(mesh)[0]) if process_local else 1
     out = {}
     for name, value in batch.items():
         if isinstance(value, jax.Array) and not value.is_fully_addressable:

@@ -4,9 +4,10 @@ Started by launch/local_multiprocess.sh (which sets JAX_COORDINATOR_ADDRESS, JAX
 JAX_PROCESS_ID and the fake CPU device count):
     launch/local_multiprocess.sh --num_processes 2 --devices_per_process 2 \
         --module tests.mp_worker -- --out /tmp/mp
-Each process builds only its rows of every global batch (`sharding.process_rows`), the model is
-initialised in its shards, and process 0 writes `result.npz` with the gathered parameters,
-per-step losses and greedy tokens. `reference_run` computes the same on one device.
+Each process builds only its rows of every global batch (`sharding.process_rows`: a
+non-contiguous set here), the model is initialised in its shards (split across the processes),
+and process 0 writes `result.npz` with the gathered parameters, per-step losses and greedy
+tokens. `reference_run` computes the same on one device.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ PROMPTS = 8  # P groups per step (global)
 PROMPT_LEN, NEW = 4, 4  # Tp, N
 STEPS = 3
 SEED = 0
-MESH = (1, 2, 2)  # data, fsdp, tensor: rows and parameters both split across the processes
+MESH = (2, 2, 1)  # data, fsdp, tensor; devices interleaved across processes (see `worker`)
 
 
 def global_batch(step: int, vocab: int) -> dict[str, np.ndarray]:
@@ -122,7 +123,12 @@ def worker(out_dir: str) -> None:
     from gvpo_jax import checkpoint, models, sharding, train_step
 
     assert sharding.maybe_initialize_distributed(), "launch with JAX_COORDINATOR_ADDRESS set"
-    mesh = sharding.make_mesh(*MESH)
+    # Devices [p0 d0, p1 d0, p0 d1, p1 d1]: fsdp rows of the mesh are one process each (the
+    # parameters are split across processes) and each process holds row shards {0, 2} or
+    # {1, 3}, a non-contiguous set, as a host's chips can be on a TPU pod's ring.
+    local = [jax.local_devices(process_index=p) for p in range(jax.process_count())]
+    devices = [d for pair in zip(*local, strict=True) for d in pair]
+    mesh = sharding.make_mesh(*MESH, devices=devices)
     cfg = models.PRESETS[MODEL].replace(num_layers=NUM_LAYERS)
     rules = sharding.logical_rules(mesh, cfg)
     model = sharding.init_sharded(cfg, mesh, SEED, rules)
@@ -142,11 +148,11 @@ def worker(out_dir: str) -> None:
         param_shardings=shardings.params,
         rules=rules,
     )
-    start, stop, _, _ = sharding.process_rows(PROMPTS * GROUP, mesh)
+    mine = sharding.process_rows(PROMPTS * GROUP, mesh)
     ckpt = checkpoint.Checkpointer(os.path.join(out_dir, "ckpt"), save_every=1, keep=1)
     losses = []
     for step in range(STEPS):
-        local = {k: v[start:stop] for k, v in global_batch(step, cfg.vocab_size).items()}
+        local = {k: v[mine.rows] for k, v in global_batch(step, cfg.vocab_size).items()}
         batch = sharding.shard_batch(local, mesh, group_size=GROUP)
         batch["old_logp"] = logprobs(state.params, batch["tokens"], batch["attn_mask"])
         state, m = update(state, batch)
@@ -158,8 +164,8 @@ def worker(out_dir: str) -> None:
             assert meta["step"] == 0
     ckpt.close()
     ids, lens = prompts(cfg.vocab_size)
-    p0, p1, _, _ = sharding.process_rows(PROMPTS, mesh)
-    dev = sharding.shard_batch({"ids": ids[p0:p1], "lens": lens[p0:p1]}, mesh)
+    prompt_rows = sharding.process_rows(PROMPTS, mesh).rows
+    dev = sharding.shard_batch({"ids": ids[prompt_rows], "lens": lens[prompt_rows]}, mesh)
     out = sharding.generate(
         nnx.merge(graphdef, state.params),
         dev["ids"],
@@ -172,7 +178,7 @@ def worker(out_dir: str) -> None:
         num_samples=GROUP,
     )
     local_tokens = sharding.local_rows(out.tokens_BxN)
-    assert local_tokens.shape[0] == (p1 - p0) * GROUP
+    assert local_tokens.shape[0] == len(prompt_rows) * GROUP
     tokens, final = sharding.gather((out.tokens_BxN, state.params))
     if sharding.is_primary():
         flat = {"/".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(final)}
@@ -188,7 +194,11 @@ def worker(out_dir: str) -> None:
             **flat,
             **init,
         )
-    print(f"process {jax.process_index()}: rows [{start}, {stop}) losses {losses}", flush=True)
+    print(
+        f"process {jax.process_index()}: rows {mine.rows.tolist()} (data shard {mine.index} of "
+        f"{mine.count}) losses {losses}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

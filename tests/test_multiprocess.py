@@ -37,9 +37,10 @@ def _run(args, env=None, timeout=60) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
-    """2 processes x 2 CPU devices, mesh (data 1, fsdp 2, tensor 2): rows and parameters are
-    split across the processes, each process feeds only its rows; 3 GVPO steps (with an Orbax
-    save/restore of the sharded state after the first), then greedy sampling."""
+    """2 processes x 2 CPU devices, mesh (data 2, fsdp 2) with devices interleaved across the
+    processes: parameters are split across processes and each process feeds only its rows (a
+    non-contiguous set); 3 GVPO steps (with an Orbax save/restore of the sharded state after the
+    first), then greedy sampling."""
     out = _run(
         [
             LAUNCH / "local_multiprocess.sh",
@@ -58,8 +59,8 @@ def test_two_processes_match_one_process(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "[p0] process 0: rows [0, 8)" in out.stdout
-    assert "[p1] process 1: rows [8, 16)" in out.stdout
+    assert "[p0] process 0: rows [0, 1, 2, 3, 8, 9, 10, 11] (data shard 0 of 2)" in out.stdout
+    assert "[p1] process 1: rows [4, 5, 6, 7, 12, 13, 14, 15] (data shard 1 of 2)" in out.stdout
     result = dict(np.load(tmp_path / "result.npz"))
     assert int(result["process_count"]) == 2 and int(result["device_count"]) == 4
     init = {k.removeprefix("init/"): v for k, v in result.items() if k.startswith("init/")}
