@@ -78,9 +78,11 @@ def init_state_sharded(params, tx: optax.GradientTransformation, rng, mesh, rule
     """`init_state` with the optimizer state created directly in its shards.
 
     Returns (state, shardings); `params` should already be sharded (e.g. `sharding.init_sharded`)
-    and are passed through. `shardings` are the `state_shardings` for `jit_update`.
+    and are passed through (moved onto their shardings if they are not). `shardings` are the
+    `state_shardings` for `jit_update`.
     """
     shardings = train_state_shardings(params, tx, rng, mesh, rules)
+    params = jax.device_put(params, shardings.params)  # no-op when already in place
     init = jax.jit(
         lambda p, r: init_state(p, tx, r),
         in_shardings=(shardings.params, sharding.replicated(mesh)),
