@@ -39,7 +39,7 @@ def get_config():
     c.data.max_prompt_len = 8  # "<bos>30+30=" fits
     c.data.eval_size = 200  # held-out problems, disjoint from training
 
-    c.rollout.prompts_per_step = 16  # P
+    c.rollout.prompts_per_step = 32  # P
     c.rollout.group_size = 8  # G (k)
     c.rollout.max_new_tokens = 5  # answers of <= 3 characters + EOS, with one spare slot
     c.rollout.temperature = 1.0  # sample the policy as it is
@@ -49,17 +49,17 @@ def get_config():
     c.algo.anchor = "old"  # pi_theta' = the rollout policy
     c.algo.overlong_cache = 2  # DAPO overlong window when algo.name=dapo
 
-    c.optim.lr = 3e-4  # RL learning rate (AdamW)
+    c.optim.lr = 1e-5  # RL learning rate (AdamW); 1e-4 and up undoes the SFT (measured)
     c.optim.warmup_steps = 5  # linear warm-up updates
     c.optim.grad_clip = 1.0  # global norm clip
 
-    c.sft.steps = 150  # cold-start SFT steps (cross-entropy on prompt -> answer)
+    c.sft.steps = 600  # cold-start SFT steps (cross-entropy on prompt -> answer)
     c.sft.batch_size = 64  # SFT pairs per step
-    c.sft.lr = 3e-3  # SFT learning rate
+    c.sft.lr = 1e-3  # SFT peak learning rate (cosine decay)
     c.sft.warmup_steps = 10
 
-    c.train.steps = 40  # RL steps
-    c.train.eval_every = 10  # held-out greedy accuracy every 10 steps
+    c.train.steps = 100  # RL steps
+    c.train.eval_every = 25  # held-out greedy accuracy every 25 steps
     c.train.sample_log_every = 10  # log a few completions as text
-    c.train.checkpoint_every = 20  # checkpoint every 20 RL steps (and at the end)
+    c.train.checkpoint_every = 50  # checkpoint every 50 RL steps (and at the end)
     return c

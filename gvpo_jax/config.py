@@ -71,6 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.arith = ml_collections.ConfigDict()
     c.data.arith.max_operand = 20  # operands drawn from [0, max_operand]
     c.data.arith.ops = "+-"  # operators used by the synthetic task
+    c.data.arith.style = "symbolic"  # symbolic ("12+7=") | word (one-sentence word problems)
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.prompts_per_step = 16  # P: prompts per RL step

@@ -59,7 +59,7 @@ class _Concat:
 def _load(config, split: str):
     c = config.data
     arith = data.ArithTask(max_operand=c.arith.max_operand, ops=c.arith.ops, seed=config.seed,
-                           eval_size=c.eval_size) if c.task == "arith" else None  # fmt: skip
+                           eval_size=c.eval_size, style=c.arith.style) if c.task == "arith" else None  # fmt: skip
     try:
         if c.task == "math_gsm8k":
             return _Concat([data.load_task("math", split, path=c.path),

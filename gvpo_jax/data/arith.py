@@ -14,6 +14,14 @@ import functools
 import numpy as np
 
 OPS = "+-*"
+# Word-problem phrasings of each operator (style="word"), for pretrained instruction models.
+WORD_PROBLEMS = {
+    "word": {
+        "+": "Sam has {a} marbles and finds {b} more. How many marbles does Sam have now?",
+        "-": "Sam has {a} marbles and gives {b} of them away. How many marbles are left?",
+        "*": "There are {a} boxes with {b} pencils in each. How many pencils are there in all?",
+    }
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +37,13 @@ class ArithTask:
     eval_size: int = 200  # held-out problems
     train_size: int = 1 << 20  # length of the training source (index space of the stream)
     allow_negative: bool = False  # False: "a-b" always has a >= b
+    style: str = "symbolic"  # symbolic: "12+7=" | word: a one-sentence word problem
 
     def __post_init__(self):
         if not self.ops or set(self.ops) - set(OPS) or len(set(self.ops)) != len(self.ops):
             raise ValueError(f"ops is {self.ops!r}; use distinct operators from {OPS!r}.")
+        if self.style not in WORD_PROBLEMS and self.style != "symbolic":
+            raise ValueError(f"style is {self.style!r}; use 'symbolic' or 'word'.")
         if self.max_operand < 1:
             raise ValueError(f"max_operand is {self.max_operand}; use an integer >= 1.")
         if 2 * self.eval_size > self.num_problems:
@@ -57,7 +68,8 @@ class ArithTask:
         """The example dict of one problem."""
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         key = f"{a}{op}{b}"
-        return {"prompt": f"{key}=", "answer": str(value), "solution": str(value),
+        prompt = f"{key}=" if self.style == "symbolic" else WORD_PROBLEMS[self.style][op]
+        return {"prompt": prompt.format(a=a, b=b), "answer": str(value), "solution": str(value),
                 "dataset": "arith", "id": key}  # fmt: skip
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, str, int]:

@@ -85,10 +85,19 @@ def _run_inline(fn: Callable, args: tuple) -> tuple[str, object]:
         return "error", f"{type(e).__name__}: {e}"
 
 
+def _inline_with_deadline(inline_fn, args, timeout_s) -> tuple[str, object]:
+    """Any in-process reward gets the soft deadline, not only the ones that set their own."""
+    try:
+        with verifiers.soft_deadline(timeout_s):
+            return inline_fn(args)
+    except verifiers.RewardTimeout:
+        return "timeout", None
+
+
 def _run_tasks(reward: Reward, worker_fn, inline_fn, args_list, timeout_s, num_workers):
     if reward.isolated and num_workers > 0:
         return get_pool(num_workers).map(worker_fn, args_list, timeout_s=timeout_s)
-    return [inline_fn(args) for args in args_list]
+    return [_inline_with_deadline(inline_fn, args, timeout_s) for args in args_list]
 
 
 def score_batch(

@@ -1,0 +1,95 @@
+"""Faults inside a run: non-finite steps are skipped and counted, bad rewards score 0 and go on."""
+
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from gvpo_jax import checkpoint, rewards, train
+from tests.test_train import _flat, make_run, toy_config
+
+
+def _nan_at(task, calls_to_poison):
+    """Wraps task.score so the given call numbers return NaN rewards."""
+    score = task.score
+
+    def poisoned(completions, golds):
+        r, info = score(completions, golds)
+        if task.calls in calls_to_poison:
+            r = np.full_like(r, np.nan)
+        return r, info
+
+    task.score = poisoned
+
+
+def test_nan_step_is_skipped_counted_and_training_continues():
+    c = toy_config("gvpo")
+    run, state, update = make_run(c)
+    _nan_at(run.task, {2})
+    history = []
+    for step in (1, 2, 3):
+        before = _flat(state.params)
+        state, metrics, _, _ = train.rl_step(run, state, update, step)
+        history.append((before, _flat(state.params), metrics))
+    (_, _, m1), (b2, a2, m2), (b3, a3, m3) = history
+    assert m1["skipped_updates"] == 0 and m3["skipped_updates"] == 0
+    assert m2["skipped_updates"] == 1 and not np.isfinite(m2["loss"])
+    np.testing.assert_array_equal(a2, b2)  # the poisoned step changed nothing
+    assert np.abs(a3 - b3).max() > 0  # and training went on
+    assert int(state.step) == 2 and int(state.bad_steps) == 0
+    assert checkpoint.nonfinite_leaves(state) == []  # what a checkpoint would save is finite
+
+
+def test_consecutive_nan_steps_stop_the_run():
+    c = toy_config("gvpo", **{"train.max_bad_steps": 2})
+    run, state, update = make_run(c)
+    _nan_at(run.task, set(range(1, 100)))
+    state, m, _, _ = train.rl_step(run, state, update, 1)
+    assert m["skipped_updates"] == 1
+    with pytest.raises(train.TrainingError, match="2 consecutive non-finite updates"):
+        train.rl_step(run, state, update, 2)
+
+
+@pytest.fixture
+def bad_rewards():
+    def sleepy(completion, gold, timeout_s=None):
+        time.sleep(5)
+        return 1.0
+
+    def broken(completion, gold, timeout_s=None):
+        raise RuntimeError("verifier crashed")
+
+    added = []
+    for name, fn in (("test_sleepy", sleepy), ("test_broken", broken)):
+        if name not in rewards.REWARDS:
+            rewards.register(rewards.Reward(name, fn))
+            added.append(name)
+    yield
+    for name in added:
+        rewards.REWARDS.pop(name)
+
+
+def test_reward_timeouts_and_errors_score_zero_and_the_run_goes_on(bad_rewards):
+    from gvpo_jax import tasks
+
+    c = toy_config("gvpo", **{"train.reward_timeout_s": 0.2})
+    run, state, update = make_run(c)
+    real = tasks.Task.score
+    specs = [("test_sleepy", 1.0), ("test_broken", 1.0)]
+
+    class Shim:  # tasks.Task.score on the toy task's settings
+        reward_specs, timeout_s, num_workers = specs, 0.2, 0
+
+    run.task.score = lambda comp, golds: real(Shim, comp, golds)
+    t0 = time.perf_counter()
+    before = _flat(state.params)
+    state, m, _, _ = train.rl_step(run, state, update, 1)
+    elapsed = time.perf_counter() - t0
+    B = c.rollout.prompts_per_step * c.rollout.group_size
+    assert m["reward/timeouts"] == B and m["reward/errors"] == B
+    assert m["reward_mean"] == 0.0
+    assert elapsed < 0.2 * B + 20  # each sleeper is cut at its 0.2 s deadline, not 30 s
+    state, m, _, _ = train.rl_step(run, state, update, 2)  # the run goes on
+    assert np.isfinite(_flat(state.params)).all() and _flat(state.params).shape == before.shape
+    jax.block_until_ready(state.params)
