@@ -2,7 +2,13 @@
 
 
 def bad_input_errors() -> tuple[type[BaseException], ...]:
-    from gvpo_jax import checkpoint, models, tasks
+    from gvpo_jax import checkpoint, models, sharding, tasks
     from gvpo_jax.config import ConfigError
 
-    return (ConfigError, models.CheckpointError, checkpoint.CheckpointError, tasks.DataError)
+    return (
+        ConfigError,
+        models.CheckpointError,
+        checkpoint.CheckpointError,
+        tasks.DataError,
+        sharding.ShardingError,
+    )

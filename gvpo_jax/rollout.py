@@ -81,16 +81,18 @@ def sample_groups(
     *,
     settings: RolloutSettings,
     rng: jax.Array,
+    mesh=None,
+    rules=None,
 ) -> sampler.SampleOutput:
-    """G responses for each prompt (rows grouped contiguously), fetched to the host."""
+    """G responses for each prompt (rows grouped contiguously), fetched to the host.
+
+    With a mesh the prompts are split by rows over data x fsdp (explicit shardings; P must be a
+    multiple of the row shards) and the parameters stay in their shards.
+    """
     buckets = settings.buckets or (settings.prompt_len,)
     prompt_ids, prompt_lens = sampler.pad_prompts(prompts, buckets, settings.pad_id)
-    out = sampler.generate(
-        model,
-        prompt_ids,
-        prompt_lens,
+    kw = dict(
         max_new_tokens=settings.max_new_tokens,
-        rng=rng,
         temperature=settings.temperature,
         top_k=settings.top_k,
         top_p=settings.top_p,
@@ -98,7 +100,14 @@ def sample_groups(
         num_samples=settings.group_size,
         pad_id=settings.pad_id,
     )
-    return sampler.SampleOutput(*(np.asarray(x) for x in jax.device_get(out)))
+    if mesh is None:
+        out = sampler.generate(model, prompt_ids, prompt_lens, rng=rng, **kw)
+        return sampler.SampleOutput(*(np.asarray(x) for x in jax.device_get(out)))
+    from gvpo_jax import sharding
+
+    ids = sharding.shard_batch({"ids": prompt_ids, "lens": prompt_lens}, mesh)
+    out = sharding.generate(model, ids["ids"], ids["lens"], mesh=mesh, rules=rules, rng=rng, **kw)
+    return sampler.SampleOutput(*(sharding.local_rows(x) for x in out))
 
 
 def rollout(
@@ -111,6 +120,8 @@ def rollout(
     rng: jax.Array,
     score_fn: Callable[[list[str], list[str]], tuple[np.ndarray, dict]],
     demo_answers: Sequence[str] | None = None,
+    mesh=None,
+    rules=None,
 ) -> tuple[dict[str, np.ndarray], list[str], dict[str, float]]:
     """One round: sample, optionally put a demonstration in each group's last slot, score, lay out.
 
@@ -120,7 +131,7 @@ def rollout(
     """
     G, N = settings.group_size, settings.max_new_tokens
     t0 = time.perf_counter()
-    out = sample_groups(model, prompts, settings=settings, rng=rng)
+    out = sample_groups(model, prompts, settings=settings, rng=rng, mesh=mesh, rules=rules)
     rollout_s = time.perf_counter() - t0
     tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
     sample_logp = np.asarray(out.logp_BxN, np.float32)

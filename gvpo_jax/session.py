@@ -8,12 +8,13 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tqdm
 from flax import nnx
 
-from gvpo_jax import checkpoint, metrics, models, rollout, tasks, train_step
+from gvpo_jax import checkpoint, metrics, models, rollout, sharding, tasks, train_step
 from gvpo_jax.replay import ReplayBuffer
 
 # Metrics shown on the progress line, in this order, when present.
@@ -38,16 +39,31 @@ def build_tokenizer(config, workdir: str):
     return None  # kind == "model" with a GGUF: from_gguf returns its tokenizer
 
 
-def build_model(config, tokenizer):
-    """The policy: HF directory > GGUF file > preset / overrides with random init (seeded)."""
+def build_model(config, tokenizer, mesh=None):
+    """The policy: HF directory > GGUF file > preset / overrides with random init (seeded).
+
+    With a mesh, parameters are created or loaded straight into their shards under the logical
+    axis rules. Returns (model, tokenizer, rules); rules is None without a mesh.
+    """
     c = config.model
     if c.hf_dir:
-        return models.from_pretrained(c.hf_dir, dtype=c.dtype, remat=c.remat), tokenizer
+        if mesh is None:
+            return models.from_pretrained(c.hf_dir, dtype=c.dtype, remat=c.remat), tokenizer, None
+        cfg = sharding.hf_model_config(c.hf_dir, c.dtype).replace(remat=c.remat)
+        rules = sharding.logical_rules(mesh, cfg)
+        model = sharding.load_pretrained_sharded(
+            c.hf_dir, mesh, c.dtype, remat=c.remat, rules=rules
+        )
+        return model, tokenizer, rules
     if c.gguf:
         from gvpo_jax.config import resolve_gguf
 
         model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), dtype=c.dtype)
-        return model, tokenizer or gguf_tok
+        tokenizer = tokenizer or gguf_tok
+        if mesh is None:
+            return model, tokenizer, None
+        rules = sharding.logical_rules(mesh, model.config)
+        return sharding.shard_model(model, mesh, rules), tokenizer, rules
     base = models.PRESETS[c.preset] if c.preset else None
     fields = dict(c.overrides.to_dict())
     if tokenizer is not None and "vocab_size" not in fields and base is None:
@@ -55,7 +71,25 @@ def build_model(config, tokenizer):
     fields.setdefault("param_dtype", c.dtype)
     fields.setdefault("remat", c.remat)
     cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
-    return models.Transformer(cfg, rngs=nnx.Rngs(config.seed)), tokenizer
+    if mesh is None:
+        return models.Transformer(cfg, rngs=nnx.Rngs(config.seed)), tokenizer, None
+    rules = sharding.logical_rules(mesh, cfg)
+    return sharding.init_sharded(cfg, mesh, config.seed, rules), tokenizer, rules
+
+
+def check_mesh(config, mesh) -> None:
+    """Batch shapes the mesh can split into whole groups (ShardingError otherwise)."""
+    c = config
+    P, G = c.rollout.prompts_per_step, c.rollout.group_size
+    sharding.check_batch((P // c.algo.num_minibatches) * G, G, mesh, c.optim.micro_batches)
+    shards = sharding.batch_shards(mesh)
+    fresh = P - int(round(c.algo.replay_fraction * P))
+    for name, n in (("rollout.prompts_per_step", P), ("fresh groups per step", fresh)):
+        if n % shards:
+            raise sharding.ShardingError(
+                f"{name} = {n} is not a multiple of the {shards} data x fsdp shards of the "
+                "mesh; change prompts_per_step (or replay_fraction) or config.mesh."
+            )
 
 
 def rollout_settings(config, tokenizer) -> rollout.RolloutSettings:
@@ -78,6 +112,8 @@ def build(config: ml_collections.ConfigDict, workdir: str):
     """Everything a run needs, before any compilation: returns (Run, initial TrainState)."""
     from gvpo_jax.train import Run
 
+    if config.restore_from:  # a bad explicit path fails before anything is written
+        checkpoint.resolve_restore(config.restore_from, workdir)
     try:
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, ".write_test")
@@ -90,8 +126,10 @@ def build(config: ml_collections.ConfigDict, workdir: str):
         ) from e
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    check_mesh(config, mesh)
     tokenizer = build_tokenizer(config, workdir)
-    model, tokenizer = build_model(config, tokenizer)
+    model, tokenizer, rules = build_model(config, tokenizer, mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     settings = rollout_settings(config, tokenizer)
     task = tasks.build_task(config, tokenizer, workdir)
@@ -111,8 +149,15 @@ def build(config: ml_collections.ConfigDict, workdir: str):
         writer=writer,
         ckpt=ckpt,
         np_rng=np.random.default_rng(config.seed + 1),
+        mesh=mesh,
+        rules=rules,
     )
-    print(f"model: {models.param_count(model) / 1e6:.2f}M parameters; devices: {jax.devices()}")
+    if sharding.is_primary():
+        print(
+            f"model: {models.param_count(model) / 1e6:.2f}M parameters; "
+            f"{jax.device_count()} {jax.devices()[0].platform} devices; mesh "
+            + " x ".join(f"{k}={v}" for k, v in sharding.mesh_sizes(mesh).items())
+        )
     state = train_step.TrainState(
         step=np.zeros((), np.int32),
         params=params,
@@ -125,7 +170,7 @@ def build(config: ml_collections.ConfigDict, workdir: str):
 
 def freeze_reference(run, params) -> None:
     """A copy of the current policy that never changes (reference / frozen anchor)."""
-    run.ref_params = jax.tree.map(lambda x: x.copy(), params)
+    run.ref_params = jax.tree.map(jnp.copy, params)  # keeps each array's sharding
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,7 +192,7 @@ def restore(run, state):
     layouts = [run.ref_params, None] if needs_ref else [None, state.params]
     first_error = None
     for ref in layouts:
-        abstract = jax.eval_shape(lambda ref=ref: {"state": state, "ref": ref})
+        abstract = abstract_target(run, state, ref)
         try:
             restored, meta, replay = run.ckpt.restore(abstract, step=step, directory=directory)
             break
@@ -165,6 +210,17 @@ def restore(run, state):
         run.replay.load_state_dict(replay)
     print(f"Resumed from {directory} at step {step}.", flush=True)
     return restored["state"], step, True
+
+
+def abstract_target(run, state, ref):
+    """Restore target: shapes and dtypes, with the run's shardings when it has a mesh."""
+    if run.state_shardings is None:
+        return jax.eval_shape(lambda: {"state": state, "ref": ref})
+    shard = run.state_shardings
+    return {
+        "state": sharding.abstract_with_shardings(state, shard),
+        "ref": None if ref is None else sharding.abstract_with_shardings(ref, shard.params),
+    }
 
 
 def save(run, state, step: int) -> None:
@@ -249,9 +305,11 @@ def _flatten(d, prefix=""):
 def export(run, params) -> dict:
     """The policy as a Hugging Face directory (model + tokenizer) in workdir/export."""
     out = os.path.join(run.workdir, "export")
-    models.save_pretrained(run.model(params), out)
-    run.tokenizer.save_pretrained(out)
-    print(f"Exported the policy to {out}")
+    host = sharding.gather(params)  # an all-gather in multi-process runs: every process calls
+    if sharding.is_primary():
+        models.save_pretrained(run.model(host), out)
+        run.tokenizer.save_pretrained(out)
+        print(f"Exported the policy to {out}")
     return {"export_dir": out}
 
 

@@ -58,8 +58,12 @@ class _Concat:
 
 def _load(config, split: str):
     c = config.data
-    arith = data.ArithTask(max_operand=c.arith.max_operand, ops=c.arith.ops, seed=config.seed,
-                           eval_size=c.eval_size, style=c.arith.style) if c.task == "arith" else None  # fmt: skip
+    arith = None
+    if c.task == "arith":
+        arith = data.ArithTask(
+            max_operand=c.arith.max_operand, ops=c.arith.ops, seed=config.seed,
+            eval_size=c.eval_size, style=c.arith.style,
+        )  # fmt: skip
     try:
         if c.task == "math_gsm8k":
             return _Concat([data.load_task("math", split, path=c.path),
@@ -67,7 +71,7 @@ def _load(config, split: str):
         return data.load_task(c.task, split, path=c.path, prompt_field=c.prompt_field,
                               answer_field=c.answer_field, arith=arith)  # fmt: skip
     except (OSError, ValueError, KeyError) as e:
-        raise DataError(f"could not load data.task={c.task!r} split {split!r}: {e}") from e
+        raise DataError(f"data.task={c.task!r} split {split!r} could not be loaded: {e}.") from e
 
 
 class Task:
@@ -100,7 +104,10 @@ class Task:
             raise DataError(f"no held-out example of {c.task!r} fits data.max_prompt_len.")
 
     def _encode(self, examples: Sequence[dict]) -> list[dict]:
-        ids, _, kept, dropped = data.encode_prompts(self.tokenizer, examples, **self.encode_kw)
+        try:
+            ids, _, kept, dropped = data.encode_prompts(self.tokenizer, examples, **self.encode_kw)
+        except ValueError as e:  # on_too_long="error": a prompt longer than max_prompt_len
+            raise DataError(str(e).rstrip(".") + ".") from e
         self.dropped = getattr(self, "dropped", 0) + dropped
         return [dict(examples[int(i)], prompt_ids=p) for i, p in zip(kept, ids, strict=True)]
 

@@ -69,13 +69,29 @@ class Run:
     ref_params: object = None
     replay: ReplayBuffer | None = None
     np_rng: np.random.Generator | None = None
+    mesh: object = None  # jax.sharding.Mesh; None: one device, shardings follow the inputs
+    rules: object = None  # logical axis rules for the model on the mesh
+    state_shardings: object = None  # TrainState of shardings (with a mesh)
+    logprobs: object = None  # jitted (params, tokens, attn_mask) -> response log-probs
 
     def model(self, params):
         return nnx.merge(self.graphdef, params)
 
 
-def make_update_fns(run: Run, total_rl_updates: int):
-    """Jitted RL update and its optimizer, from the config (static settings bound by partial)."""
+def init_train_state(run: Run, params, tx, rng) -> train_step.TrainState:
+    """A fresh train state; with a mesh, placed in its shards (and run.state_shardings set)."""
+    if run.mesh is None:
+        return train_step.init_state(params, tx, rng)
+    state, run.state_shardings = train_step.init_state_sharded(params, tx, rng, run.mesh, run.rules)
+    return state
+
+
+def make_update_fns(run: Run, params, rng, total_rl_updates: int):
+    """The RL train state and its jitted update (static settings bound by partial).
+
+    Also sets `run.logprobs`, the jitted old / reference log-prob forward with the same shardings.
+    Returns (state, update, tx); tx re-initialises the moments after an SFT phase.
+    """
     c = run.config
     tx, lr_fn = train_step.make_optimizer(
         lr=c.optim.lr,
@@ -87,10 +103,13 @@ def make_update_fns(run: Run, total_rl_updates: int):
         b2=c.optim.b2,
         grad_clip=c.optim.grad_clip,
     )
-    kw = loss_kwargs(c)
-    max_tokens = kw.pop("max_tokens", None)
-    if max_tokens is not None:
-        kw["max_tokens"] = max_tokens
+    state = init_train_state(run, params, tx, rng)
+    shardings = run.state_shardings
+    run.logprobs = train_step.jit_logprobs(
+        run.graphdef, prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk,
+        mesh=run.mesh, param_shardings=None if shardings is None else shardings.params,
+        rules=run.rules,
+    )  # fmt: skip
     loss_fn = functools.partial(
         train_step.rl_loss,
         graphdef=run.graphdef,
@@ -99,9 +118,13 @@ def make_update_fns(run: Run, total_rl_updates: int):
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
         anchor=c.algo.anchor,
-        loss_kwargs=kw,
+        loss_kwargs=loss_kwargs(c),
     )
-    return tx, lr_fn, train_step.jit_update(loss_fn, tx, c.optim.micro_batches, lr_fn)
+    update = train_step.jit_update(
+        loss_fn, tx, c.optim.micro_batches, lr_fn, mesh=run.mesh, state_shardings=shardings,
+        rules=run.rules,
+    )  # fmt: skip
+    return state, update, tx
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,9 +168,12 @@ def run_sft(run: Run, state: train_step.TrainState, *, steps: int, log_prefix="s
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
     )
-    update = train_step.jit_update(loss_fn, tx, 1, lr_fn)
     # Copies: the update donates its state, and `state` stays valid for the caller.
-    sft_state = train_step.init_state(jax.tree.map(jnp.copy, state.params), tx, jnp.copy(state.rng))
+    sft_state = init_train_state(run, jax.tree.map(jnp.copy, state.params), tx, jnp.copy(state.rng))
+    update = train_step.jit_update(
+        loss_fn, tx, 1, lr_fn, mesh=run.mesh, state_shardings=run.state_shardings,
+        rules=run.rules,
+    )  # fmt: skip
     t0 = time.perf_counter()
     for i in range(steps):
         examples = run.task.next_train(c.sft.batch_size)
@@ -185,6 +211,8 @@ def collect_rollout(run: Run, params, rng: jax.Array, num_prompts: int):
             [ex["prompt_ids"] for ex in examples],
             tokenizer=run.tokenizer,
             settings=run.settings,
+            mesh=run.mesh,
+            rules=run.rules,
             rng=jax.random.fold_in(rng, r),
             score_fn=run.task.score,
             demo_answers=[ex.get("solution") or ex["answer"] for ex in examples]
@@ -253,14 +281,10 @@ def rl_step(run: Run, state, update, step: int):
     if run.replay is not None:
         run.replay.add(fresh, G)
     # pi_old (and the GVPO anchor "old") for every row, replayed ones included, in one forward.
-    kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk)
-    update_batch["old_logp"] = train_step.batch_logprobs(
-        run.graphdef, state.params, update_batch["tokens"], update_batch["attn_mask"], **kw
-    )
+    tokens, attn = update_batch["tokens"], update_batch["attn_mask"]
+    update_batch["old_logp"] = np.asarray(run.logprobs(state.params, tokens, attn))
     if run.ref_params is not None:
-        update_batch["ref_logp"] = train_step.batch_logprobs(
-            run.graphdef, run.ref_params, update_batch["tokens"], update_batch["attn_mask"], **kw
-        )
+        update_batch["ref_logp"] = np.asarray(run.logprobs(run.ref_params, tokens, attn))
     old = np.asarray(update_batch["old_logp"])[: fresh["sample_logp"].shape[0]]
     gap = np.abs(old - fresh["sample_logp"]) * fresh["resp_mask"]
     num_groups = update_batch["rewards"].shape[0] // G
@@ -321,8 +345,9 @@ def _run_mode(run_: Run, state) -> dict:
     """Restore or cold-start, then the mode's work. Resume order: restore_from > workdir > init."""
     c = run_.config
     per_step = c.algo.num_epochs * c.algo.num_minibatches
-    tx, _, update = make_update_fns(run_, per_step * max(c.train.steps, 1))
-    state = train_step.init_state(state.params, tx, state.rng)
+    state, update, tx = make_update_fns(
+        run_, state.params, state.rng, per_step * max(c.train.steps, 1)
+    )
     if needs_reference(c):
         run_.ref_params = state.params  # structure for the restore target; frozen again below
     state, start, resumed = session.restore(run_, state)
@@ -334,7 +359,7 @@ def _run_mode(run_: Run, state) -> dict:
     if c.sft.steps and not resumed:
         summary["eval_before_sft"] = session.evaluate(run_, state.params, step=0)["accuracy"]
         state = run_sft(run_, state, steps=c.sft.steps)
-        state = train_step.init_state(state.params, tx, state.rng)  # fresh moments for RL
+        state = init_train_state(run_, state.params, tx, state.rng)  # fresh moments for RL
     if needs_reference(c) and not resumed:
         session.freeze_reference(run_, state.params)
     if c.mode == "sft":

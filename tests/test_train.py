@@ -81,7 +81,7 @@ def toy_config(algo="gvpo", **changes):
 
 def make_run(config):
     tok = data.build_char_tokenizer()
-    model, _ = session.build_model(config, tok)
+    model, _, _ = session.build_model(config, tok)
     graphdef, params = nnx.split(model, nnx.Param)
     run = train.Run(
         config=config, workdir="", graphdef=graphdef, tokenizer=tok, task=ToyTask(tok),
@@ -89,9 +89,8 @@ def make_run(config):
         replay=session.make_replay(config), np_rng=np.random.default_rng(0),
     )  # fmt: skip
     c = config
-    _, _, update = train.make_update_fns(run, c.train.steps * c.algo.num_minibatches)
-    tx = train.make_update_fns(run, 10)[0]
-    state = train_step.init_state(params, tx, jax.random.key_data(jax.random.key(c.seed)))
+    rng = jax.random.key_data(jax.random.key(c.seed))
+    state, update, _ = train.make_update_fns(run, params, rng, c.train.steps * 2)
     if train.needs_reference(c):
         session.freeze_reference(run, params)
     return run, state, update
@@ -147,9 +146,7 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
     batch, _, _, _ = train.collect_rollout(run, state.params, jax.random.key(1), P)
     batch["rewards"] = np.random.default_rng(0).random(P * G).astype(np.float32)
     kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk)
-    batch["old_logp"] = train_step.batch_logprobs(
-        run.graphdef, state.params, batch["tokens"], batch["attn_mask"], **kw
-    )
+    batch["old_logp"] = run.logprobs(state.params, batch["tokens"], batch["attn_mask"])
     ub = {k: jnp.asarray(batch[k]) for k in ("tokens", "attn_mask", "resp_mask", "rewards",
                                              "old_logp")}  # fmt: skip
     loss_fn = functools.partial(
@@ -171,19 +168,19 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_ref)) > 1e-4
 
 
-def test_replayed_groups_use_current_anchor_logprobs(monkeypatch):
+def test_replayed_groups_use_current_anchor_logprobs():
     c = toy_config("gvpo", **{"algo.replay_fraction": 0.5, "rollout.prompts_per_step": 4})
     run, state, update = make_run(c)
     assert isinstance(run.replay, ReplayBuffer)
     seen = []
-    real = train_step.batch_logprobs
+    real = run.logprobs
 
-    def spy(graphdef, params, tokens, attn, **kw):
-        out = real(graphdef, params, tokens, attn, **kw)
+    def spy(params, tokens, attn):
+        out = real(params, tokens, attn)
         seen.append((np.asarray(tokens), np.asarray(out), _flat(params)))
         return out
 
-    monkeypatch.setattr(train_step, "batch_logprobs", spy)
+    run.logprobs = spy
     for step in (1, 2, 3):
         state, metrics, _, _ = train.rl_step(run, state, update, step)
     assert metrics["replayed_groups"] == 2.0

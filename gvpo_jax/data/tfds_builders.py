@@ -107,8 +107,21 @@ def read_records(path: str) -> list[dict]:
         return pq.read_table(path).to_pylist()
     with open(path, encoding="utf-8") as f:
         if path.endswith(".jsonl"):
-            return [json.loads(line) for line in f if line.strip()]
-        data = json.load(f)
+            rows = []
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"{path} line {lineno} is not valid JSON ({e.msg}); fix or remove it"
+                    ) from e
+            return rows
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {e.lineno} is not valid JSON ({e.msg}); fix it") from e
     return data if isinstance(data, list) else [data]
 
 
