@@ -48,7 +48,7 @@ def get_config():
     c.optim.warmup_steps = 10
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
-    c.optim.micro_batches = 16  # 16 prompts x 4 responses per micro-batch
+    c.optim.micro_batches = 8  # 256 groups / (32 row shards x 8) = 1 group per micro-batch
 
     c.train.steps = 200
     c.train.eval_every = 20

@@ -133,6 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel axis (-1: all remaining devices)
     c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
     c.mesh.tensor = 1  # tensor-parallel axis
+    c.mesh.distributed = "auto"  # jax.distributed: auto (env / SLURM / pod) | on | off
+    c.mesh.coordinator_address = ""  # "host:port" of process 0 (else JAX_COORDINATOR_ADDRESS)
+    c.mesh.num_processes = -1  # -1: from the environment
+    c.mesh.process_id = -1  # -1: from the environment
     return c
 
 
@@ -282,6 +286,8 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(f"config.optim.grad_clip is {c.optim.grad_clip}; use 0 (off) or a positive norm.")
     if c.train.reward_timeout_s <= 0:
         _fail(f"config.train.reward_timeout_s is {c.train.reward_timeout_s}; use seconds > 0.")
+    if c.mesh.distributed not in ("auto", "on", "off"):
+        _fail(f"config.mesh.distributed is {c.mesh.distributed!r}; use auto, on or off.")
     for axis in ("data", "fsdp", "tensor"):
         value = c.mesh[axis]
         if not isinstance(value, int) or (value < 1 and value != -1):

@@ -28,8 +28,15 @@ def main(argv):
     )
     try:
         config_lib.validate(config)
-        from gvpo_jax import train
+        from gvpo_jax import sharding, train
 
+        m = config.mesh
+        sharding.maybe_initialize_distributed(  # before anything touches a device
+            m.coordinator_address or None,
+            None if m.num_processes < 0 else m.num_processes,
+            None if m.process_id < 0 else m.process_id,
+            mode=m.distributed,
+        )
         train.run(config, workdir)
     except train_errors() as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ INVALID = [
     ("optim.schedule", "step", "config.optim.schedule is 'step'"),
     ("train.reward_timeout_s", 0.0, "config.train.reward_timeout_s is 0.0"),
     ("mesh.fsdp", 0, "config.mesh.fsdp is 0"),
+    ("mesh.distributed", "maybe", "config.mesh.distributed is 'maybe'"),
     ("tokenizer.kind", "bpe", "config.tokenizer.kind is 'bpe'"),
     ("algo.overlong_cache", 50, "config.algo.overlong_cache is 50"),
     ("train.max_bad_steps", 0, "config.train.max_bad_steps is 0"),
