@@ -244,7 +244,10 @@ class Transformer(nnx.Module):
             raise ValueError("cache_index is required with a KV cache.")
         # mode="clip": out-of-range pad ids (e.g. -1) must not turn into NaN rows, since a NaN
         # value at a masked key would still poison the attention output through 0 * NaN.
-        x_BxTxD = jnp.take(self.embedding[...], tokens_BxT, axis=0, mode="clip")
+        # Gather from a table whole along embed: an FSDP-sharded table would otherwise force XLA
+        # into a full rematerialisation of the lookup ("involuntary full rematerialization").
+        table_VxD = constrain(self.embedding[...], ("vocab", None))
+        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0, mode="clip")
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
         new_cache = [] if cache is not None else None
         for layer_index, block in enumerate(self.layers):
