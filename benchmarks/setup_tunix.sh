@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates .venv-tunix: google-tunix 0.1.7 in its own environment, for benchmarks/tunix_rollout.py.
+#
+# Run from the repo root: `bash benchmarks/setup_tunix.sh` (a few minutes; needs only PyPI).
+# Tunix requires safetensors<0.8 (ours is 0.8.0) and pulls datasets, numba, kagglehub, qwix..., so
+# it never goes into requirements.txt. We first ask pip for the same jax/jaxlib/flax as the main
+# venv (same XLA, so the comparison measures the libraries, not the compiler); if pip cannot
+# resolve that, we let it choose and the benchmark prints the versions it ran with.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${TUNIX_VENV:-.venv-tunix}"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+# Keep the environment out of git and out of `ruff .` (both honour nested .gitignore files).
+echo '*' > "$VENV/.gitignore"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+
+same_xla=(jax==0.10.2 jaxlib==0.10.2 flax==0.12.8)
+if ! "$VENV/bin/python" -m pip install -q google-tunix==0.1.7 "${same_xla[@]}"; then
+  echo "setup_tunix: tunix does not install with ${same_xla[*]}; letting pip choose jax/flax." >&2
+  "$VENV/bin/python" -m pip install -q google-tunix==0.1.7
+fi
+# The benchmark imports gvpo_jax only for the FLOP formulas and weight export (pure numpy here),
+# and torch is not needed: tunix runs on JAX.
+"$VENV/bin/python" - <<'EOF'
+import importlib.metadata as md
+for name in ("google-tunix", "jax", "jaxlib", "flax", "safetensors", "transformers", "qwix"):
+    try:
+        print(f"{name}=={md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"{name}: not installed")
+import tunix  # noqa: F401  (fails loudly here if the install is broken)
+print("tunix imports")
+EOF

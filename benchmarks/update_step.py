@@ -1,0 +1,266 @@
+"""Update-step throughput and MFU: gvpo_jax GVPO/GRPO vs plain PyTorch vs tunix 0.1.7 GRPO.
+
+Run from the repo root: `.venv/bin/python -m benchmarks.update_step [--repeats 3] [--quick]`
+(about 8 minutes on 2 cores with tunix set up by `bash benchmarks/setup_tunix.sh`; each
+bench-45m update is ~1.5 TFLOP). One update = forward, token log-probs, loss, backward, global-norm
+clipping and AdamW on 32 sequences (8 prompts x 4 responses) of 64 left-padded prompt + 128
+response tokens. Ours is the project's real step: `train_step.jit_update(train_step.rl_loss ...)`
+bound as in `train.make_update_fns`. The plain PyTorch update uses transformers'
+Qwen2ForCausalLM on the same weights, the same losses written in torch, torch.optim.AdamW and
+2 threads. Tunix runs its `grpo_loss_fn` inside its RL Trainer's jitted train step (worker in
+.venv-tunix, see tunix_rollout.py). All see the same tokens, rewards and old/ref log-probs, and the
+first-step losses are printed side by side as a check that they compute the same thing.
+
+Prints: the machine, the measured fp32 matmul peak (jnp.dot and torch.mm, n = 1024..4096),
+a table (first call, XLA compile time, best/median step time, tokens/s, GFLOP/s, MFU, recompiles
+after the first step, load average), and the ratios against the issue's targets.
+FLOPs per update: 6*N*B*T + 12*L*d*B*T^2 (see benchmarks/common.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks import common, tunix_rollout  # noqa: E402
+from gvpo_jax import losses, rollout, train_step  # noqa: E402
+
+LR, BETA, KL_COEF = 1e-6, 0.1, 0.04  # GVPO beta (official script); GRPO preset's k3 KL coef
+QUICK = dict(prompts=2, group=2, prompt_len=8, new_tokens=8)
+FULL = dict(
+    prompts=common.PROMPTS,
+    group=common.SAMPLES,
+    prompt_len=common.PROMPT_LEN,
+    new_tokens=common.NEW_TOKENS,
+)
+
+
+def make_batch(model, *, prompts, group, prompt_len, new_tokens, chunk, seed=0) -> dict:
+    """A rollout batch in the trainer's layout (`rollout.layout_batch`), as numpy arrays.
+
+    Random full-length prompts and responses (EOS disabled), uniform rewards; old_logp and
+    ref_logp = the model's own log-probs plus noise (0.1 and 0.01 nats), so ratios move off 1
+    (some clip) and the policy, KL and GVPO terms all enter the first-step loss that the
+    implementations are checked on. Also the GRPO advantages, for tunix (which takes them
+    precomputed).
+    """
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(seed)
+    prompt_ids = common.random_prompts(vocab, prompts, prompt_len, seed=seed)
+    b = prompts * group
+    responses = rng.integers(1, vocab, (b, new_tokens)).astype(np.int32)
+    mask = np.ones((b, new_tokens), np.float32)
+    batch = rollout.layout_batch(
+        prompt_ids.tolist(), responses, mask, group_size=group, prompt_len=prompt_len, pad_id=0
+    )
+    batch["rewards"] = rng.random(b).astype(np.float32)
+    graphdef, params = nnx.split(model, nnx.Param)
+    old = train_step.batch_logprobs(
+        graphdef, params, batch["tokens"], batch["attn_mask"], prompt_len=prompt_len,
+        chunk_size=chunk,
+    )  # fmt: skip
+    noise = lambda scale: scale * rng.standard_normal((b, new_tokens)).astype(np.float32)
+    batch["old_logp"] = (np.asarray(old) + noise(0.1)) * mask
+    batch["ref_logp"] = (np.asarray(old) + noise(0.01)) * mask
+    adv = losses.group_advantages(jnp.asarray(batch["rewards"]), group, scale="group")
+    batch["advantages"] = np.asarray(adv, np.float32)
+    return batch
+
+
+def loss_setup(algo: str, batch: dict, new_tokens: int) -> tuple[dict, dict]:
+    """(loss_kwargs for rl_loss, the batch keys the loss reads), as train.make_update_fns."""
+    keys = ["tokens", "attn_mask", "resp_mask", "rewards", "old_logp"]
+    if algo == "gvpo":
+        return {"beta": BETA}, {k: batch[k] for k in keys}
+    kw = {"kl_coef": KL_COEF, "max_tokens": new_tokens}
+    return kw, {k: batch[k] for k in keys + ["ref_logp"]}
+
+
+def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> common.LocalBench:
+    """The real jitted update (state donated), repeated on the same batch."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = jax.tree.map(jnp.copy, params)  # the update donates them; keep the model intact
+    tx, lr_fn = train_step.make_optimizer(lr=LR, total_updates=10**6, grad_clip=1.0)
+    loss_kwargs, data = loss_setup(algo, batch, new_tokens)
+    loss_fn = functools.partial(
+        train_step.rl_loss, graphdef=graphdef, algo=algo, group_size=group,
+        prompt_len=prompt_len, chunk_size=chunk, anchor="old", loss_kwargs=loss_kwargs,
+    )  # fmt: skip
+    update = train_step.jit_update(loss_fn, tx, 1, lr_fn)
+    data = jax.device_put(data)
+    state = [train_step.init_state(params, tx, jax.random.key(0))]
+    first_loss = []
+
+    def call():
+        state[0], metrics = update(state[0], data)
+        jax.block_until_ready((state[0], metrics))
+        first_loss.append(float(metrics["loss"]))
+
+    return common.LocalBench(
+        call, lambda: dict(cache_size=update._cache_size(), first_loss=first_loss[0])
+    )
+
+
+# ----------------------------------------------------------------------------- plain PyTorch
+
+
+def torch_loss(algo, logp, batch, group):
+    """GVPO / GRPO losses written directly in torch (the SPEC's formulas, fp32)."""
+    import torch
+
+    t = lambda k: torch.from_numpy(np.array(batch[k]))  # a writable copy
+    mask, old, rewards = t("resp_mask"), t("old_logp"), t("rewards")
+    if algo == "gvpo":
+        r = BETA * ((logp * mask).sum(-1) - (old * mask).sum(-1)).view(-1, group)
+        a = rewards.view(-1, group)
+        d = (r - r.mean(1, keepdim=True)) - (a - a.mean(1, keepdim=True))
+        return (0.5 * d**2).sum(1).div(group - 1).mean()
+    rg = rewards.view(-1, group)
+    adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
+    diff = torch.clamp(t("ref_logp") - logp, -20.0, 20.0)
+    k3 = torch.clamp(torch.exp(diff) - diff - 1.0, -10.0, 10.0)
+    per_tok = pg + KL_COEF * k3
+    return ((per_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def torch_bench(hf_dir, batch, algo, *, group, prompt_len, threads=2) -> common.LocalBench:
+    """transformers Qwen2ForCausalLM + torch losses + clip_grad_norm_ + AdamW, eager, 2 threads."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
+    tokens = torch.from_numpy(batch["tokens"]).long()
+    attn = torch.from_numpy(batch["attn_mask"]).long()
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    n = tokens.shape[1] - prompt_len
+    targets = tokens[:, prompt_len:]
+    mask = torch.from_numpy(batch["resp_mask"])
+    first_loss = []
+
+    def call():
+        opt.zero_grad(set_to_none=True)
+        # Only the N+1 last positions need logits: hidden state s-1 predicts token s.
+        out = model(
+            input_ids=tokens, attention_mask=attn, position_ids=positions, logits_to_keep=n + 1
+        )
+        logits = out.logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0] * mask
+        loss = torch_loss(algo, logp, batch, group)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        first_loss.append(float(loss.detach()))
+
+    return common.LocalBench(call, lambda: dict(first_loss=first_loss[0]))
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="timed updates per implementation")
+    parser.add_argument("--quick", action="store_true", help="tiny model and shapes (tests)")
+    parser.add_argument("--chunk", type=int, default=128, help="log-prob chunk (config default)")
+    parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--skip-tunix", action="store_true")
+    args = parser.parse_args(argv)
+
+    shape = QUICK if args.quick else FULL
+    p, g, tp, n = shape["prompts"], shape["group"], shape["prompt_len"], shape["new_tokens"]
+    model = common.bench_model(args.quick)
+    dims = common.dims_of(model.config)
+    b, t = p * g, tp + n
+    flops = common.update_flops(dims, b, t)
+    print(f"# Update step ({'quick' if args.quick else 'bench-45m'})")
+    print(common.describe_machine())
+    print(
+        f"{b} sequences x ({tp} + {n}) tokens; N = {common.matmul_weights(**dims) / 1e6:.1f}M "
+        f"matmul weights; {flops / 1e9:.1f} GFLOP per update; lr {LR}, grad clip 1.0"
+    )
+    sizes = (256,) if args.quick else common.PEAK_SIZES
+    peak = common.measure_peak(sizes, torch=not args.skip_torch)
+    batch = make_batch(model, **shape, chunk=args.chunk)
+
+    benches = {}
+    for algo in ("gvpo", "grpo"):
+        benches[f"gvpo_jax {algo.upper()}"] = ours_bench(
+            model, batch, algo, group=g, prompt_len=tp, new_tokens=n, chunk=args.chunk
+        )
+    with tempfile.TemporaryDirectory() as work:
+        tunix_rollout.export_for_worker(model, work)
+        if not args.skip_torch:
+            for algo in ("gvpo", "grpo"):
+                benches[f"PyTorch {algo.upper()}"] = torch_bench(
+                    work, batch, algo, group=g, prompt_len=tp
+                )
+        if not args.skip_tunix:
+            np.savez(os.path.join(work, "batch.npz"), **batch)
+            try:
+                benches["tunix GRPO"] = tunix_rollout.TunixWorker(
+                    "update", work, group_size=g, prompt_len=tp, kl_coef=KL_COEF, lr=LR
+                )
+            except tunix_rollout.WorkerError as e:
+                print(f"tunix: not measured: {e}")
+        rows = common.interleave(benches, args.repeats)
+    if "tunix GRPO" in rows:
+        print(f"tunix versions: {rows['tunix GRPO']['versions']}")
+    peak = peak.merge(common.measure_peak(sizes, torch=not args.skip_torch))
+    print(peak.describe() + "\n")
+
+    table = []
+    for name, r in rows.items():
+        tm = common.Timing.from_dict(r["timing"])
+        table.append([
+            name, f"{r['first_loss']:.6f}", f"{tm.first_s:.1f}", f"{tm.compile_s:.1f}",
+            f"{tm.best:.2f}", f"{tm.median:.2f}", f"{b * t / tm.best:.0f}",
+            f"{flops / tm.best / 1e9:.1f}", f"{100 * flops / tm.best / peak.flops:.1f}%",
+            common.fmt_recompiles(r), f"{tm.load:.1f}",
+        ])  # fmt: skip
+    headers = [
+        "update", "first-step loss", "first call s", "compile s", "best s", "median s",
+        "tokens/s", "GFLOP/s", "MFU", "recompiles", "load",
+    ]  # fmt: skip
+    print(common.md_table(headers, table))
+
+    best = lambda name: rows[name]["timing"]["best"] if name in rows else None
+    summary = dict(rows=rows, peak=peak.flops, flops=flops, shape=shape, ratios={})
+    lines = []
+    for algo in ("GVPO", "GRPO"):
+        ours = best(f"gvpo_jax {algo}")
+        lines.append(common.ratio_line(f"{algo} MFU", flops / ours / peak.flops, 0.55))
+        if best(f"PyTorch {algo}"):
+            ratio = best(f"PyTorch {algo}") / ours
+            summary["ratios"][f"{algo} vs PyTorch"] = ratio
+            lines.append(common.ratio_line(f"{algo} speed-up over PyTorch", ratio, 1.1))
+    if best("tunix GRPO"):
+        ratio = best("tunix GRPO") / best("gvpo_jax GRPO")
+        summary["ratios"]["GRPO vs tunix"] = ratio
+        lines.append(common.ratio_line("GRPO speed-up over tunix", ratio, 1.5))
+    ours_recompiles = sum(r["recompiles"] for k, r in rows.items() if k.startswith("gvpo_jax"))
+    lines.append(common.ratio_line("gvpo_jax recompiles after the first step", ours_recompiles, 0,
+                                   higher_is_better=False))  # fmt: skip
+    print("\n" + "\n".join(lines))
+    common.emit_json("UPDATE_STEP", summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Benchmarks: FLOP conventions, timing helpers, each script's --quick run printing its tables."""
+
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from benchmarks import common, scaling, tunix_rollout, update_step
+from gvpo_jax import models
+
+
+def test_matmul_weights_counts_every_kernel_and_the_tied_output_layer():
+    # Independent count from the real model: every matmul kernel plus the embedding, which the
+    # tied output layer reuses (one [V, D] matrix, multiplied at the output).
+    model = models.abstract_model(models.PRESETS["bench-45m"])
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    names = [(jax.tree_util.keystr(path), x.shape) for path, x in flat]
+    kernels = sum(math.prod(s) for k, s in names if "kernel" in k or "embedding" in k)
+    assert kernels == 32768 * 512 + 8 * (512 * 512 + 2 * 512 * 128 + 512 * 512 + 3 * 512 * 1408)
+    assert common.matmul_weights(**common.BENCH_45M) == kernels  # embedding counted once: tied
+    assert common.dims_of(models.PRESETS["bench-45m"]) == common.BENCH_45M
+
+
+def test_flop_formulas_match_the_issue_conventions():
+    d = common.BENCH_45M
+    n = common.matmul_weights(**d)
+    b, t = 32, 192
+    assert common.update_flops(d, b, t) == 6 * n * b * t + 12 * 8 * 512 * b * t * t
+    p, g = 64, 128
+    ctx = sum(range(1, p + g + 1))
+    assert common.generation_flops(d, b, p, g) == 2 * n * b * (p + g) + 4 * 8 * 512 * b * ctx
+
+
+def test_fit_line_recovers_slope_and_r2():
+    x = np.array([2.0, 4.0, 8.0, 16.0])
+    fit = scaling.fit_line(x, 0.5 + 0.25 * x)
+    assert fit["slope"] == pytest.approx(0.25) and fit["intercept"] == pytest.approx(0.5)
+    assert fit["r2"] == pytest.approx(1.0)
+    assert scaling.fit_line(x, x**3)["r2"] < 0.95  # a cubic is visibly not linear
+
+
+def test_time_calls_counts_recompiles_after_the_first_call():
+    f = jax.jit(lambda x: x * 2.0)
+    shapes = iter([3, 3, 3, 4, 4])
+    timing, recompiles = common.time_calls(
+        lambda: f(np.ones(next(shapes), np.float32)).block_until_ready(), 4
+    )
+    assert recompiles == 1  # the new shape, not the repeated ones
+    assert len(timing.times_s) == 4 and timing.best <= timing.median
+    assert timing.compile_s > 0
+
+
+def test_update_step_quick_prints_table_and_matches_pytorch(capsys):
+    summary = update_step.main(["--quick", "--repeats", "1", "--skip-tunix"])
+    out = capsys.readouterr().out
+    assert "| update | first-step loss |" in out and "GVPO MFU" in out
+    rows = summary["rows"]
+    for algo in ("GVPO", "GRPO"):
+        ours, torch_row = rows[f"gvpo_jax {algo}"], rows[f"PyTorch {algo}"]
+        assert ours["recompiles"] == 0 and ours["cache_size"] == 1
+        # Same weights, same batch, same formulas: the first-step losses must agree.
+        assert ours["first_loss"] == pytest.approx(torch_row["first_loss"], rel=1e-3, abs=1e-6)
+        assert ours["first_loss"] > 0
+    assert summary["peak"] > 0 and summary["ratios"]["GVPO vs PyTorch"] > 0
+
+
+def test_scaling_quick_rollout_sweeps_print_tables_and_fits(capsys):
+    # The update sweeps run the same `sweep` code on update_step's pieces (tested above); only
+    # the rollout half runs here to keep the compile count (and test time) down.
+    results = scaling.main(["--quick", "--repeats", "1", "--only", "rollout"])
+    out = capsys.readouterr().out
+    assert set(results) == {"rollout vs G", "rollout vs N"}
+    for name, r in results.items():
+        assert f"## {name}" in out
+        assert len(r["points"]) == 2 and math.isfinite(r["fit"]["slope"])
+        assert all(t["best"] > 0 for _, t, _ in r["points"])
+    assert "## Linear fits" in out and "| rollout vs N |" in out
+
+
+def test_tunix_rollout_quick_without_tunix_still_times_ours(capsys, monkeypatch):
+    monkeypatch.setenv("TUNIX_PYTHON", "/nonexistent/python")
+    summary = tunix_rollout.main(["--quick", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "tunix: not measured: no .venv-tunix" in out
+    assert (
+        "| gvpo_jax generate |" in out and summary["rows"]["gvpo_jax generate"]["recompiles"] == 0
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (os.environ.get("RUN_TUNIX_BENCH") and tunix_rollout.tunix_python()),
+    reason="opt-in (RUN_TUNIX_BENCH=1) and needs .venv-tunix from benchmarks/setup_tunix.sh",
+)
+def test_tunix_worker_quick_loads_same_weights_and_samples(capsys):
+    summary = tunix_rollout.main(["--quick", "--repeats", "1"])
+    assert "tunix Sampler" in summary["rows"], capsys.readouterr().out
+    assert summary["speedup"] > 0
