@@ -57,6 +57,7 @@ def get_config():
     c.train.keep_checkpoints = 3
     c.train.reward_timeout_s = 5.0
     c.train.reward_workers = 16
+    c.train.kl_ref_metric = False  # no extra 7B copy just for the KL metric (anchor "old")
 
     # A v5p-64 slice (32 chips) or one 8-GPU node: parameters and optimizer state sharded (FSDP)
     # within a host, data parallel across hosts. -1 takes all remaining devices.

@@ -126,6 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.max_bad_steps = 5  # stop after this many consecutive non-finite steps
     c.train.reward_timeout_s = 5.0  # per-sample reward timeout (seconds)
     c.train.reward_workers = 0  # reward processes (0: score in this process)
+    c.train.kl_ref_metric = True  # keep a frozen copy of the start policy to log KL to it (k3)
     c.train.export = True  # write the final policy as a Hugging Face directory
     c.train.plot = True  # write curves.png at the end
 

@@ -325,7 +325,7 @@ def finish(run, params, summary: dict) -> None:
         metrics.plot_curves(
             rows,
             png,
-            keys=("reward_mean", "eval/avg@1", "response_len_mean", "kl_ref", "loss"),
+            keys=("reward_mean", "eval/avg@1", "response_len_mean", "kl_ref"),
             title=f"{c.algo.name} on {c.data.task}",
         )
         summary["plot"] = png

@@ -40,8 +40,10 @@ def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
 
 
 def needs_reference(config: ml_collections.ConfigDict) -> bool:
-    """A frozen reference copy is needed for GVPO's anchor="ref" or a KL penalty."""
+    """A frozen reference copy: GVPO's anchor="ref", a KL penalty, or the KL-to-start metric."""
     preset = losses.get_preset(config.algo.name)
+    if config.train.kl_ref_metric:
+        return True
     if preset.kind == "gvpo":
         return config.algo.anchor == "ref"
     kl = config.algo.kl_coef if config.algo.kl_coef is not None else preset.kwargs.get("kl_coef", 0)

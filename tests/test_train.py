@@ -169,7 +169,14 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
 
 
 def test_replayed_groups_use_current_anchor_logprobs():
-    c = toy_config("gvpo", **{"algo.replay_fraction": 0.5, "rollout.prompts_per_step": 4})
+    c = toy_config(
+        "gvpo",
+        **{
+            "algo.replay_fraction": 0.5,
+            "rollout.prompts_per_step": 4,
+            "train.kl_ref_metric": False,
+        },
+    )
     run, state, update = make_run(c)
     assert isinstance(run.replay, ReplayBuffer)
     seen = []
