@@ -1,0 +1,580 @@
+"""Learning study: GVPO vs the GRPO family where the claims bite (off-policy, replay, lr, beta).
+
+Run (about 45-60 min on a quiet 2-core CPU; writes docs/study/{results.json,results.md,*.png}):
+    .venv/bin/python -m benchmarks.learning_study
+    .venv/bin/python -m benchmarks.learning_study --quick --out /tmp/s --workdir /tmp/s/runs
+    .venv/bin/python -m benchmarks.learning_study --only offpolicy,replay --seeds 0,1
+
+Every RL run starts from one shared cold-start checkpoint (SFT on the arithmetic task, made once
+in <workdir>/start and reused) and runs until it has sampled the same number of responses (the
+rollout budget), whatever its replay fraction or dynamic-sampling rounds. Held-out greedy
+accuracy is measured at fixed budget fractions; KL(pi_final || pi_start) is a per-token k3
+estimate on fresh samples of the final policy. A run diverges when its loss is non-finite, an
+update is skipped, the trainer stops, or its final accuracy falls below half the start's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import shutil
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gvpo_jax import session, tasks, train, train_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUDY_DIR = os.path.join(REPO, "docs", "study")
+NOISE_FRAC = 0.3  # share of SFT demonstrations with a wrong answer (experiment "noisy")
+DIVERGE_RATIO = 0.5  # final accuracy below this times the start's counts as a collapse
+OFF_POLICY = {"algo.num_minibatches": 4, "algo.num_epochs": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One configuration of one experiment; `overrides` are dotted config fields."""
+
+    exp: str
+    name: str
+    overrides: tuple = ()
+    start: str = "clean"  # which cold-start checkpoint: clean | noisy
+
+
+def _cell(exp, name, start="clean", **kw):
+    return Cell(exp, name, tuple(sorted((k.replace("__", "."), v) for k, v in kw.items())), start)
+
+
+def cells(lr: float) -> list[Cell]:
+    """The study's cells; identical configurations in several experiments run once."""
+    off = {k.replace(".", "__"): v for k, v in OFF_POLICY.items()}
+    out = []
+    for algo in ("gvpo", "grpo", "dr_grpo", "gspo"):
+        out.append(_cell("offpolicy", f"{algo} 4mbx2ep", algo__name=algo, **off))
+    for f in (0.0, 0.5, 0.75):
+        out.append(_cell("replay", f"gvpo replay {f}", algo__name="gvpo", algo__replay_fraction=f))
+    for algo in ("gvpo", "grpo"):
+        for mult in (1, 3, 10):
+            out.append(
+                _cell(
+                    "stability",
+                    f"{algo} lr x{mult} 4mbx2ep",
+                    algo__name=algo,
+                    optim__lr=lr * mult,
+                    **off,
+                )
+            )
+    for beta in (0.05, 0.1, 0.2):
+        out.append(_cell("beta", f"gvpo beta {beta}", algo__name="gvpo", algo__beta=beta))
+    out.append(_cell("noisy", "gvpo from noisy SFT", start="noisy", algo__name="gvpo"))
+    for anchor in ("old", "ref"):
+        out.append(_cell("anchor", f"gvpo anchor {anchor}", algo__name="gvpo", algo__anchor=anchor))
+    for algo in ("gvpo", "grpo", "dr_grpo", "dapo", "gspo"):  # one update per rollout
+        out.append(_cell("baselines", algo, algo__name=algo))
+    return out
+
+
+def config_key(cell: Cell, base) -> str:
+    """Cells with the same effective config share runs (e.g. gvpo lr x1 and the offpolicy gvpo)."""
+    fields = dict(cell.overrides)
+    for k, v in list(fields.items()):
+        sect, name = k.split(".")
+        if base[sect][name] == v:
+            del fields[k]
+    return json.dumps([cell.start, sorted(fields.items())])
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs and the two cold starts
+
+
+def base_config(quick: bool):
+    """configs/arith_tiny.py with study settings (no export / plot / periodic checkpoints)."""
+    import importlib.util
+
+    path = os.path.join(REPO, "configs", "arith_tiny.py")
+    spec = importlib.util.spec_from_file_location("arith_tiny", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.train.export = False
+    c.train.plot = False
+    c.train.checkpoint_every = 10**9
+    c.train.sample_log_every = 0
+    c.train.eval_every = 0
+    c.mesh.data = -1  # all devices: one on a plain CPU (the test runs the script without fakes)
+    if quick:
+        c.rollout.prompts_per_step = 8
+        c.rollout.group_size = 4
+        c.data.eval_size = 16
+        c.sft.steps = 20
+        c.sft.batch_size = 16
+    return c
+
+
+def with_overrides(c, overrides, seed: int):
+    c = c.copy_and_resolve_references()
+    for k, v in overrides:
+        sect, name = k.split(".")
+        c[sect][name] = v
+    c.seed = seed
+    return c
+
+
+class NoisyTask:
+    """Wraps a Task: a fixed NOISE_FRAC of problems get a wrong SFT target ("solution").
+
+    The corruption is a pure function of the problem id (crc32), so a wrong problem is always
+    wrong the same way, like a flawed demonstration set. "answer" (the verifier's gold) is
+    untouched: rewards and evaluation stay exact.
+    """
+
+    def __init__(self, task, frac: float):
+        self.task, self.frac = task, frac
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def corrupt(self, ex: dict) -> dict:
+        h = zlib.crc32(ex["id"].encode())
+        if (h % 1000) / 1000.0 >= self.frac:
+            return ex
+        offsets = (1, 2, 3, 10)
+        off = offsets[(h >> 10) % len(offsets)]
+        gold = int(ex["answer"])
+        wrong = gold + off if (h >> 14) % 2 or gold - off < 0 else gold - off
+        return dict(ex, solution=str(wrong))
+
+    def next_train(self, n: int) -> list[dict]:
+        return [self.corrupt(ex) for ex in self.task.next_train(n)]
+
+
+def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, extra: int = 0):
+    """Cold-start SFT (train.run_sft's recipe, plus held-out evals) saved as step 0 in workdir.
+
+    With `extra` > 0 the SFT continues for that many steps at a constant 1/10 of the SFT
+    learning rate after the saved checkpoint (the plateau check; not saved).
+    Returns {"curve": [(sft_step, accuracy)], "extra_curve": [...], "time_s": ...}.
+    """
+    t0 = time.perf_counter()
+    c = config.copy_and_resolve_references()
+    c.mode = "sft"
+    run_, state = session.build(c, workdir)
+    if noise:
+        run_.task = NoisyTask(run_.task, noise)
+    try:
+        state, _, tx = train.make_update_fns(run_, state.params, state.rng, 1)
+        curve = [(0, session.evaluate(run_, state.params, step=0)["accuracy"])]
+        params, curve = _sft_phase(run_, state, steps, c.sft.lr, "cosine", eval_points, curve)
+        state = train.init_train_state(run_, params, tx, state.rng)  # fresh RL moments
+        session.save(run_, state, 0)
+        run_.ckpt.wait()
+        extra_curve = [(steps, curve[-1][1])]
+        if extra:
+            state = state.replace(params=params)
+            _, extra_curve = _sft_phase(
+                run_,
+                state,
+                extra,
+                c.sft.lr / 10,
+                "constant",
+                max(eval_points // 2, 1),
+                extra_curve,
+                offset=steps,
+            )
+    finally:
+        run_.writer.close()
+        run_.task.close()
+        run_.ckpt.close()
+    return {"curve": curve, "extra_curve": extra_curve, "time_s": time.perf_counter() - t0}
+
+
+def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
+    c = run_.config
+    tx, lr_fn = train_step.make_optimizer(
+        lr=lr,
+        total_updates=steps,
+        warmup_steps=c.sft.warmup_steps if not offset else 0,
+        schedule=schedule,
+        grad_clip=c.optim.grad_clip,
+    )
+    loss_fn = functools.partial(
+        train_step.sft_loss,
+        graphdef=run_.graphdef,
+        prompt_len=c.data.max_prompt_len,
+        chunk_size=c.model.logprob_chunk,
+    )
+    st = train.init_train_state(run_, jax.tree.map(jnp.copy, state.params), tx, jnp.copy(state.rng))
+    update = train_step.jit_update(
+        loss_fn,
+        tx,
+        1,
+        lr_fn,
+        mesh=run_.mesh,
+        state_shardings=run_.state_shardings,
+        rules=run_.rules,
+    )
+    every = max(steps // eval_points, 1)
+    for i in range(1, steps + 1):
+        st, _ = update(st, train.sft_batch(run_, run_.task.next_train(c.sft.batch_size)))
+        if i % every == 0 or i == steps:
+            acc = session.evaluate(run_, st.params, step=offset + i)["accuracy"]
+            curve.append((offset + i, acc))
+            print(f"[sft] step {offset + i}: held-out accuracy {acc:.3f}", flush=True)
+    return st.params, curve
+
+
+# ----------------------------------------------------------------------------------------------
+# One RL run
+
+
+def rl_run(config, workdir: str, start_dir: str, *, budget: int, eval_points: int, start_acc):
+    """RL from `start_dir` until `budget` responses are sampled; returns the run's record.
+
+    Composes the trainer's public pieces (session.build / restore, train.rl_step) so that the
+    loop can stop on a response budget and measure KL to the start policy at the end.
+    """
+    t0 = time.perf_counter()
+    c = config.copy_and_resolve_references()
+    c.restore_from = os.path.join(start_dir, "checkpoints")
+    P, G = c.rollout.prompts_per_step, c.rollout.group_size
+    f = c.algo.replay_fraction
+    c.train.steps = int(np.ceil(1 + (budget / (P * G) - 1) / (1 - f)))  # schedule length only
+    run_, state = session.build(c, workdir)
+    run_.replay = session.make_replay(c)
+    rec = {"curve": [], "losses": [], "skipped": 0, "error": None}
+    try:
+        per_step = c.algo.num_epochs * c.algo.num_minibatches
+        state, update, _ = train.make_update_fns(
+            run_, state.params, state.rng, per_step * c.train.steps
+        )
+        if train.needs_reference(c):
+            run_.ref_params = state.params
+        state, _, _ = session.restore(run_, state)
+        # The checkpoint carries the SFT run's rng, data position and shuffle stream: reseed them
+        # (and rebuild the task) so that seeds differ.
+        state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))
+        run_.np_rng = np.random.default_rng(c.seed + 1)
+        run_.task.close()
+        run_.task = tasks.build_task(c, run_.tokenizer, workdir)
+        start_params = jax.tree.map(jnp.copy, state.params)
+        acc0 = start_acc
+        if acc0 is None:
+            acc0 = session.evaluate(run_, state.params, step=0)["accuracy"]
+        rec["curve"].append((0, acc0))
+        responses, step, next_eval = 0, 0, 1
+        while responses < budget:
+            step += 1
+            state, m, _, _ = train.rl_step(run_, state, update, step)
+            responses += int(m["rollout_rounds"]) * (P - int(m["replayed_groups"])) * G
+            run_.writer.write_scalars(step, m | {"responses": responses})
+            rec["losses"].append(m.get("loss", float("nan")))
+            rec["skipped"] += int(m["skipped_updates"])
+            if responses >= next_eval * budget / eval_points or responses >= budget:
+                acc = session.evaluate(run_, state.params, step=step)["accuracy"]
+                rec["curve"].append((responses, acc))
+                next_eval = int(responses * eval_points / budget) + 1
+        rec["steps"] = step
+        rec["kl_start"] = kl_to_start(run_, state.params, start_params, c.seed)
+    except train.TrainingError as e:
+        rec["error"] = str(e)
+        rec["kl_start"] = float("nan")
+    finally:
+        run_.writer.close()
+        run_.task.close()
+        run_.ckpt.close()
+    rec["time_s"] = time.perf_counter() - t0
+    return rec
+
+
+def kl_to_start(run_, params, start_params, seed: int, batches: int = 2) -> float:
+    """KL(pi_final || pi_start) per response token: k3 = e^d - d - 1, d = logp_start - logp_final,
+    on responses sampled from the final policy (unbiased for the per-token KL of those tokens,
+    the same estimate as the trainer's kl_ref)."""
+    total, ntok = 0.0, 0.0
+    for i in range(batches):
+        key = jax.random.fold_in(jax.random.key(seed + 777), i)
+        P = run_.config.rollout.prompts_per_step
+        batch, *_ = train.collect_rollout(run_, params, key, P)
+        tokens, attn, mask = batch["tokens"], batch["attn_mask"], batch["resp_mask"]
+        final = np.asarray(run_.logprobs(params, tokens, attn), np.float64)
+        start = np.asarray(run_.logprobs(start_params, tokens, attn), np.float64)
+        d = np.clip(start - final, -20, 20)
+        total += float(np.sum((np.exp(d) - d - 1.0) * mask))
+        ntok += float(mask.sum())
+    return total / max(ntok, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries, tables, plots
+
+
+def diverged(rec: dict) -> bool:
+    losses = np.asarray(rec["losses"], np.float64)
+    acc0, acc_end = rec["curve"][0][1], rec["curve"][-1][1]
+    return bool(
+        rec["error"]
+        or rec["skipped"]
+        or not np.all(np.isfinite(losses))
+        or acc_end < DIVERGE_RATIO * acc0
+    )
+
+
+def auc(curve, budget: int) -> float:
+    """Mean accuracy over the budget: trapezoid area under accuracy vs responses / budget."""
+    x = np.array([p[0] for p in curve], np.float64)
+    y = np.array([p[1] for p in curve], np.float64)
+    return float(np.trapezoid(y, x) / max(x[-1], 1.0)) if len(x) > 1 else float(y[0])
+
+
+def cell_summary(recs: list[dict], budget: int) -> dict:
+    final = np.array([r["curve"][-1][1] for r in recs])
+    return {
+        "seeds": len(recs),
+        "final_mean": float(final.mean()),
+        "final_std": float(final.std(ddof=1)) if len(final) > 1 else 0.0,
+        "final_min": float(final.min()),
+        "final_max": float(final.max()),
+        "auc": float(np.mean([auc(r["curve"], budget) for r in recs])),
+        "diverged": int(sum(diverged(r) for r in recs)),
+        "kl_start": float(np.nanmean([r["kl_start"] for r in recs])),
+        "steps": float(np.mean([r.get("steps", 0) for r in recs])),
+        "time_s": float(np.mean([r["time_s"] for r in recs])),
+    }
+
+
+TABLE_HEAD = (
+    "| cell | final acc (mean +- std) | min / max | AUC | diverged | KL to start | steps "
+    "| s/run |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def table(rows: list[tuple[str, dict]], start_acc: float) -> str:
+    lines = [f"start (held-out greedy accuracy of the cold start): {start_acc:.3f}", "", TABLE_HEAD]
+    for name, s in rows:
+        lines.append(
+            f"| {name} | {s['final_mean']:.3f} +- {s['final_std']:.3f} | "
+            f"{s['final_min']:.3f} / {s['final_max']:.3f} | {s['auc']:.3f} | "
+            f"{s['diverged']}/{s['seeds']} | {s['kl_start']:.4f} | {s['steps']:.0f} | "
+            f"{s['time_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(exp: str, series: list[tuple[str, list[dict]]], out_png: str, extra=None) -> None:
+    """Accuracy vs sampled responses: the seed mean and a min-max band per cell."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ncols = 2 if extra else 1
+    fig = Figure(figsize=(6.5 * ncols, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False).ravel()
+    ax = axes[0]
+    for name, recs in series:
+        grid = np.unique(np.concatenate([[p[0] for p in r["curve"]] for r in recs]))
+        ys = np.stack([np.interp(grid, *np.array(r["curve"], np.float64).T) for r in recs])
+        (line,) = ax.plot(grid / 1000, ys.mean(0), lw=1.5, marker=".", label=name)
+        ax.fill_between(grid / 1000, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("sampled responses (thousands)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_title(f"{exp}: mean and min-max band over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if extra:
+        ax = axes[1]
+        for name, curve in extra:
+            x, y = np.array(curve, np.float64).T
+            ax.plot(x, y, marker=".", lw=1.5, label=name)
+        ax.set_xlabel("SFT steps")
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.set_title("SFT on clean vs noisy demonstrations")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.savefig(out_png, dpi=100)
+
+
+# ----------------------------------------------------------------------------------------------
+# The study
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (one seed, few cells)")
+    p.add_argument("--out", default=STUDY_DIR, help="results.json, results.md and PNGs")
+    p.add_argument("--workdir", default="runs/study", help="checkpoints and per-run metrics")
+    p.add_argument("--only", default="", help="comma-separated experiments (default: all)")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--budget", type=int, default=0, help="sampled responses per run")
+    p.add_argument("--eval-points", type=int, default=0, help="evaluations along the budget")
+    p.add_argument("--jax-cache", default="", help="compile cache (default <workdir>/jax_cache)")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="tables and plots from the runs already recorded; runs nothing",
+    )
+    args = p.parse_args(argv)
+
+    quick = args.quick
+    config = base_config(quick)
+    P, G = config.rollout.prompts_per_step, config.rollout.group_size
+    budget = args.budget or (2 * P * G if quick else 30 * P * G)
+    eval_points = args.eval_points or (1 if quick else 6)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0] if quick else [0, 1, 2])
+    only = set(filter(None, args.only.split(",")))
+    todo = [c for c in cells(config.optim.lr) if not only or c.exp in only]
+    if quick and not only:  # one cell per experiment kind that exercises a distinct code path
+        keep = {"grpo 4mbx2ep", "gvpo replay 0.5", "gvpo anchor ref", "gvpo from noisy SFT"}
+        todo = [c for c in todo if c.name in keep]
+    os.makedirs(args.out, exist_ok=True)
+    # Every run re-traces the same functions; the persistent cache skips their XLA compiles.
+    cache = args.jax_cache or os.path.join(args.workdir, "jax_cache")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    t_start = time.perf_counter()
+
+    results_path = os.path.join(args.out, "results.json")
+    starts = {}
+    sft_points = 2 if quick else 10
+
+    def get_start(kind: str) -> dict:
+        """The cold start of this kind: made once (SFT), then reused by every invocation."""
+        if kind in starts:
+            return starts[kind]
+        wd = os.path.join(args.workdir, f"start_{kind}")
+        meta = os.path.join(wd, "start.json")
+        if os.path.exists(meta):
+            with open(meta) as fh:
+                starts[kind] = json.load(fh)
+            return starts[kind]
+        noise = NOISE_FRAC if kind == "noisy" else 0.0
+        extra = config.sft.steps // 2 if kind == "noisy" else 0
+        info = sft(
+            config, wd, noise=noise, steps=config.sft.steps, eval_points=sft_points, extra=extra
+        )
+        info["dir"] = wd
+        with open(meta, "w") as fh:
+            json.dump(info, fh)
+        starts[kind] = info
+        return info
+
+    records: dict[str, list[dict]] = {}
+    done = {}
+    for cell in todo:
+        key = config_key(cell, config)
+        if key in done:
+            records[cell.name] = done[key]
+            continue
+        recs = []
+        for seed in seeds:
+            cfg = with_overrides(config, cell.overrides, seed)
+            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
+            cached = os.path.join(args.workdir, "records", f"{tag}.json")
+            if os.path.exists(cached):  # an interrupted study resumes at the first missing run
+                with open(cached) as fh:
+                    recs.append(json.load(fh))
+                continue
+            if args.report_only:
+                continue
+            start = get_start(cell.start)
+            wd = os.path.join(args.workdir, "runs", tag)
+            if os.path.exists(wd):
+                shutil.rmtree(wd)
+            print(f"== {cell.exp} / {cell.name} / seed {seed}", flush=True)
+            rec = rl_run(
+                cfg,
+                wd,
+                start["dir"],
+                budget=budget,
+                eval_points=eval_points,
+                start_acc=start["curve"][-1][1],
+            )
+            rec["diverged"] = diverged(rec)
+            rec["cell"] = cell.name
+            recs.append(rec)
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            with open(cached, "w") as fh:
+                json.dump(rec, fh)
+            print(
+                f"   final {rec['curve'][-1][1]:.3f}  kl {rec['kl_start']:.4f}  "
+                f"{rec['time_s']:.0f}s",
+                flush=True,
+            )
+        done[key] = recs
+        if recs:
+            records[cell.name] = recs
+
+    summary = {
+        "command": "python -m benchmarks.learning_study " + " ".join(argv or []),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}",
+        "budget_responses": budget,
+        "prompts_per_step": P,
+        "group_size": G,
+        "seeds": seeds,
+        "starts": {
+            k: {"curve": v["curve"], "extra_curve": v["extra_curve"]} for k, v in starts.items()
+        },
+        "cells": {},
+        "wall_time_s": time.perf_counter() - t_start,
+    }
+    md = [
+        f"# Learning study results ({summary['date']})",
+        "",
+        f"Budget: {budget} sampled responses per run (P={P}, G={G}); seeds {seeds}; "
+        f"machine: {summary['machine']}; wall time {summary['wall_time_s'] / 60:.1f} min.",
+        "",
+    ]
+    todo = [c for c in todo if c.name in records]  # --report-only: what has run so far
+    for exp in dict.fromkeys(c.exp for c in todo):
+        exp_cells = [c for c in todo if c.exp == exp]
+        start_acc = get_start(exp_cells[0].start)["curve"][-1][1]
+        rows = [(c.name, cell_summary(records[c.name], budget)) for c in exp_cells]
+        for (name, s), c in zip(rows, exp_cells, strict=True):
+            summary["cells"][name] = {
+                "exp": exp,
+                **s,
+                "curves": [r["curve"] for r in records[c.name]],
+            }
+        md += [f"## {exp}", "", table(rows, start_acc), "", f"![{exp}]({exp}.png)", ""]
+        extra = None
+        if exp == "noisy":
+            extra = [
+                ("clean SFT", starts["clean"]["curve"]),
+                ("noisy SFT (30% wrong)", starts["noisy"]["curve"]),
+                ("noisy SFT, continued", starts["noisy"]["extra_curve"]),
+            ]
+            md += [
+                "SFT held-out accuracy (step, acc): clean "
+                + ", ".join(f"({s}, {a:.3f})" for s, a in starts["clean"]["curve"])
+                + "; noisy "
+                + ", ".join(f"({s}, {a:.3f})" for s, a in starts["noisy"]["curve"])
+                + "; noisy continued "
+                + ", ".join(f"({s}, {a:.3f})" for s, a in starts["noisy"]["extra_curve"]),
+                "",
+            ]
+        plot(
+            exp,
+            [(c.name, records[c.name]) for c in exp_cells],
+            os.path.join(args.out, f"{exp}.png"),
+            extra=extra,
+        )
+    with open(results_path, "w") as fh:
+        json.dump(summary, fh, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Learning study: budget accounting, divergence rule, noisy demonstrations, and the --quick run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import learning_study as ls
+
+
+class _FakeTask:
+    def __init__(self, examples):
+        self.examples = examples
+
+    def next_train(self, n):
+        return self.examples[:n]
+
+
+def _arith_examples(n):
+    pairs = [(a, b) for a in range(31) for b in range(31)][:n]
+    return [{"id": f"{a}+{b}", "answer": str(a + b), "solution": str(a + b)} for a, b in pairs]
+
+
+def test_noisy_task_corrupts_a_fixed_share_of_targets_and_keeps_the_gold_answer():
+    examples = _arith_examples(961)  # every a+b with a, b in [0, 30]
+    noisy = ls.NoisyTask(_FakeTask(examples), 0.3)
+    out = noisy.next_train(len(examples))
+    wrong = [ex for ex in out if ex["solution"] != ex["answer"]]
+    assert 0.25 < len(wrong) / len(out) < 0.35
+    for ex, orig in zip(out, examples, strict=True):
+        assert ex["answer"] == orig["answer"]  # the verifier's gold is untouched
+        assert int(ex["solution"]) >= 0
+    assert noisy.next_train(len(examples)) == out  # a pure function of the problem id
+
+
+def test_auc_is_the_trapezoid_mean_over_the_budget():
+    curve = [(0, 0.5), (100, 0.7), (300, 0.6)]
+    # trapezoids: 100 * 0.6 + 200 * 0.65 = 190, over 300 responses
+    assert ls.auc(curve, 300) == pytest.approx(190 / 300)
+
+
+def test_divergence_rule():
+    ok = {"curve": [(0, 0.5), (10, 0.3)], "losses": [1.0, 0.5], "skipped": 0, "error": None}
+    assert not ls.diverged(ok)
+    assert ls.diverged(dict(ok, curve=[(0, 0.5), (10, 0.2)]))  # below half the start
+    assert ls.diverged(dict(ok, losses=[1.0, float("nan")]))
+    assert ls.diverged(dict(ok, skipped=1))
+    assert ls.diverged(dict(ok, error="stopped"))
+
+
+def test_identical_configurations_share_runs():
+    base = ls.base_config(quick=False)
+    by_name = {c.name: c for c in ls.cells(base.optim.lr)}
+    same = [("gvpo", "gvpo replay 0.0"), ("gvpo", "gvpo beta 0.1"),
+            ("gvpo 4mbx2ep", "gvpo lr x1 4mbx2ep"), ("gvpo", "gvpo anchor old")]  # fmt: skip
+    for a, b in same:
+        assert ls.config_key(by_name[a], base) == ls.config_key(by_name[b], base)
+    assert ls.config_key(by_name["gvpo"], base) != ls.config_key(by_name["grpo"], base)
+    noisy = by_name["gvpo from noisy SFT"]
+    assert ls.config_key(noisy, base) != ls.config_key(by_name["gvpo"], base)
+
+
+@pytest.mark.slow
+def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
+    # A subprocess without the suite's 8 fake devices: the study runs on one CPU device.
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "benchmarks.learning_study", "--quick"]
+    cmd += ["--out", str(out), "--workdir", str(work)]
+    proc = subprocess.run(cmd, cwd=ls.REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    budget = summary["budget_responses"]
+    assert budget == 2 * summary["prompts_per_step"] * summary["group_size"]
+    cells = summary["cells"]
+    assert {"grpo 4mbx2ep", "gvpo replay 0.5", "gvpo anchor ref", "gvpo from noisy SFT"} <= set(
+        cells
+    )
+    for name, cell in cells.items():
+        (curve,) = cell["curves"]
+        assert curve[0][0] == 0 and curve[-1][0] >= budget, name  # the whole budget was sampled
+        assert np.isfinite(cell["kl_start"]) and cell["kl_start"] >= 0, name
+        assert 0.0 <= cell["final_mean"] <= 1.0
+    # Replay 0.5: the first step samples P fresh groups, later ones P/2, until the budget.
+    assert cells["gvpo replay 0.5"]["steps"] == 3
+    assert cells["grpo 4mbx2ep"]["steps"] == 2
+    for exp in ("offpolicy", "replay", "anchor", "noisy"):
+        assert (out / f"{exp}.png").stat().st_size > 1000
+    md = (out / "results.md").read_text()
+    assert "| gvpo replay 0.5 |" in md and "SFT held-out accuracy" in md
+    assert set(summary["starts"]) == {"clean", "noisy"}
+    for kind in ("clean", "noisy"):
+        assert os.path.isdir(work / f"start_{kind}" / "checkpoints")
