@@ -28,8 +28,9 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Two workers, one test file each at a time: most tests wait on compiles or subprocesses.
 test: lint
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

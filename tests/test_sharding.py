@@ -371,13 +371,15 @@ def test_planner_compiles_the_train_step_and_reports_fit():
     c.mesh.data, c.mesh.fsdp = 1, 1
     with pytest.raises(sharding.ShardingError, match="num_heads=4"):
         plan.compile_train_step(c, sharding.make_mesh(1, 1, 8))
-    # The paper's 7B setting from shapes alone, FSDP over a v5p-64 slice (32 chips): with the
-    # config's 16 micro-batches the 256 groups of an update cannot be split over 32 shards with
-    # whole groups (planner says so); with 8 it fits on v5p, not on 16 GiB v5e chips (the
-    # rollout's KV cache dominates).
+    # The paper's 7B setting from shapes alone, FSDP over a v5p-64 slice (32 chips): with 16
+    # micro-batches the 256 groups of an update cannot be split over 32 shards with whole
+    # groups (planner says so); with the config's 8 it fits on v5p, not on 16 GiB v5e chips
+    # (the rollout's KV cache dominates).
     from configs import qwen_math
 
     q = qwen_math.get_config()
+    assert q.optim.micro_batches == 8
+    q.optim.micro_batches = 16
     assert "NOT RUNNABLE on this mesh: 256 groups" in plan.report(q, num_devices=32)
     q.optim.micro_batches = 8
     text = plan.report(q, num_devices=32)
