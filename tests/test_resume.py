@@ -17,7 +17,8 @@ VOLATILE = ("time", "tokens_per_s")
 RUN_ARGS = [
     "--config=configs/arith_tiny.py", "--config.sft.steps=10", "--config.data.eval_size=16",
     "--config.train.eval_every=0", "--config.train.checkpoint_every=2",
-    "--config.rollout.prompts_per_step=8", "--config.algo.replay_fraction=0.5",
+    "--config.rollout.prompts_per_step=8", "--config.rollout.group_size=4",
+    "--config.algo.replay_fraction=0.5",
     "--config.algo.replay_capacity=6", "--config.train.plot=False",
 ]  # fmt: skip
 
