@@ -35,6 +35,7 @@ from gvpo_jax import session, tasks, train, train_step
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDY_DIR = os.path.join(REPO, "docs", "study")
 NOISE_FRAC = 0.3  # share of SFT demonstrations with a wrong answer (experiment "noisy")
+NOISY_SFT_MULT = 2.5  # the noisy start gets 2.5x the clean start's SFT steps (its plateau)
 DIVERGE_RATIO = 0.5  # final accuracy below this times the start's counts as a collapse
 OFF_POLICY = {"algo.num_minibatches": 4, "algo.num_epochs": 2}
 
@@ -72,9 +73,16 @@ def cells(lr: float) -> list[Cell]:
                     **off,
                 )
             )
+    # On-policy with anchor "old", beta only scales the gradient (Adam undoes it): a control.
+    # Off-policy (later minibatches see logp != anchor) is where beta shapes the update.
     for beta in (0.05, 0.1, 0.2):
         out.append(_cell("beta", f"gvpo beta {beta}", algo__name="gvpo", algo__beta=beta))
+    for beta in (0.05, 0.1, 0.2):
+        out.append(_cell("beta", f"gvpo beta {beta} 4mbx2ep", algo__name="gvpo",
+                         algo__beta=beta, **off))  # fmt: skip
     out.append(_cell("noisy", "gvpo from noisy SFT", start="noisy", algo__name="gvpo"))
+    out.append(_cell("noisy", "gvpo from noisy SFT lr x3", start="noisy", algo__name="gvpo",
+                     optim__lr=lr * 3))  # fmt: skip
     for anchor in ("old", "ref"):
         out.append(_cell("anchor", f"gvpo anchor {anchor}", algo__name="gvpo", algo__anchor=anchor))
     for algo in ("gvpo", "grpo", "dr_grpo", "dapo", "gspo"):  # one update per rollout
@@ -110,6 +118,8 @@ def base_config(quick: bool):
     c.train.checkpoint_every = 10**9
     c.train.sample_log_every = 0
     c.train.eval_every = 0
+    if "kl_ref_metric" in c.train:  # the study measures KL to the start itself, at the end
+        c.train.kl_ref_metric = False
     c.mesh.data = -1  # all devices: one on a plain CPU (the test runs the script without fakes)
     if quick:
         c.rollout.prompts_per_step = 8
@@ -455,11 +465,11 @@ def main(argv=None) -> dict:
             with open(meta) as fh:
                 starts[kind] = json.load(fh)
             return starts[kind]
+        # The noisy start trains longer (to its plateau), then shows it: more SFT at lr / 10.
         noise = NOISE_FRAC if kind == "noisy" else 0.0
-        extra = config.sft.steps // 2 if kind == "noisy" else 0
-        info = sft(
-            config, wd, noise=noise, steps=config.sft.steps, eval_points=sft_points, extra=extra
-        )
+        steps = int(NOISY_SFT_MULT * config.sft.steps) if kind == "noisy" else config.sft.steps
+        extra = steps // 3 if kind == "noisy" else 0
+        info = sft(config, wd, noise=noise, steps=steps, eval_points=sft_points, extra=extra)
         info["dir"] = wd
         with open(meta, "w") as fh:
             json.dump(info, fh)

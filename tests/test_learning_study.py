@@ -55,7 +55,8 @@ def test_identical_configurations_share_runs():
     base = ls.base_config(quick=False)
     by_name = {c.name: c for c in ls.cells(base.optim.lr)}
     same = [("gvpo", "gvpo replay 0.0"), ("gvpo", "gvpo beta 0.1"),
-            ("gvpo 4mbx2ep", "gvpo lr x1 4mbx2ep"), ("gvpo", "gvpo anchor old")]  # fmt: skip
+            ("gvpo 4mbx2ep", "gvpo lr x1 4mbx2ep"), ("gvpo", "gvpo anchor old"),
+            ("gvpo 4mbx2ep", "gvpo beta 0.1 4mbx2ep")]  # fmt: skip
     for a, b in same:
         assert ls.config_key(by_name[a], base) == ls.config_key(by_name[b], base)
     assert ls.config_key(by_name["gvpo"], base) != ls.config_key(by_name["grpo"], base)
