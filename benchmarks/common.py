@@ -86,16 +86,26 @@ def load1() -> float:
 
 @dataclasses.dataclass
 class Timing:
-    """Wall times of repeated calls (seconds) after a first, compiling call."""
+    """Wall and CPU times of repeated calls (seconds) after a first, compiling call.
+
+    cpu_s is the process CPU time (all threads) of each call: on a shared machine, where other
+    processes take cores away, wall time grows but CPU time (the work done) barely moves, so
+    FLOP per CPU-second gives a load-robust utilisation next to the wall-clock one.
+    """
 
     first_s: float  # the first call: trace + compile + one run
     compile_s: float  # XLA trace/lower/compile time inside the first call (0 for eager torch)
     times_s: list[float]
     loads: list[float]  # load1() after each timed call
+    cpu_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def best(self) -> float:
         return min(self.times_s)
+
+    @property
+    def best_cpu(self) -> float:
+        return min(self.cpu_s) if self.cpu_s else float("nan")
 
     @property
     def median(self) -> float:
@@ -110,7 +120,9 @@ class Timing:
 
     @classmethod
     def from_dict(cls, d: dict) -> Timing:
-        return cls(d["first_s"], d["compile_s"], list(d["times_s"]), list(d["loads"]))
+        return cls(
+            d["first_s"], d["compile_s"], list(d["times_s"]), list(d["loads"]), list(d["cpu_s"])
+        )
 
 
 class CompileLog:
@@ -176,14 +188,15 @@ class LocalBench:
         elapsed = time.perf_counter() - start
         return elapsed, log.since(mark)[1]
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
+        """(wall seconds, process CPU seconds) of one call."""
         log = CompileLog.get()
         mark = log.mark()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self.fn()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
         self.recompiled += log.since(mark)[0]
-        return elapsed
+        return elapsed, cpu
 
     def close(self) -> dict:
         return dict(self.extras(), recompiles=len(self.recompiled), recompiled=self.recompiled)
@@ -194,19 +207,20 @@ def interleave(benches: dict, repeats: int) -> dict[str, dict]:
 
     On a shared machine the load drifts; alternating the implementations call by call exposes
     them to the same conditions, so their ratios are fairer than back-to-back blocks. Each bench
-    has first() -> (first_s, compile_s), step() -> seconds, close() -> dict (LocalBench, or the
-    tunix worker proxy). Returns {name: close() | {'timing': Timing.as_dict()}}.
+    has first() -> (first_s, compile_s), step() -> (wall s, CPU s), close() -> dict (LocalBench,
+    or the tunix worker proxy). Returns {name: close() | {'timing': Timing.as_dict()}}.
     """
     firsts = {name: b.first() for name, b in benches.items()}
-    times = {name: [] for name in benches}
-    loads = {name: [] for name in benches}
+    times, cpus, loads = ({name: [] for name in benches} for _ in range(3))
     for _ in range(repeats):
         for name, b in benches.items():
-            times[name].append(b.step())
+            wall, cpu = b.step()
+            times[name].append(wall)
+            cpus[name].append(cpu)
             loads[name].append(load1())
     out = {}
     for name, b in benches.items():
-        timing = Timing(firsts[name][0], firsts[name][1], times[name], loads[name])
+        timing = Timing(firsts[name][0], firsts[name][1], times[name], loads[name], cpus[name])
         out[name] = dict(b.close(), timing=timing.as_dict())
     return out
 
@@ -224,31 +238,34 @@ def time_calls(fn: Callable[[], object], repeats: int) -> tuple[Timing, int]:
 # ----------------------------------------------------------------------------- matmul peak
 
 
-def _best_time(fn: Callable[[], object], repeats: int) -> float:
+def _best_times(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """(best wall seconds, best process CPU seconds) over `repeats` calls after a warm-up."""
     fn()  # warm-up (and compile)
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, c = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - c)
+    return wall, cpu
 
 
-def matmul_peak_jax(sizes: Sequence[int] = PEAK_SIZES, repeats: int = 3) -> dict[int, float]:
-    """Best fp32 jnp.dot [n,n]@[n,n] throughput per size, FLOP/s (XLA, default precision)."""
+def matmul_peak_jax(sizes: Sequence[int] = PEAK_SIZES, repeats: int = 3) -> dict:
+    """{n: (FLOP/s, FLOP per CPU-second)} of fp32 jnp.dot [n,n]@[n,n] (XLA default precision)."""
     out = {}
     dot = jax.jit(jnp.dot)
     for n in sizes:
         a = jax.random.normal(jax.random.key(n), (n, n), jnp.float32)
         b = jax.random.normal(jax.random.key(n + 1), (n, n), jnp.float32)
-        out[n] = 2.0 * n**3 / _best_time(lambda a=a, b=b: dot(a, b).block_until_ready(), repeats)
+        wall, cpu = _best_times(lambda a=a, b=b: dot(a, b).block_until_ready(), repeats)
+        out[n] = (2.0 * n**3 / wall, 2.0 * n**3 / cpu)
     return out
 
 
 def matmul_peak_torch(
     sizes: Sequence[int] = PEAK_SIZES, repeats: int = 3, threads: int = 2
-) -> dict[int, float]:
-    """Best fp32 torch.mm throughput per size, FLOP/s, with `threads` intra-op threads."""
+) -> dict:
+    """{n: (FLOP/s, FLOP per CPU-second)} of fp32 torch.mm with `threads` intra-op threads."""
     import torch
 
     torch.set_num_threads(threads)
@@ -257,33 +274,49 @@ def matmul_peak_torch(
     for n in sizes:
         a = torch.randn(n, n, generator=gen)
         b = torch.randn(n, n, generator=gen)
-        out[n] = 2.0 * n**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        wall, cpu = _best_times(lambda a=a, b=b: torch.mm(a, b), repeats)
+        out[n] = (2.0 * n**3 / wall, 2.0 * n**3 / cpu)
     return out
 
 
 @dataclasses.dataclass
 class Peak:
-    """The machine's measured fp32 matmul throughput: the best over sizes and libraries."""
+    """The machine's measured fp32 matmul throughput: the best over sizes and libraries.
 
-    per_lib: dict[str, dict[int, float]]
+    per_lib: {library: {n: (FLOP/s, FLOP per CPU-second)}}. `flops` (wall clock) is the MFU
+    denominator of the issue; `cpu_flops` is the denominator of the load-robust CPU-time MFU.
+    """
+
+    per_lib: dict[str, dict[int, tuple[float, float]]]
 
     @property
     def flops(self) -> float:
-        return max(v for d in self.per_lib.values() for v in d.values())
+        return max(v[0] for d in self.per_lib.values() for v in d.values())
+
+    @property
+    def cpu_flops(self) -> float:
+        return max(v[1] for d in self.per_lib.values() for v in d.values())
 
     def describe(self) -> str:
         parts = []
         for lib, d in self.per_lib.items():
-            sizes = ", ".join(f"{n}: {v / 1e9:.0f}" for n, v in d.items())
+            sizes = ", ".join(f"{n}: {v[0] / 1e9:.0f}" for n, v in sorted(d.items()))
             parts.append(f"{lib} ({sizes})")
-        return f"fp32 matmul peak {self.flops / 1e9:.0f} GFLOP/s, best of " + "; ".join(parts)
+        return (
+            f"fp32 matmul peak {self.flops / 1e9:.0f} GFLOP/s wall (best of "
+            + "; ".join(parts)
+            + f"); {self.cpu_flops / 1e9:.0f} GFLOP per CPU-second"
+        )
 
     def merge(self, other: Peak) -> Peak:
         """Best of two measurements (e.g. at the start and the end of a run)."""
         libs = {}
         for lib in set(self.per_lib) | set(other.per_lib):
             a, b = self.per_lib.get(lib, {}), other.per_lib.get(lib, {})
-            libs[lib] = {n: max(a.get(n, 0.0), b.get(n, 0.0)) for n in set(a) | set(b)}
+            libs[lib] = {}
+            for n in set(a) | set(b):
+                (wa, ca), (wb, cb) = a.get(n, (0.0, 0.0)), b.get(n, (0.0, 0.0))
+                libs[lib][n] = (max(wa, wb), max(ca, cb))
         return Peak(libs)
 
 
@@ -293,6 +326,11 @@ def measure_peak(sizes: Sequence[int] = PEAK_SIZES, torch: bool = True, repeats:
     if torch:
         libs["torch.mm"] = matmul_peak_torch(sizes, repeats)
     return Peak(libs)
+
+
+def utilisation(flops: float, timing: Timing, peak: Peak) -> tuple[float, float]:
+    """(wall MFU, CPU-time MFU) of the best call: achieved / measured matmul peak."""
+    return flops / timing.best / peak.flops, flops / timing.best_cpu / peak.cpu_flops
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -339,6 +377,23 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+PERF_HEADERS = (
+    "first call s", "compile s", "best s", "median s", "tokens/s", "GFLOP/s", "MFU",
+    "best CPU s", "CPU-time MFU", "recompiles", "load",
+)  # fmt: skip
+
+
+def perf_cells(row: dict, *, flops: float, tokens: int, peak: Peak) -> list[str]:
+    """The PERF_HEADERS cells of one `interleave` result row (tokens and FLOPs per call)."""
+    t = Timing.from_dict(row["timing"])
+    mfu, cpu_mfu = utilisation(flops, t, peak)
+    return [
+        f"{t.first_s:.1f}", f"{t.compile_s:.1f}", f"{t.best:.2f}", f"{t.median:.2f}",
+        f"{tokens / t.best:.0f}", f"{flops / t.best / 1e9:.1f}", f"{100 * mfu:.1f}%",
+        f"{t.best_cpu:.2f}", f"{100 * cpu_mfu:.1f}%", fmt_recompiles(row), f"{t.load:.1f}",
+    ]  # fmt: skip
 
 
 def fmt_recompiles(row: dict) -> str:

@@ -81,11 +81,15 @@ def sweep(name, unit, xs, run, base: dict, key: str, cache: dict) -> dict:
         points.append((x, timing, flops))
     fit = fit_line([p[0] for p in points], [p[1].best for p in points])
     rows = [
-        [x, f"{t.best:.3f}", f"{t.median:.3f}", f"{flops / 1e9:.1f}", f"{flops / t.best / 1e9:.1f}",
-         f"{1e12 * t.best / flops:.2f}", f"{t.compile_s:.1f}", f"{t.load:.1f}"]
+        [x, f"{t.best:.3f}", f"{t.median:.3f}", f"{t.best_cpu:.3f}", f"{flops / 1e9:.1f}",
+         f"{flops / t.best / 1e9:.1f}", f"{1e12 * t.best / flops:.2f}", f"{t.compile_s:.1f}",
+         f"{t.load:.1f}"]
         for x, t, flops in points
     ]  # fmt: skip
-    headers = [key, "best s", "median s", "GFLOP", "GFLOP/s", "s per TFLOP", "compile s", "load"]
+    headers = [
+        key, "best s", "median s", "best CPU s", "GFLOP", "GFLOP/s", "s per TFLOP", "compile s",
+        "load",
+    ]  # fmt: skip
     print(f"\n## {name}\n")
     print(common.md_table(headers, rows))
     print(

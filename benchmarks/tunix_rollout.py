@@ -1,10 +1,12 @@
-"""gvpo_jax vs google-tunix 0.1.7 on the same bench-45m weights: sampler, and a worker for GRPO.
+"""Rollout: gvpo_jax vs transformers vs google-tunix 0.1.7 on the same bench-45m weights.
 
 Run from the repo root, after `bash benchmarks/setup_tunix.sh` (creates .venv-tunix):
   .venv/bin/python -m benchmarks.tunix_rollout [--repeats 3] [--quick]
-(about 2 minutes on 2 cores). The driver (main venv) builds bench-45m, exports it with
-`models.save_pretrained`, times `gvpo_jax.sampler.generate` and then starts this same module
-with .venv-tunix's python as a worker (`--worker rollout|update --dir DIR`) that loads the
+(about 5 minutes on 2 cores). The driver (main venv) builds bench-45m, exports it with
+`models.save_pretrained`, and times, round-robin (common.interleave), `gvpo_jax.sampler.generate`,
+transformers' `generate` (torch CPU, 2 threads, same sampling settings as benchmarks/rollout.py)
+and tunix's `Sampler`. Tunix runs in this same module started with .venv-tunix's python as a
+worker (`--worker rollout|update --dir DIR`) that loads the
 safetensors into tunix's Qwen2, checks its logits against ours, and times tunix's `Sampler`
 (rollout) or its GRPO loss in tunix's RL `Trainer` train step (update, used by update_step.py).
 Tunix needs safetensors<0.8 and its own dependency set, so it lives in a separate venv; the worker
@@ -114,8 +116,8 @@ class TunixWorker:
     def first(self) -> tuple[float, float]:
         return tuple(self._send("first")["first"])
 
-    def step(self) -> float:
-        return self._send("step")["step"]
+    def step(self) -> tuple[float, float]:
+        return tuple(self._send("step")["step"])
 
     def close(self) -> dict:
         result = self._send("close")
@@ -148,9 +150,32 @@ def ours_bench(model, prompt_ids, *, samples: int, new_tokens: int) -> common.Lo
     return common.LocalBench(call)
 
 
+def hf_bench(hf_dir: str, prompt_ids, *, samples: int, new_tokens: int) -> common.LocalBench:
+    """transformers `generate` (sampling at T=1 over the full vocabulary, EOS off, 2 threads)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    x = torch.tensor(prompt_ids, dtype=torch.long)
+    kwargs = dict(
+        attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        num_return_sequences=samples, eos_token_id=None, pad_token_id=0,
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    )  # fmt: skip
+
+    def call():
+        with torch.no_grad():
+            out = hf.generate(x, **kwargs)
+        assert out.shape == (x.shape[0] * samples, x.shape[1] + new_tokens)
+
+    return common.LocalBench(call)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per sampler")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers generate")
     parser.add_argument("--quick", action="store_true", help="tiny model and shapes (tests)")
     parser.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -162,14 +187,19 @@ def main(argv=None):
     model = common.bench_model(args.quick)
     dims = common.dims_of(model.config)
     prompt_ids = common.random_prompts(dims["vocab"], p, tp)
-    print(f"# Rollout: gvpo_jax vs tunix 0.1.7 ({'quick' if args.quick else 'bench-45m'})")
+    which = "quick" if args.quick else "bench-45m"
+    print(f"# Rollout: gvpo_jax vs transformers vs tunix 0.1.7 ({which})")
     print(common.describe_machine())
     print(f"{p} prompts x {g} samples, prompt {tp}, {n} new tokens, T=1, no EOS\n")
 
+    sizes = (256,) if args.quick else common.PEAK_SIZES
+    peak = common.measure_peak(sizes, torch=not args.skip_hf)
     benches = {"gvpo_jax generate": ours_bench(model, prompt_ids, samples=g, new_tokens=n)}
     with tempfile.TemporaryDirectory() as work:
         export_for_worker(model, work)
         np.save(os.path.join(work, "prompts.npy"), prompt_ids)
+        if not args.skip_hf:
+            benches["transformers generate"] = hf_bench(work, prompt_ids, samples=g, new_tokens=n)
         try:
             benches["tunix Sampler"] = TunixWorker("rollout", work, samples=g, new_tokens=n)
         except WorkerError as e:
@@ -181,30 +211,27 @@ def main(argv=None):
             f"tunix versions: {r['versions']}; logits max |diff| vs gvpo_jax "
             f"{r['logits_max_diff']:.1e}"
         )
-    peak = common.measure_peak((256,) if args.quick else common.PEAK_SIZES, torch=False)
+    peak = peak.merge(common.measure_peak(sizes, torch=not args.skip_hf))
     print(peak.describe() + "\n")
 
     flops = common.generation_flops(dims, p * g, tp, n)
-    table = []
-    for name, r in rows.items():
-        t = common.Timing.from_dict(r["timing"])
-        table.append([
-            name, f"{t.first_s:.1f}", f"{t.compile_s:.1f}", f"{t.best:.2f}", f"{t.median:.2f}",
-            f"{p * g * n / t.best:.0f}", f"{flops / t.best / 1e9:.1f}",
-            f"{100 * flops / t.best / peak.flops:.1f}%", common.fmt_recompiles(r), f"{t.load:.1f}",
-        ])  # fmt: skip
-    headers = [
-        "sampler", "first call s", "compile s", "best s", "median s", "tokens/s", "GFLOP/s",
-        "MFU", "recompiles", "load",
-    ]  # fmt: skip
-    print(common.md_table(headers, table))
-    summary = dict(rows=rows, peak=peak.flops, flops=flops, shape=shape)
-    if "tunix Sampler" in rows:
-        best = lambda name: rows[name]["timing"]["best"]
-        speedup = best("tunix Sampler") / best("gvpo_jax generate")
-        summary["speedup"] = speedup
-        print("\n" + common.ratio_line("rollout speed-up over tunix (best/best)", speedup, 2.0))
-    common.emit_json("TUNIX_ROLLOUT", summary)
+    table = [
+        [name, *common.perf_cells(r, flops=flops, tokens=p * g * n, peak=peak)]
+        for name, r in rows.items()
+    ]
+    print(common.md_table(["sampler", *common.PERF_HEADERS], table))
+    summary = dict(rows=rows, peak=peak.flops, flops=flops, shape=shape, speedups={})
+    t = {k: common.Timing.from_dict(r["timing"]) for k, r in rows.items()}
+    ours = t["gvpo_jax generate"]
+    print()
+    for other in ("transformers generate", "tunix Sampler"):
+        if other in t:
+            wall, cpu = t[other].best / ours.best, t[other].best_cpu / ours.best_cpu
+            summary["speedups"][other] = wall
+            summary["speedups"][other + " (CPU time)"] = cpu
+            print(common.ratio_line(f"rollout speed-up over {other}", wall, 2.0))
+            print(common.ratio_line(f"rollout speed-up over {other} (CPU time)", cpu, 2.0))
+    common.emit_json("ROLLOUT", summary)
     return summary
 
 
