@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark of BENCHMARKS.md in one run: `bash benchmarks/run_all.sh [--quick]` from anywhere.
 #
-# About 35 minutes on 2 CPU cores (under 2 minutes with --quick). Sets up .venv-tunix first if it is
+# About 20 minutes on a quiet 2-core CPU (about 2 minutes with --quick). Sets up .venv-tunix first if it is
 # missing (PyPI only; pass --no-tunix to skip tunix entirely). Everything printed also goes to
 # runs/bench/<UTC date>.log, which holds the command, date, machine and every table.
 # The machine should be otherwise idle: each table prints the load average next to its figures.
@@ -42,7 +42,7 @@ if [ ${#QUICK[@]} -eq 0 ]; then
 fi
 run "$PY" -m benchmarks.tunix_rollout --repeats 3 "${QUICK[@]}"
 # 2 + 3. Update step vs PyTorch and tunix, MFU against the measured matmul peak, recompiles.
-run "$PY" -m benchmarks.update_step --repeats 3 "${QUICK[@]}" "${SKIP_TUNIX[@]}"
+run "$PY" -m benchmarks.update_step --repeats 3 --proposed "${QUICK[@]}" "${SKIP_TUNIX[@]}"
 # 3. Peak memory of token log-probs, chunked vs naive, at Qwen's vocabulary 151936.
 if [ ${#QUICK[@]} -eq 0 ]; then
   run "$PY" -m benchmarks.logprob_memory --vocab 151936
