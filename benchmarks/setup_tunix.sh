@@ -24,8 +24,8 @@ if ! "$VENV/bin/python" -m pip install -q google-tunix==0.1.7 "${same_xla[@]}"; 
   echo "setup_tunix: tunix does not install with ${same_xla[*]}; letting pip choose jax/flax." >&2
   "$VENV/bin/python" -m pip install -q google-tunix==0.1.7
 fi
-# The benchmark imports gvpo_jax only for the FLOP formulas and weight export (pure numpy here),
-# and torch is not needed: tunix runs on JAX.
+# The tunix worker (benchmarks/tunix_rollout.py --worker) imports only tunix, jax, numpy and
+# benchmarks/common.py; gvpo_jax and torch stay in the main venv.
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 for name in ("google-tunix", "jax", "jaxlib", "flax", "safetensors", "transformers", "qwix"):
