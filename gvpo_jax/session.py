@@ -135,7 +135,7 @@ def build(config: ml_collections.ConfigDict, workdir: str):
     task = tasks.build_task(config, tokenizer, workdir)
     writer = metrics.MetricWriter(workdir)
     ckpt = checkpoint.Checkpointer(
-        os.path.join(workdir, "checkpoints"),
+        checkpoint.checkpoint_dir(workdir),
         save_every=config.train.checkpoint_every,
         keep=config.train.keep_checkpoints,
     )

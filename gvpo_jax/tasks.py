@@ -108,7 +108,7 @@ class Task:
             ids, _, kept, dropped = data.encode_prompts(self.tokenizer, examples, **self.encode_kw)
         except ValueError as e:  # on_too_long="error": a prompt longer than max_prompt_len
             raise DataError(str(e).rstrip(".") + ".") from e
-        self.dropped = getattr(self, "dropped", 0) + dropped
+        self.dropped += dropped
         return [dict(examples[int(i)], prompt_ids=p) for i, p in zip(kept, ids, strict=True)]
 
     def next_train(self, n: int) -> list[dict]:
