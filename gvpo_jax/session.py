@@ -28,7 +28,8 @@ def build_tokenizer(config, workdir: str):
     kind = config.tokenizer.kind
     if kind == "char":
         tok = data.char_tokenizer.build_char_tokenizer()
-        tok.save_pretrained(os.path.join(workdir, "tokenizer"))
+        if sharding.is_primary():  # one writer: the workdir may be shared by all processes
+            tok.save_pretrained(os.path.join(workdir, "tokenizer"))
         return tok
     import transformers
 
@@ -84,7 +85,10 @@ def check_mesh(config, mesh) -> None:
     sharding.check_batch((P // c.algo.num_minibatches) * G, G, mesh, c.optim.micro_batches)
     shards = sharding.batch_shards(mesh)
     fresh = P - int(round(c.algo.replay_fraction * P))
-    for name, n in (("rollout.prompts_per_step", P), ("fresh groups per step", fresh)):
+    sizes = [("rollout.prompts_per_step", P), ("fresh groups per step", fresh)]
+    if c.sft.steps:
+        sizes.append(("sft.batch_size", c.sft.batch_size))
+    for name, n in sizes:
         if n % shards:
             raise sharding.ShardingError(
                 f"{name} = {n} is not a multiple of the {shards} data x fsdp shards of the "
@@ -116,7 +120,7 @@ def build(config: ml_collections.ConfigDict, workdir: str):
         checkpoint.resolve_restore(config.restore_from, workdir)
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
+        probe = os.path.join(workdir, f".write_test.{jax.process_index()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
@@ -124,15 +128,22 @@ def build(config: ml_collections.ConfigDict, workdir: str):
         raise checkpoint.CheckpointError(
             f"workdir {workdir!r} is not writable ({e.strerror}); choose another --workdir."
         ) from e
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+    if sharding.is_primary():
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     check_mesh(config, mesh)
     tokenizer = build_tokenizer(config, workdir)
     model, tokenizer, rules = build_model(config, tokenizer, mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     settings = rollout_settings(config, tokenizer)
-    task = tasks.build_task(config, tokenizer, workdir)
+    task = tasks.build_task(
+        config,
+        tokenizer,
+        workdir,
+        shard=sharding.data_shard(mesh),
+        allgather=sharding.host_allgather,
+    )
     writer = metrics.MetricWriter(workdir)
     ckpt = checkpoint.Checkpointer(
         checkpoint.checkpoint_dir(workdir),
@@ -208,7 +219,8 @@ def restore(run, state):
     run.np_rng.bit_generator.state = meta["np_rng"]
     if replay and run.replay is not None:
         run.replay.load_state_dict(replay)
-    print(f"Resumed from {directory} at step {step}.", flush=True)
+    if sharding.is_primary():
+        print(f"Resumed from {directory} at step {step}.", flush=True)
     return restored["state"], step, True
 
 
@@ -251,19 +263,28 @@ def evaluate(run, params, *, step: int) -> dict:
     t0 = time.perf_counter()
 
     def generate_fn(examples, num):
+        # Every process runs the same chunks; each samples its rows and the outputs are
+        # all-gathered, so every process scores the same completions (same result everywhere).
         outs = []
         chunk = max(c.rollout.prompts_per_step, 1)
+        rows = range(chunk) if run.mesh is None else sharding.process_rows(chunk, run.mesh).rows
         for i in range(0, len(examples), chunk):
             part = list(examples[i : i + chunk])
             real = len(part)
             part += [part[-1]] * (chunk - real)  # fixed shapes: pad the last chunk, drop after
             out = rollout.sample_groups(
                 model,
-                [ex["prompt_ids"] for ex in part],
+                [part[int(r)]["prompt_ids"] for r in rows],
                 settings=_eval_settings(settings, num),
                 rng=jax.random.key(step + 12345),
+                mesh=run.mesh,
+                rules=run.rules,
             )
-            texts = rollout.decode(run.tokenizer, out.tokens_BxN, out.lengths_B)
+            tokens, lengths = out.tokens_BxN, out.lengths_B
+            if run.mesh is not None:
+                full = sharding.gather_rows({"tokens": tokens, "lengths": lengths}, run.mesh)
+                tokens, lengths = full["tokens"], full["lengths"]
+            texts = rollout.decode(run.tokenizer, tokens, lengths)
             outs += [texts[j * num : (j + 1) * num] for j in range(real)]
         return outs
 
@@ -278,9 +299,10 @@ def evaluate(run, params, *, step: int) -> dict:
     flat["eval/time_s"] = time.perf_counter() - t0
     run.writer.write_scalars(step, flat)
     acc = flat.get("eval/avg@1", flat.get(f"eval/avg@{n}", float("nan")))
-    tqdm.tqdm.write(
-        f"[eval] step {step}: accuracy {acc:.3f} on {len(run.task.eval_examples)} problems"
-    )
+    if sharding.is_primary():
+        tqdm.tqdm.write(
+            f"[eval] step {step}: accuracy {acc:.3f} on {len(run.task.eval_examples)} problems"
+        )
     return {"accuracy": acc, **flat}
 
 
@@ -319,8 +341,10 @@ def finish(run, params, summary: dict) -> None:
     if c.train.export:
         summary.update(export(run, params))
     run.writer.flush()
+    if not sharding.is_primary():  # metrics, plots and tables are process 0's
+        return
     rows = metrics.read_jsonl(os.path.join(run.workdir, "metrics.jsonl"))
-    if c.train.plot and jax.process_index() == 0:
+    if c.train.plot:
         png = os.path.join(run.workdir, "curves.png")
         metrics.plot_curves(
             rows,
@@ -349,12 +373,13 @@ class Progress:
         if self.tty:
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
-        elif step % self.log_every == 0 or step == self.total:
+        elif sharding.is_primary() and (step % self.log_every == 0 or step == self.total):
             text = "  ".join(f"{k} {v}" for k, v in shown.items())
             print(f"[rl] step {step}/{self.total}  {text}  ({t:.2f}s)", flush=True)
 
     def write(self, text: str) -> None:
-        (self.bar.write if self.tty else print)(text)
+        if sharding.is_primary():
+            (self.bar.write if self.tty else print)(text)
 
     def close(self) -> None:
         self.bar.close()

@@ -412,6 +412,46 @@ def gather(tree):
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
+def gather_rows(batch: Mapping[str, np.ndarray], mesh) -> dict[str, np.ndarray]:
+    """The full global batch on every process, from each process's local rows (numpy in/out).
+
+    `batch` holds this process's rows in `process_rows` order (as for `shard_batch`); the result
+    has every row in global order, identical on all processes (an all-gather across processes).
+    Single process: the batch itself (no copy, no device round trip).
+    """
+    if jax.process_count() == 1:
+        return {k: np.asarray(v) for k, v in batch.items()}
+    return gather(shard_batch(batch, mesh))
+
+
+def data_shard(mesh) -> tuple[int, int]:
+    """(index, count): this process's data shard, as `process_rows(...).index/.count`."""
+    rows = process_rows(batch_shards(mesh), mesh)
+    return rows.index, rows.count
+
+
+def host_allgather(x) -> np.ndarray:
+    """A host value of every process, stacked along a new leading axis [num_processes, ...].
+
+    Every process must call it (a collective); shapes and dtypes must agree across processes.
+    """
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return x[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+
+def sum_over_shards(value: float, mesh) -> float:
+    """Sum of a per-process host count over the distinct data shards (replicas counted once)."""
+    if jax.process_count() == 1:
+        return float(value)
+    index, _ = data_shard(mesh)
+    pairs = host_allgather(np.array([index, value], np.float64))
+    return float(sum({int(i): v for i, v in pairs}.values()))
+
+
 # ----------------------------------------------------------------------------------------------
 # Multi-host
 

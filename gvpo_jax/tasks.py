@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gvpo_jax import data, rewards
+from gvpo_jax.data.pipeline import make_stream
 
 # Reward of each task when config.data.rewards is empty.
 DEFAULT_REWARDS = {"arith": "exact_match:1", "gsm8k": "math:1", "math": "math:1",
@@ -77,8 +78,14 @@ def _load(config, split: str):
 class Task:
     """Training examples with their prompt ids, held-out examples, and batch scoring."""
 
-    def __init__(self, config, tokenizer):
+    def __init__(self, config, tokenizer, *, shard_index: int = 0, shard_count: int = 1,
+                 allgather=None):  # fmt: skip
+        """shard_index / shard_count: this process's data shard (`sharding.data_shard`), used to
+        split the prompt-length checks of a batch; allgather: `sharding.host_allgather` (a
+        collective over the processes; only called when shard_count > 1)."""
         c = config.data
+        self.shard_index, self.shard_count = shard_index, shard_count
+        self._allgather = allgather
         self.tokenizer = tokenizer
         self.encode_kw = dict(
             template=c.template,
@@ -92,8 +99,9 @@ class Task:
         source = _load(config, "train")
         if len(source) == 0:
             raise DataError(f"the training set of data.task={c.task!r} is empty; check data.path.")
-        self._iter = data.make_iterator(source, seed=config.seed, batch_size=1)
-        self.dropped = 0
+        self._stream = make_stream(source, seed=config.seed)
+        self.position = 0  # global stream position of the next unread example
+        self.dropped = 0  # examples skipped for not fitting max_prompt_len (all processes)
         if c.task == "arith":
             held_out = list(_load(config, "eval"))
         else:
@@ -104,18 +112,65 @@ class Task:
             raise DataError(f"no held-out example of {c.task!r} fits data.max_prompt_len.")
 
     def _encode(self, examples: Sequence[dict]) -> list[dict]:
+        """The examples that fit, with their prompt ids (drops counted)."""
+        kept, out = self._encode_kept(examples)
+        self.dropped += len(examples) - len(kept)
+        return out
+
+    def _encode_kept(self, examples: Sequence[dict]) -> tuple[list[int], list[dict]]:
         try:
-            ids, _, kept, dropped = data.encode_prompts(self.tokenizer, examples, **self.encode_kw)
+            ids, _, kept, _ = data.encode_prompts(self.tokenizer, examples, **self.encode_kw)
         except ValueError as e:  # on_too_long="error": a prompt longer than max_prompt_len
             raise DataError(str(e).rstrip(".") + ".") from e
-        self.dropped += dropped
-        return [dict(examples[int(i)], prompt_ids=p) for i, p in zip(kept, ids, strict=True)]
+        kept = [int(i) for i in kept]
+        return kept, [dict(examples[i], prompt_ids=p) for i, p in zip(kept, ids, strict=True)]
 
-    def next_train(self, n: int) -> list[dict]:
-        """The next n training examples that fit max_prompt_len (longer ones dropped, counted)."""
-        out: list[dict] = []
-        while len(out) < n:
-            out += self._encode([next(self._iter)[0] for _ in range(n - len(out))])
+    def next_train(self, n: int, rows: Sequence[int] | None = None) -> list[dict]:
+        """Rows `rows` (default: all) of the next global batch of n training examples.
+
+        The global batch is the next n examples of the stream that fit max_prompt_len (longer
+        ones dropped and counted), whatever the number of processes; a process loads only the
+        examples of its rows (plus its share of the length checks when the batch needs them
+        split: with several data shards every process checks a slice of the candidates and the
+        fit masks are all-gathered, so all processes agree on the batch and the position).
+        """
+        if self.shard_count == 1:
+            out: list[dict] = []
+            while len(out) < n:
+                start, self.position = self.position, self.position + n - len(out)
+                out += self._encode([self._stream[k] for k in range(start, self.position)])
+            return out if rows is None else [out[int(r)] for r in rows]
+        kept: list[int] = []
+        cache: dict[int, dict] = {}
+        while len(kept) < n:
+            m = n - len(kept)
+            start, self.position = self.position, self.position + m
+            per = -(-m // self.shard_count)  # contiguous blocks of the candidates per shard
+            lo = start + min(self.shard_index * per, m)
+            hi = start + min((self.shard_index + 1) * per, m)
+            fits = np.zeros(per + 1, np.int64)
+            fits[0] = self.shard_index
+            for k, ex in zip(range(lo, hi), self._encode_each(range(lo, hi)), strict=True):
+                fits[1 + k - lo] = ex is not None
+                if ex is not None:
+                    cache[k] = ex
+            by_shard = {int(f[0]): f[1:] for f in self._allgather(fits)}
+            mask = np.concatenate([by_shard[i] for i in range(self.shard_count)])[:m]
+            kept += [start + int(j) for j in np.flatnonzero(mask)]
+            self.dropped += int(m - mask.sum())
+        wanted = range(n) if rows is None else rows
+        missing = [kept[int(r)] for r in wanted if kept[int(r)] not in cache]
+        cache.update(zip(missing, self._encode_each(missing), strict=True))
+        return [cache[kept[int(r)]] for r in wanted]
+
+    def _encode_each(self, positions) -> list[dict | None]:
+        """Stream examples at `positions`, encoded; None where a prompt does not fit (the caller
+        counts drops: every process checks only its slice)."""
+        examples = [self._stream[k] for k in positions]
+        out: list[dict | None] = [None] * len(examples)
+        if examples:
+            for i, ex in zip(*self._encode_kept(examples), strict=True):
+                out[i] = ex
         return out
 
     def score(self, completions: list[str], golds: list[str]):
@@ -136,16 +191,17 @@ class Task:
         return lambda completion, gold: float(self.score([completion], [gold])[0][0])
 
     def get_state(self) -> dict:
-        return {"iterator": self._iter.get_state(), "dropped": self.dropped}
+        """The data position (identical on every process): stream position and drop count."""
+        return {"position": self.position, "dropped": self.dropped}
 
     def set_state(self, state: dict) -> None:
-        self._iter.set_state(state["iterator"])
-        self.dropped = state["dropped"]
+        self.position, self.dropped = int(state["position"]), int(state["dropped"])
 
     def close(self) -> None:
         rewards.close_pools()
 
 
-def build_task(config, tokenizer, workdir: str) -> Task:
+def build_task(config, tokenizer, workdir: str, *, shard=(0, 1), allgather=None) -> Task:
+    """The run's Task; `shard` = (index, count) of this process's data shard."""
     del workdir
-    return Task(config, tokenizer)
+    return Task(config, tokenizer, shard_index=shard[0], shard_count=shard[1], allgather=allgather)

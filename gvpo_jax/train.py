@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gvpo_jax import losses, rollout, session, tasks, train_step
+from gvpo_jax import losses, rollout, session, sharding, tasks, train_step
 from gvpo_jax.replay import ReplayBuffer
 
 
@@ -130,6 +130,47 @@ def make_update_fns(run: Run, params, rng, total_rl_updates: int):
 
 
 # ----------------------------------------------------------------------------------------------
+# Multi-process data flow. Each process reads, samples and scores only the rows it feeds; the
+# host-side batch of a step (rewards, tokens, log-probs: small next to the model) is then
+# all-gathered, so dynamic sampling, the replay buffer, minibatch shuffles and metrics run on the
+# same global numpy batch on every process, exactly as in a single-process run, and each process
+# hands only its rows back to the devices. With one process every helper is the identity.
+
+
+def _multi(run: Run) -> bool:
+    return run.mesh is not None and jax.process_count() > 1
+
+
+def next_examples(run: Run, n: int) -> list[dict]:
+    """This process's rows of the next global batch of n training examples (all in one process)."""
+    if not _multi(run):
+        return run.task.next_train(n)
+    return run.task.next_train(n, rows=sharding.process_rows(n, run.mesh).rows)
+
+
+def gather_rows(run: Run, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The global host batch on every process from each process's local rows."""
+    return sharding.gather_rows(batch, run.mesh) if _multi(run) else batch
+
+
+def to_device(run: Run, batch, *, group_size=None, micro_batches=1, local=False):
+    """A host batch as the jitted functions' input: numpy as is in one process (jit places it
+    with its in_shardings); multi-process, global arrays built from this process's rows of the
+    global `batch` (or from `batch` itself with local=True), whole groups per shard checked."""
+    if not _multi(run):
+        return batch
+    if not local:
+        rows = sharding.process_rows(len(next(iter(batch.values()))), run.mesh).rows
+        batch = {k: v[rows] for k, v in batch.items()}
+    return sharding.shard_batch(batch, run.mesh, group_size=group_size, micro_batches=micro_batches)
+
+
+def to_host(run: Run, x) -> np.ndarray:
+    """A row-sharded result as a full numpy array on every process."""
+    return sharding.gather(x) if _multi(run) else np.asarray(x)
+
+
+# ----------------------------------------------------------------------------------------------
 # Cold-start SFT
 
 
@@ -178,8 +219,9 @@ def run_sft(run: Run, state: train_step.TrainState, *, steps: int, log_prefix="s
     )  # fmt: skip
     t0 = time.perf_counter()
     for i in range(steps):
-        examples = run.task.next_train(c.sft.batch_size)
-        sft_state, m = update(sft_state, sft_batch(run, examples))
+        examples = next_examples(run, c.sft.batch_size)
+        batch = to_device(run, sft_batch(run, examples), group_size=1, local=True)
+        sft_state, m = update(sft_state, batch)
         if (i + 1) % max(steps // 10, 1) == 0 or i + 1 == steps:
             m = jax.device_get(m)
             run.writer.write_scalars(
@@ -187,7 +229,8 @@ def run_sft(run: Run, state: train_step.TrainState, *, steps: int, log_prefix="s
                 {f"{log_prefix}/{k}": float(v) for k, v in m.items()}
                 | {f"{log_prefix}/time_s": time.perf_counter() - t0},
             )
-            print(f"[sft] step {i + 1}/{steps}  nll {float(m['nll']):.4f}", flush=True)
+            if sharding.is_primary():
+                print(f"[sft] step {i + 1}/{steps}  nll {float(m['nll']):.4f}", flush=True)
     return state.replace(params=sft_state.params)
 
 
@@ -196,7 +239,11 @@ def run_sft(run: Run, state: train_step.TrainState, *, steps: int, log_prefix="s
 
 
 def collect_rollout(run: Run, params, rng: jax.Array, num_prompts: int):
-    """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones."""
+    """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones.
+
+    Returns (batch, completions, examples, metrics): `batch` is the global batch (every row, on
+    every process); completions / examples are this process's rows of the first round.
+    """
     c, G = run.config, run.config.rollout.group_size
     model = run.model(params)
     dynamic = uses_dynamic_sampling(c)
@@ -206,7 +253,7 @@ def collect_rollout(run: Run, params, rng: jax.Array, num_prompts: int):
     rounds = 1 + (c.algo.max_extra_rounds if dynamic else 0)
     for r in range(rounds):
         rounds_run += 1
-        examples = run.task.next_train(num_prompts)
+        examples = next_examples(run, num_prompts)
         batch, completions, info = rollout.rollout(
             model,
             examples,
@@ -221,6 +268,9 @@ def collect_rollout(run: Run, params, rng: jax.Array, num_prompts: int):
             if c.algo.demo_slot
             else None,
         )
+        batch["truncated"] = info.pop("truncated")
+        batch = gather_rows(run, batch)  # every process now holds all rows of this round
+        info["truncated"] = batch.pop("truncated")
         batch["task_rewards"] = batch["rewards"].copy()
         if preset.overlong_penalty:
             batch["rewards"] = batch["rewards"] + np.asarray(
@@ -259,8 +309,10 @@ def collect_rollout(run: Run, params, rng: jax.Array, num_prompts: int):
         "truncated_frac": float(np.mean(np.concatenate(info_acc.pop("truncated")))),
         "rollout_rounds": float(rounds_run),
     }
-    for k, v in info_acc.items():
-        metrics[k] = float(np.sum(v))
+    for k, v in info_acc.items():  # counts (reward timeouts, errors) of this process's rows
+        metrics[k] = (
+            sharding.sum_over_shards(np.sum(v), run.mesh) if _multi(run) else float(np.sum(v))
+        )
     return batch, completions_all, examples_all, metrics
 
 
@@ -283,10 +335,11 @@ def rl_step(run: Run, state, update, step: int):
     if run.replay is not None:
         run.replay.add(fresh, G)
     # pi_old (and the GVPO anchor "old") for every row, replayed ones included, in one forward.
-    tokens, attn = update_batch["tokens"], update_batch["attn_mask"]
-    update_batch["old_logp"] = np.asarray(run.logprobs(state.params, tokens, attn))
+    dev = to_device(run, {k: update_batch[k] for k in ("tokens", "attn_mask")})
+    tokens, attn = dev["tokens"], dev["attn_mask"]
+    update_batch["old_logp"] = to_host(run, run.logprobs(state.params, tokens, attn))
     if run.ref_params is not None:
-        update_batch["ref_logp"] = np.asarray(run.logprobs(run.ref_params, tokens, attn))
+        update_batch["ref_logp"] = to_host(run, run.logprobs(run.ref_params, tokens, attn))
     old = np.asarray(update_batch["old_logp"])[: fresh["sample_logp"].shape[0]]
     gap = np.abs(old - fresh["sample_logp"]) * fresh["resp_mask"]
     num_groups = update_batch["rewards"].shape[0] // G
@@ -298,6 +351,7 @@ def rl_step(run: Run, state, update, step: int):
                 if c.algo.num_minibatches > 1 or c.algo.num_epochs > 1
                 else update_batch
             )
+            mb = to_device(run, mb, group_size=G, micro_batches=c.optim.micro_batches)
             state, m = update(state, mb)
             step_metrics.append(m)
     m = jax.device_get(step_metrics)
@@ -394,12 +448,14 @@ def train_rl(run_: Run, state, update, start: int, summary: dict) -> dict:
             if stop and not last:
                 run_.ckpt.wait()
                 bar.close()
-                print(f"Preempted: saved step {step} in {run_.workdir}; exiting.", flush=True)
+                if sharding.is_primary():
+                    print(f"Preempted: saved step {step} in {run_.workdir}; exiting.", flush=True)
                 summary["preempted_at"] = step
                 return summary
     bar.close()
     summary["eval_end"] = session.evaluate(run_, state.params, step=c.train.steps)["accuracy"]
     session.finish(run_, state.params, summary)
-    with open(os.path.join(run_.workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
+    if sharding.is_primary():
+        with open(os.path.join(run_.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
     return summary

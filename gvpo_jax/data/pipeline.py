@@ -3,6 +3,8 @@
 Order of operations: source -> shuffle(seed) -> repeat(num_epochs) -> shard -> batch. Each epoch is
 reshuffled (grain folds the epoch into the seed); shard `i` of `n` takes elements i, i+n, ... of the
 global stream, so processes see disjoint examples; batches are Python lists of example dicts.
+`make_stream` is the same global stream with random access (what the trainer reads: each process
+loads only the stream positions of the rows it feeds).
 """
 
 from __future__ import annotations
@@ -60,3 +62,19 @@ def make_iterator(
     ds = ds[shard_index::shard_count]
     ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
     return iter(ds.to_iter_dataset(read_options=_READ_OPTIONS))
+
+
+def make_stream(source, *, seed: int, shuffle: bool = True) -> grain.MapDataset:
+    """The global example stream with random access: `stream[k]` is example number k.
+
+    Element k equals the k-th example of `make_iterator(source, seed=seed, batch_size=1,
+    shard_index=0, shard_count=1, shuffle=shuffle)` (same shuffle, epochs reshuffled, endless),
+    so a reader that keeps its own position (an int) resumes exactly and any process can load
+    any slice of a global batch without reading the rest.
+    """
+    ds = grain.MapDataset.source(source)
+    if len(ds) == 0:
+        raise ValueError("the source is empty; check the data path and split.")
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    return ds.repeat(None)
