@@ -42,7 +42,7 @@ if [ ${#QUICK[@]} -eq 0 ]; then
 fi
 run "$PY" -m benchmarks.tunix_rollout --repeats 3 "${QUICK[@]}"
 # 2 + 3. Update step vs PyTorch and tunix, MFU against the measured matmul peak, recompiles.
-run "$PY" -m benchmarks.update_step --repeats 3 --proposed "${QUICK[@]}" "${SKIP_TUNIX[@]}"
+run "$PY" -m benchmarks.update_step --repeats 3 "${QUICK[@]}" "${SKIP_TUNIX[@]}"
 # 3. Peak memory of token log-probs, chunked vs naive, at Qwen's vocabulary 151936.
 if [ ${#QUICK[@]} -eq 0 ]; then
   run "$PY" -m benchmarks.logprob_memory --vocab 151936

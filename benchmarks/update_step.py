@@ -22,7 +22,6 @@ FLOPs per update: 6*N*B*T + 12*L*d*B*T^2 (see benchmarks/common.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import tempfile
@@ -113,57 +112,6 @@ def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> c
     )
 
 
-# ----------------------------------------------------------------------------- proposed model fix
-
-
-@contextlib.contextmanager
-def two_d_projections():
-    """Proposal for gvpo_jax/models (measured here, not applied there): 2-D matmuls on [B*T, D].
-
-    XLA CPU computes the weight gradient of a 3-D einsum such as "btd,df->btf" (contracting b and
-    t) about 2x slower than the same 2-D dot; the MLP and q/k/v projections below are the same
-    math on x.reshape(B*T, D). Active only while the bench's first call traces.
-    """
-    from gvpo_jax.models import transformer as tr
-
-    def mlp(self, x_BxTxD):
-        b, t, d = x_BxTxD.shape
-        x_NxD = x_BxTxD.reshape(b * t, d)
-        h_NxF = jax.nn.silu(x_NxD @ self.gate_kernel[...]) * (x_NxD @ self.up_kernel[...])
-        h_NxF = tr.constrain(h_NxF.reshape(b, t, -1), ("batch", "length", "mlp")).reshape(b * t, -1)
-        return (h_NxF @ self.down_kernel[...]).reshape(b, t, d)
-
-    def project(self, x_BxTxD, kernel, bias, axes):
-        b, t, d = x_BxTxD.shape
-        k = kernel[...]
-        y = (x_BxTxD.reshape(b * t, d) @ k.reshape(d, -1)).reshape(b, t, *k.shape[1:])
-        return tr.constrain(y if bias is None else y + bias[...], axes)
-
-    saved = tr.MLP.__call__, tr.Attention._project
-    tr.MLP.__call__, tr.Attention._project = mlp, project
-    try:
-        yield
-    finally:
-        tr.MLP.__call__, tr.Attention._project = saved
-
-
-class TracedUnder:
-    """A bench whose first (tracing) call runs inside a context manager."""
-
-    def __init__(self, bench, context):
-        self.bench, self.context = bench, context
-
-    def first(self):
-        with self.context():
-            return self.bench.first()
-
-    def step(self):
-        return self.bench.step()
-
-    def close(self):
-        return self.bench.close()
-
-
 # ----------------------------------------------------------------------------- plain PyTorch
 
 
@@ -235,9 +183,6 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=128, help="log-prob chunk (config default)")
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--skip-tunix", action="store_true")
-    parser.add_argument(
-        "--proposed", action="store_true", help="also time GVPO with the proposed 2-D projections"
-    )
     args = parser.parse_args(argv)
 
     shape = QUICK if args.quick else FULL
@@ -261,11 +206,6 @@ def main(argv=None):
         benches[f"gvpo_jax {algo.upper()}"] = ours_bench(
             model, batch, algo, group=g, prompt_len=tp, new_tokens=n, chunk=args.chunk
         )
-    if args.proposed:
-        bench = ours_bench(
-            model, batch, "gvpo", group=g, prompt_len=tp, new_tokens=n, chunk=args.chunk
-        )
-        benches["gvpo_jax GVPO, 2-D projections (proposal)"] = TracedUnder(bench, two_d_projections)
     with tempfile.TemporaryDirectory() as work:
         tunix_rollout.export_for_worker(model, work)
         if not args.skip_torch:
@@ -318,14 +258,6 @@ def main(argv=None):
                 lines.append(
                     common.ratio_line(f"{algo} speed-up over {other} (CPU time)", cpu_ratio, target)
                 )
-    proposal = "gvpo_jax GVPO, 2-D projections (proposal)"
-    if proposal in timing:
-        mfu, cpu_mfu = common.utilisation(flops, timing[proposal], peak)
-        lines.append(common.ratio_line("GVPO MFU with the proposed 2-D projections", mfu, 0.55))
-        if "PyTorch GVPO" in timing:
-            ratio = timing["PyTorch GVPO"].best / timing[proposal].best
-            summary["ratios"]["GVPO (proposal) vs PyTorch"] = ratio
-            lines.append(common.ratio_line("GVPO (proposal) speed-up over PyTorch", ratio, 1.1))
     ours_recompiles = sum(r["recompiles"] for k, r in rows.items() if k.startswith("gvpo_jax"))
     lines.append(common.ratio_line("gvpo_jax recompiles after the first step", ours_recompiles, 0,
                                    higher_is_better=False))  # fmt: skip

@@ -20,7 +20,7 @@ def get_config():
     c.model.hf_dir = "/data/models/Qwen2.5-Math-7B"  # local Hugging Face directory (override it)
     c.model.dtype = "bfloat16"  # parameters in bf16; logits and losses in fp32
     c.model.remat = True  # recompute activations per layer in the backward pass
-    c.model.logprob_chunk = 256  # sequence chunk of the token log-probs (vocab 152064)
+    c.model.logprob_chunk = 256  # log-prob blocks hold <= 256 x 152064 fp32 logits (156 MB)
 
     c.tokenizer.kind = "model"  # the checkpoint's own tokenizer (hf_dir)
 

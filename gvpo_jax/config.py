@@ -49,7 +49,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields for from-scratch models
     c.model.dtype = "float32"  # parameter dtype: float32 | bfloat16 (logits are always float32)
     c.model.remat = False  # gradient checkpointing per layer
-    c.model.logprob_chunk = 128  # sequence chunk of the memory-efficient token log-probs
+    c.model.logprob_chunk = 128  # log-prob blocks hold <= this many tokens x vocab fp32 logits
 
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.kind = (

@@ -58,7 +58,7 @@ class DecodeState:
     tokens_BxN: jax.Array  # int32, pad_id where not yet sampled / finished
     logp_BxN: jax.Array  # float32
     sample_logp_BxN: jax.Array  # float32
-    cache: Any  # the model's KV cache pytree, batch B, length S = T + N - 1
+    cache: Any  # the prompts once (P x T slots) + the new tokens (B x max(N - 1, 1) slots)
     rng: jax.Array  # base key; step n samples with fold_in(rng, n)
 
 
@@ -110,7 +110,8 @@ def generate(
 
     Args:
       model: a `gvpo_jax.models.Transformer` (or any module with its `hidden`/`unembed`/
-        `init_cache` API). May be sharded; outputs follow the shardings XLA propagates.
+        `init_cache`/`share_prefix_cache` API). May be sharded; outputs follow the shardings
+        XLA propagates.
       prompt_ids: int32 [P, T], right-padded prompts (T a bucket length, see `pad_prompts`).
       prompt_lens: int32 [P], true lengths, 1 <= len <= T.
       max_new_tokens: N, the number of decode steps at most; output width.
@@ -120,8 +121,8 @@ def generate(
       top_p: 1.0 = off. Nucleus on the tempered (and top-k) distribution.
       min_p: 0.0 = off. Keep tokens with p >= min_p * max p.
       eos_ids: a row stops after emitting any of these; () = run to max_new_tokens.
-      num_samples: G responses per prompt; the prompt is prefilled once and its KV cache is
-        repeated G times.
+      num_samples: G responses per prompt; the prompt is prefilled once and its keys/values
+        are stored once and shared by the G samples (`model.share_prefix_cache`).
       pad_id: token written after a row's first EOS.
 
     Returns:
@@ -188,6 +189,33 @@ def canonical_settings(
     )
 
 
+def decode_segments(slots: int, max_segments: int = 4, min_segment: int = 16) -> tuple[int, ...]:
+    """Cache sizes of the decode segments for `slots` new-token slots, the last one == slots.
+
+    Up to `max_segments` equal segments of at least `min_segment` slots; short generations
+    (e.g. a few answer tokens) use one segment. Each segment is one `lax.while_loop` in the same
+    compiled program, so more segments mean less attention work but a longer compile.
+    """
+    count = max(1, min(max_segments, slots // min_segment))
+    return tuple(-(-slots * (j + 1) // count) for j in range(count))
+
+
+def _grow_cache(cache: list[dict[str, jax.Array]], slots: int) -> list[dict[str, jax.Array]]:
+    """Pad every layer's new-token slots ('k', 'v' [B, K, S, H], 'valid' [B, S]) to `slots`."""
+
+    def grow(layer):
+        extra = slots - layer["valid"].shape[1]
+        pad_kv = ((0, 0), (0, 0), (0, extra), (0, 0))
+        return {
+            **layer,
+            "k": jnp.pad(layer["k"], pad_kv),
+            "v": jnp.pad(layer["v"], pad_kv),
+            "valid": jnp.pad(layer["valid"], ((0, 0), (0, extra))),
+        }
+
+    return [grow(layer) for layer in cache]
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -233,17 +261,22 @@ def generate_split(
     lens_P = prompt_lens.astype(jnp.int32)
     positions_PxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
     valid_PxT = positions_PxT < lens_P[:, None]
-    # The last sampled token is never fed back, so the cache needs T + N - 1 slots.
-    cache = model.init_cache(p, t + n - 1)
+    cache = model.init_cache(p, t)
     hidden_PxTxD, cache = model.hidden(
         prompt_ids.astype(jnp.int32), positions_PxT, valid_PxT, cache=cache, cache_index=0
     )
     last_PxD = jnp.take_along_axis(hidden_PxTxD, (lens_P - 1)[:, None, None], axis=1)[:, 0]
     logits_PxV = model.unembed(last_PxD)
 
-    # Share the prefill: every sample of prompt p starts from its logits and KV cache.
+    # Share the prefill: every sample of prompt p starts from its logits, and the prompt's keys
+    # and values stay stored once per prompt (read once per prompt at every decode step). The
+    # last sampled token is never fed back, so the new tokens need N - 1 slots (at least 1).
     logits_BxV = jnp.repeat(logits_PxV, g, axis=0)
-    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), cache)
+    # The new-token slots grow in segments: segment j decodes while its slots suffice, and the
+    # cache is then padded to the next size. Each decode step attends over the slots of its
+    # segment only, not all N - 1 (about 40% less attention work at N = 128).
+    sizes = decode_segments(max(n - 1, 1))
+    cache = model.share_prefix_cache(cache, g, sizes[0])
     lens_B = jnp.repeat(lens_P, g)
 
     select = functools.partial(
@@ -269,11 +302,12 @@ def generate_split(
             sample_logp_BxN=write(s.sample_logp_BxN, jnp.where(active_B, sample_logp_B, 0.0)),
         )
 
-    def keep_going(s: DecodeState) -> jax.Array:
-        return (s.step < n) & ~jnp.all(s.done_B)
+    def keep_going(s: DecodeState, slots: int) -> jax.Array:
+        # Step `step` writes slot step - 1, so a segment with `slots` slots ends at step slots.
+        return (s.step < n) & (s.step <= slots) & ~jnp.all(s.done_B)
 
     def decode_step(s: DecodeState) -> DecodeState:
-        """Feed token step-1 (slot T + step - 1, position len + step - 1), sample token step."""
+        """Feed token step-1 (new-token slot step-1, position len + step-1); sample token step."""
         fed_B = jax.lax.dynamic_index_in_dim(s.tokens_BxN, s.step - 1, axis=1, keepdims=False)
         # Finished rows hold pad_id, which need not be a vocabulary id: feed token 0 instead.
         fed_B = jnp.where(s.done_B, 0, fed_B)
@@ -283,7 +317,7 @@ def generate_split(
             positions_Bx1,
             jnp.ones((b, 1), jnp.bool_),
             cache=s.cache,
-            cache_index=t + s.step - 1,
+            cache_index=s.step - 1,
         )
         return append(s.replace(cache=cache), logits_Bx1xV[:, 0])
 
@@ -297,7 +331,11 @@ def generate_split(
         cache=cache,
         rng=rng,
     )
-    final = jax.lax.while_loop(keep_going, decode_step, append(start, logits_BxV))
+    final = append(start, logits_BxV)
+    for j, slots in enumerate(sizes):
+        if j:
+            final = final.replace(cache=_grow_cache(final.cache, slots))
+        final = jax.lax.while_loop(functools.partial(keep_going, slots=slots), decode_step, final)
     mask_BxN = (jnp.arange(n)[None, :] < final.lengths_B[:, None]).astype(jnp.float32)
     return SampleOutput(
         tokens_BxN=final.tokens_BxN,

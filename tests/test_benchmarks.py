@@ -54,7 +54,7 @@ def test_time_calls_counts_recompiles_after_the_first_call():
 
 
 def test_update_step_quick_prints_table_and_matches_pytorch(capsys):
-    summary = update_step.main(["--quick", "--repeats", "1", "--skip-tunix", "--proposed"])
+    summary = update_step.main(["--quick", "--repeats", "1", "--skip-tunix"])
     out = capsys.readouterr().out
     assert "| update | first-step loss |" in out and "GVPO MFU" in out
     rows = summary["rows"]
@@ -65,8 +65,6 @@ def test_update_step_quick_prints_table_and_matches_pytorch(capsys):
         assert ours["first_loss"] == pytest.approx(torch_row["first_loss"], rel=1e-3, abs=1e-6)
         assert ours["first_loss"] > 0
     assert summary["peak"] > 0 and summary["ratios"]["GVPO vs PyTorch"] > 0
-    proposal = rows["gvpo_jax GVPO, 2-D projections (proposal)"]  # same math, other matmul shapes
-    assert proposal["first_loss"] == pytest.approx(rows["gvpo_jax GVPO"]["first_loss"], rel=1e-5)
 
 
 def test_scaling_quick_rollout_sweeps_print_tables_and_fits(capsys):

@@ -1,5 +1,6 @@
 """Model tests: logit parity with transformers, KV cache, export round trip, errors, presets."""
 
+import functools
 import json
 import shutil
 
@@ -129,7 +130,7 @@ def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
     graphdef, state = nnx.split(model)
     cache = model.init_cache(2, s)
     assert (
-        cache[0]["k"].shape == (2, s, 2, model.config.head_dim) and cache[0]["valid"].dtype == bool
+        cache[0]["k"].shape == (2, 2, s, model.config.head_dim) and cache[0]["valid"].dtype == bool
     )
     logits, cache = step(graphdef, state, prompt, prompt_pos, prompt_mask, cache, 0)
     decoded = []
@@ -148,6 +149,34 @@ def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
         np.testing.assert_allclose(np.asarray(logits)[b, :n_p], full[:n_p], atol=TOL, rtol=0)
         for n in range(steps):
             np.testing.assert_allclose(decoded[n][b], full[n_p + n], atol=TOL, rtol=0)
+
+
+def test_shared_prefix_cache_decode_equals_full_forward(checkpoints):
+    """P=2 right-padded prompts prefilled once, G=3 continuations each through
+    `share_prefix_cache`: every step's logits equal the full forward of prompt + continuation."""
+    model = models.from_pretrained(checkpoints["qwen2-untied"][0])
+    p, g, tp, steps = 2, 3, 6, 3
+    prompt = _tokens((p, tp), seed=5)
+    lens = np.array([6, 3])
+    valid = np.arange(tp)[None] < lens[:, None]
+    pos = np.broadcast_to(np.arange(tp), (p, tp)).astype(np.int32)
+    _, cache = model(jnp.asarray(prompt), pos, valid, cache=model.init_cache(p, tp), cache_index=0)
+    cache = model.share_prefix_cache(cache, g, steps)
+    assert cache[0]["prefix_k"].shape[0] == p and cache[0]["k"].shape[:3] == (p * g, 2, steps)
+    cont = _tokens((p * g, steps), seed=6)
+    decoded = []
+    for n in range(steps):
+        pos_n = (np.repeat(lens, g) + n)[:, None].astype(np.int32)
+        logits, cache = model(
+            jnp.asarray(cont[:, n : n + 1]), pos_n, np.ones((p * g, 1), bool), cache=cache,
+            cache_index=n,
+        )  # fmt: skip
+        decoded.append(np.asarray(logits)[:, 0])
+    for row in range(p * g):
+        seq = np.concatenate([prompt[row // g, : lens[row // g]], cont[row]])
+        full = np.asarray(model(jnp.asarray(seq[None])))[0]
+        for n in range(steps):
+            np.testing.assert_allclose(decoded[n][row], full[lens[row // g] + n], atol=TOL, rtol=0)
 
 
 def test_hidden_with_cache_and_unembed_match_call(checkpoints):
@@ -320,7 +349,8 @@ def _naive_token_logprobs(model, tokens, mask):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied):
+def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied, monkeypatch):
+    monkeypatch.setattr(models.logprobs, "_MIN_BLOCK", 1)  # small blocks and a tail block
     cfg = models.PRESETS["tiny"].replace(tie_word_embeddings=tied)
     model = models.Transformer(cfg, rngs=nnx.Rngs(1))
     tokens = jnp.asarray(_tokens((3, 10), vocab=cfg.vocab_size, seed=9))
@@ -341,7 +371,7 @@ def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied):
 
     (_, naive), naive_grads = value_and_grads(lambda m: _naive_token_logprobs(m, tokens, mask))
     np.testing.assert_allclose(np.asarray(naive), ref, atol=1e-5)
-    for chunk in (4, 64):  # 4 does not divide T-1 = 9; 64 is larger than T
+    for chunk in (4, 64):  # 4: blocks of 37 rows + a tail of 34; 64: one block
         fn = lambda m, chunk=chunk: models.token_logprobs(m, tokens, mask, chunk_size=chunk)
         (_, logp), grads = value_and_grads(fn)
         assert logp.shape == (3, 10) and logp.dtype == jnp.float32
@@ -368,6 +398,51 @@ def test_chunked_logprobs_never_hold_full_logits():
     chunked = temp_bytes(lambda h, w, y: models.chunked_logprobs(h, w, y, chunk_size=16))
     assert temp_bytes(models.naive_logprobs) > 2 * full_logits
     assert chunked < 0.5 * full_logits
+
+
+def _grad_temp_bytes(fn, b, t, d, v, dtype=jnp.float32, **kw):
+    args = (
+        jax.ShapeDtypeStruct((b, t, d), dtype),
+        jax.ShapeDtypeStruct((v, d), dtype),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+    )
+    loss = lambda h, w, y: jnp.sum(fn(h, w, y, **kw))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    return step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_logprobs_memory_does_not_grow_with_the_batch(monkeypatch):
+    """Blocks hold chunk_size * V logits for all B*T tokens together: 4x the batch, same peak."""
+    monkeypatch.setattr(models.logprobs, "_MIN_BLOCK", 1)
+    kw = dict(chunk_size=16)
+    small = _grad_temp_bytes(models.chunked_logprobs, 2, 256, 16, 32768, **kw)
+    large = _grad_temp_bytes(models.chunked_logprobs, 8, 256, 16, 32768, **kw)
+    block_logits = 16 * 32768 * 4
+    assert large < 1.25 * small and large < 8 * block_logits
+
+
+def test_chunked_logprobs_bf16_gradient_has_no_fp32_vocab_matrix():
+    """No fp32 [V, D] buffer (accumulator or widened copy) for a bf16 unembedding."""
+    b, t, d, v = 2, 64, 256, 32768
+    temp = _grad_temp_bytes(models.chunked_logprobs, b, t, d, v, jnp.bfloat16, chunk_size=4)
+    assert temp < 0.75 * v * d * 4
+
+
+def test_chunked_logprobs_bf16_match_naive(monkeypatch):
+    monkeypatch.setattr(models.logprobs, "_MIN_BLOCK", 1)
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(300, 16)) * 0.3, jnp.bfloat16)
+    y = jnp.asarray(rng.integers(0, 300, (2, 5)), jnp.int32)
+    g = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
+    loss = lambda fn: lambda h, w: jnp.sum(g * fn(h, w, y))
+    chunked = functools.partial(models.chunked_logprobs, chunk_size=3)  # 6 blocks of 90 + tail
+    (va, ga) = jax.value_and_grad(loss(models.naive_logprobs), argnums=(0, 1))(h, w)
+    (vb, gb) = jax.value_and_grad(loss(chunked), argnums=(0, 1))(h, w)
+    np.testing.assert_allclose(float(va), float(vb), rtol=1e-5)
+    for a, b in zip(ga, gb, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.float32(a), np.float32(b), atol=2e-2, rtol=2e-2)
 
 
 def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints):

@@ -93,7 +93,8 @@ def test_invalid_settings_raise_and_equal_settings_are_canonical():
 
 def test_greedy_matches_transformers_generate(hf_and_model):
     hf, model = hf_and_model
-    n = 12
+    n = 40  # 39 new-token slots: two decode segments (20 + 19), the cache grows in between
+    assert len(sampler.decode_segments(n - 1)) == 2
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
     out = sampler.generate(
         model, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0
@@ -244,6 +245,15 @@ def _recomputed_logp(model, ids, lens, out, num_samples):
     return logp[rows, idx - 1, seqs[rows, idx]], logits, idx
 
 
+def test_decode_segments_cover_the_slots():
+    assert sampler.decode_segments(4) == (4,)  # short answers: one loop
+    assert sampler.decode_segments(127) == (32, 64, 96, 127)
+    assert sampler.decode_segments(39) == (20, 39)
+    for slots in range(1, 300):
+        sizes = sampler.decode_segments(slots)
+        assert sizes[-1] == slots and list(sizes) == sorted(set(sizes)) and len(sizes) <= 4
+
+
 def test_returned_logps_equal_recomputed(hf_and_model):
     _, model = hf_and_model
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
@@ -253,7 +263,7 @@ def test_returned_logps_equal_recomputed(hf_and_model):
         model,
         ids,
         lens,
-        max_new_tokens=10,
+        max_new_tokens=36,  # two decode segments
         rng=jax.random.key(7),
         num_samples=g,
         eos_ids=(3, 4),

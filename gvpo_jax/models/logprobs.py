@@ -1,11 +1,156 @@
-"""Memory-efficient token log-probs: chunked over time and rematerialised, never [B,T,V] logits."""
+"""Memory-efficient token log-probs: vocabulary-blocked with a custom VJP, never [B,T,V] logits."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from gvpo_jax.models.transformer import Transformer
+
+_MIN_BLOCK = 512
+
+
+def vocab_block_size(num_tokens: int, vocab: int, chunk_size: int) -> int:
+    """Rows of the unembedding per block so that one block's logits hold <= chunk_size * V floats.
+
+    A block's logits are [M, Vb] for all M tokens at once, so the peak is set by `chunk_size`
+    (tokens' worth of full-vocabulary logits) and does not grow with the batch. Blocks have at
+    least min(V, 512) rows.
+    """
+    budget = (chunk_size * vocab) // max(num_tokens, 1)
+    # A floor keeps small-vocabulary models from looping over a handful of rows per block.
+    return max(min(vocab, _MIN_BLOCK), min(vocab, budget))
+
+
+def _blocks(vocab: int, block: int) -> tuple[int, int]:
+    """(number of full blocks, rows in the tail block) for a vocabulary cut into `block` rows."""
+    return vocab // block, vocab % block
+
+
+def _as_bits(unembed_VxD):
+    """The unembedding as raw bits when it is bf16 (a view for the loops; see `_slice_rows`)."""
+    if unembed_VxD.dtype == jnp.bfloat16:
+        return jax.lax.bitcast_convert_type(unembed_VxD, jnp.uint16)
+    return unembed_VxD
+
+
+def _slice_rows(unembed_bits_VxD, start, block):
+    """Rows [start, start + block) of the unembedding (given as `_as_bits`), in its own dtype.
+
+    XLA CPU has no bf16 arithmetic and widens a bf16 loop operand to fp32 for the whole loop:
+    a full fp32 copy of the [V, D] matrix (+0.5 GiB at V = 151936, D = 896), the very buffer the
+    blocking exists to avoid. Integer bits are left alone; each block is turned back into bf16.
+    """
+    rows = jax.lax.dynamic_slice_in_dim(unembed_bits_VxD, start, block, 0)
+    if rows.dtype == jnp.uint16:
+        return jax.lax.bitcast_convert_type(rows, jnp.bfloat16)
+    return rows
+
+
+def _block_logits(hidden_MxD, unembed_BvxD):
+    return jnp.einsum(
+        "md,vd->mv", hidden_MxD, unembed_BvxD, preferred_element_type=jnp.float32
+    ).astype(jnp.float32)
+
+
+def _forward(hidden_MxD, unembed_VxD, targets_M, block):
+    """(logp_M, lse_M): an online log-sum-exp over vocabulary blocks, fp32 throughout."""
+    m, _ = hidden_MxD.shape
+    vocab = unembed_VxD.shape[0]
+    full, tail = _blocks(vocab, block)
+
+    def visit(carry, unembed_BvxD, start):
+        max_M, sum_M, target_M = carry
+        logits_MxBv = _block_logits(hidden_MxD, unembed_BvxD)
+        new_max_M = jnp.maximum(max_M, jnp.max(logits_MxBv, axis=-1))
+        sum_M = sum_M * jnp.exp(max_M - new_max_M) + jnp.sum(
+            jnp.exp(logits_MxBv - new_max_M[:, None]), axis=-1
+        )
+        local_M = targets_M - start
+        hit_M = (local_M >= 0) & (local_M < unembed_BvxD.shape[0])
+        picked_M = jnp.take_along_axis(
+            logits_MxBv, jnp.clip(local_M, 0, unembed_BvxD.shape[0] - 1)[:, None], axis=-1
+        )[:, 0]
+        return new_max_M, sum_M, target_M + jnp.where(hit_M, picked_M, 0.0)
+
+    carry = (
+        jnp.full((m,), -jnp.inf, jnp.float32),
+        jnp.zeros((m,), jnp.float32),
+        jnp.zeros((m,), jnp.float32),
+    )
+
+    bits_VxD = _as_bits(unembed_VxD)
+
+    def step(carry, i):
+        start = i * block
+        return visit(carry, _slice_rows(bits_VxD, start, block), start), None
+
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(full))
+    if tail:
+        carry = visit(carry, unembed_VxD[full * block :], full * block)
+    max_M, sum_M, target_M = carry
+    lse_M = max_M + jnp.log(sum_M)
+    return target_M - lse_M, lse_M
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blocked_logprobs(hidden_MxD, unembed_VxD, targets_M, block):
+    return _forward(hidden_MxD, unembed_VxD, targets_M, block)[0]
+
+
+def _blocked_fwd(hidden_MxD, unembed_VxD, targets_M, block):
+    logp_M, lse_M = _forward(hidden_MxD, unembed_VxD, targets_M, block)
+    return logp_M, (hidden_MxD, unembed_VxD, targets_M, lse_M)
+
+
+def _blocked_bwd(block, residuals, g_M):
+    """d logp_m / d logits_mv = onehot(y_m)_v - softmax_mv, recomputed block by block.
+
+    The unembedding gradient of a block depends only on that block's logits, so each block's
+    rows are written once into the output (in the parameter dtype): no [V, D] accumulator and no
+    per-block [V, D] product, just the [M, Vb] logits of one block and the [M, D] hidden gradient.
+    """
+    hidden_MxD, unembed_VxD, targets_M, lse_M = residuals
+    vocab, d = unembed_VxD.shape
+    full, tail = _blocks(vocab, block)
+    g_M = g_M.astype(jnp.float32)
+    hidden32_MxD = hidden_MxD.astype(jnp.float32)
+
+    def visit(dh_MxD, unembed_BvxD, start):
+        logits_MxBv = _block_logits(hidden_MxD, unembed_BvxD)
+        probs_MxBv = jnp.exp(logits_MxBv - lse_M[:, None])
+        local_M = targets_M - start
+        onehot_MxBv = local_M[:, None] == jnp.arange(unembed_BvxD.shape[0])[None, :]
+        dlogits_MxBv = g_M[:, None] * (onehot_MxBv.astype(jnp.float32) - probs_MxBv)
+        dh_MxD = dh_MxD + dlogits_MxBv @ unembed_BvxD.astype(jnp.float32)
+        dw_BvxD = (dlogits_MxBv.T @ hidden32_MxD).astype(unembed_VxD.dtype)
+        return dh_MxD, dw_BvxD
+
+    bits_VxD = _as_bits(unembed_VxD)
+
+    def step(carry, i):
+        dh_MxD, dw_bits_VxD = carry
+        start = i * block
+        dh_MxD, dw_BvxD = visit(dh_MxD, _slice_rows(bits_VxD, start, block), start)
+        dw_bits_VxD = jax.lax.dynamic_update_slice_in_dim(
+            dw_bits_VxD, _as_bits(dw_BvxD), start, axis=0
+        )
+        return (dh_MxD, dw_bits_VxD), None
+
+    carry = (jnp.zeros(hidden_MxD.shape, jnp.float32), jnp.zeros((vocab, d), bits_VxD.dtype))
+    (dh_MxD, dw_bits_VxD), _ = jax.lax.scan(step, carry, jnp.arange(full))
+    dw_VxD = dw_bits_VxD
+    if dw_VxD.dtype != unembed_VxD.dtype:
+        dw_VxD = jax.lax.bitcast_convert_type(dw_VxD, unembed_VxD.dtype)
+    if tail:
+        dh_MxD, dw_TxD = visit(dh_MxD, unembed_VxD[full * block :], full * block)
+        dw_VxD = dw_VxD.at[full * block :].set(dw_TxD)
+    return dh_MxD.astype(hidden_MxD.dtype), dw_VxD, None
+
+
+_blocked_logprobs.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def chunked_logprobs(
@@ -13,31 +158,20 @@ def chunked_logprobs(
 ) -> jax.Array:
     """fp32 [B, T]: log softmax(hidden[b, t] @ unembed.T)[targets[b, t]].
 
-    Time is cut into ceil(T / chunk_size) chunks processed by `lax.map`; each chunk's logits
-    [B, C, V] are built in fp32, reduced to one log-prob per token and dropped. The chunk
-    function is `jax.checkpoint`ed, so the backward pass recomputes a chunk's logits instead of
-    storing them: peak memory holds O(B * C * V) logits, never O(B * T * V).
+    The B*T tokens are taken together and the vocabulary is cut into blocks of Vb rows
+    (`vocab_block_size`): the forward keeps an online log-sum-exp over the blocks, and the
+    custom backward recomputes one block's logits at a time. At most chunk_size * V fp32 logits
+    live at once, whatever B and T are; the unembedding gradient is written block by block in
+    the parameter dtype, so there is no fp32 [V, D] accumulator either. Values and gradients
+    equal `naive_logprobs` (fp32 rounding aside).
     """
     b, t, d = hidden_BxTxD.shape
-    c = max(1, min(chunk_size, t))
-    n = -(-t // c)
-    pad = n * c - t
-    hidden_BxTxD = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
-    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
-    hidden_NxBxCxD = hidden_BxTxD.reshape(b, n, c, d).transpose(1, 0, 2, 3)
-    targets_NxBxC = targets_BxT.reshape(b, n, c).transpose(1, 0, 2)
-
-    @jax.checkpoint
-    def chunk(unembed_VxD, hidden_BxCxD, targets_BxC):
-        logits_BxCxV = jnp.einsum(
-            "bcd,vd->bcv", hidden_BxCxD, unembed_VxD, preferred_element_type=jnp.float32
-        ).astype(jnp.float32)
-        lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-        target_BxC = jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
-        return target_BxC - lse_BxC
-
-    logp_NxBxC = jax.lax.map(lambda xs: chunk(unembed_VxD, *xs), (hidden_NxBxCxD, targets_NxBxC))
-    return logp_NxBxC.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+    vocab = unembed_VxD.shape[0]
+    block = vocab_block_size(b * t, vocab, chunk_size)
+    logp_M = _blocked_logprobs(
+        hidden_BxTxD.reshape(b * t, d), unembed_VxD, targets_BxT.reshape(b * t), block
+    )
+    return logp_M.reshape(b, t)
 
 
 def naive_logprobs(

@@ -16,7 +16,7 @@ from gvpo_jax.models.config import ModelConfig
 # constrained with them, which is a no-op unless logical axis rules and a mesh are active.
 PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
 ACTIVATION_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")
-CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
 
@@ -100,13 +100,21 @@ class Attention(nnx.Module):
             self.q_bias = self.k_bias = self.v_bias = None
 
     def _project(self, x_BxTxD, kernel, bias, axes):
-        y = jnp.einsum("btd,dnh->btnh", x_BxTxD, kernel[...])
+        """x @ kernel [D, N|K, H] -> [B, T, N|K, H], as one 2-D matmul on [B*T, D].
+
+        XLA CPU computes the weight gradient of the 3-D einsum "btd,dnh->btnh" (contracting b
+        and t) about 2x slower than the same 2-D dot (measured, see BENCHMARKS.md).
+        """
+        b, t, d = x_BxTxD.shape
+        w = kernel[...]
+        y = (x_BxTxD.reshape(b * t, d) @ w.reshape(d, -1)).reshape(b, t, *w.shape[1:])
         if bias is not None:
             y = y + bias[...]
         return constrain(y, axes)
 
     def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
         """Returns (out_BxTxD, new_layer_cache). Without a cache, keys are the T inputs."""
+        b, t, d = x_BxTxD.shape
         q_BxTxNxH = self._project(
             x_BxTxD, self.q_kernel, self.q_bias, ("batch", "length", "heads", "head_dim")
         )
@@ -115,36 +123,93 @@ class Attention(nnx.Module):
         v_BxTxKxH = self._project(x_BxTxD, self.v_kernel, self.v_bias, kv_axes)
         q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, self.rope_theta)
         k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, self.rope_theta)
+        # Keys and values live head-major, [B, K, S, H] (the cache layout too): each of the K
+        # heads is then a contiguous [S, H] matrix for the batched matmuls below, and a decode
+        # step transposes only its one new slot, never the whole cache.
+        k_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3)
+        v_BxKxTxH = v_BxTxKxH.transpose(0, 2, 1, 3)
 
-        t = x_BxTxD.shape[1]
         if layer_cache is None:
-            k_BxSxKxH, v_BxSxKxH, valid_BxS = k_BxTxKxH, v_BxTxKxH, valid_BxT
+            k_BxKxSxH, v_BxKxSxH, valid_BxS = k_BxKxTxH, v_BxKxTxH, valid_BxT
             query_slot_T = key_slot_S = jnp.arange(t)
         else:
             i = jnp.asarray(cache_index, jnp.int32)
             zero = jnp.zeros((), jnp.int32)
             write = lambda buf, new: jax.lax.dynamic_update_slice(
-                buf, new.astype(buf.dtype), (zero, i, zero, zero)
+                buf, new.astype(buf.dtype), (zero, zero, i, zero)
             )
-            k_BxSxKxH = write(layer_cache["k"], k_BxTxKxH)
-            v_BxSxKxH = write(layer_cache["v"], v_BxTxKxH)
+            k_BxKxSxH = write(layer_cache["k"], k_BxKxTxH)
+            v_BxKxSxH = write(layer_cache["v"], v_BxKxTxH)
             valid_BxS = jax.lax.dynamic_update_slice(layer_cache["valid"], valid_BxT, (zero, i))
-            layer_cache = {"k": k_BxSxKxH, "v": v_BxSxKxH, "valid": valid_BxS}
+            layer_cache = {**layer_cache, "k": k_BxKxSxH, "v": v_BxKxSxH, "valid": valid_BxS}
             query_slot_T = i + jnp.arange(t)
-            key_slot_S = jnp.arange(k_BxSxKxH.shape[1])
+            key_slot_S = jnp.arange(k_BxKxSxH.shape[2])
         mask_BxTxS = attention_mask(valid_BxS, query_slot_T, key_slot_S)
 
-        b, _, n, h = q_BxTxNxH.shape
+        n, h = q_BxTxNxH.shape[2:]
         kv = self.num_kv_heads
-        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv, n // kv, h)
-        scores_BxKxGxTxS = jnp.einsum(
-            "btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH, preferred_element_type=jnp.float32
-        ) * (1.0 / math.sqrt(h))
-        scores_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, _MASKED)
-        probs_BxKxGxTxS = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxH.dtype)
-        out_BxTxKxGxH = jnp.einsum("bkgts,bskh->btkgh", probs_BxKxGxTxS, v_BxSxKxH)
-        out_BxTxNxH = out_BxTxKxGxH.reshape(b, t, n, h)
-        out_BxTxD = jnp.einsum("btnh,nhd->btd", out_BxTxNxH, self.o_kernel[...])
+        g = n // kv
+        # The G query heads sharing a key/value head are stacked along the query axis, so the
+        # scores and the weighted sum are plain batched matmuls over (B, K): Q = G * T rows.
+        q_BxKxQxH = (
+            q_BxTxNxH.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
+        )
+        scale = 1.0 / math.sqrt(h)
+        s = k_BxKxSxH.shape[2]
+        scores_BxKxQxS = jnp.einsum(
+            "bkqh,bksh->bkqs", q_BxKxQxH, k_BxKxSxH, preferred_element_type=jnp.float32
+        )
+        mask_BxKxQxS = jnp.broadcast_to(mask_BxTxS[:, None, None], (b, kv, g, t, s))
+        mask_BxKxQxS = mask_BxKxQxS.reshape(b, kv, g * t, s)
+        prefix = layer_cache is not None and "prefix_k" in layer_cache
+        if prefix:
+            # A shared prefix (the prompt of a group): rows p*R .. p*R + R-1 all attend to the
+            # keys of prompt p, stored once. Their queries are stacked per prompt, so each
+            # prefix key is read once per prompt instead of once per sample.
+            pk_PxKxJxH, pv_PxKxJxH = layer_cache["prefix_k"], layer_cache["prefix_v"]
+            p, j = pk_PxKxJxH.shape[0], pk_PxKxJxH.shape[2]
+            r = b // p
+            q_PxKxRQxH = (
+                q_BxKxQxH.reshape(p, r, kv, g * t, h)
+                .transpose(0, 2, 1, 3, 4)
+                .reshape(p, kv, r * g * t, h)
+            )
+            pre_PxKxRQxJ = jnp.einsum(
+                "pkqh,pkjh->pkqj", q_PxKxRQxH, pk_PxKxJxH, preferred_element_type=jnp.float32
+            )
+            pre_BxKxQxJ = (
+                pre_PxKxRQxJ.reshape(p, kv, r, g * t, j)
+                .transpose(0, 2, 1, 3, 4)
+                .reshape(b, kv, g * t, j)
+            )
+            pre_mask_BxKxQxJ = jnp.broadcast_to(
+                jnp.repeat(layer_cache["prefix_valid"], r, axis=0)[:, None, None, :],
+                (b, kv, g * t, j),
+            )
+            scores_BxKxQxS = jnp.concatenate([pre_BxKxQxJ, scores_BxKxQxS], axis=-1)
+            mask_BxKxQxS = jnp.concatenate([pre_mask_BxKxQxJ, mask_BxKxQxS], axis=-1)
+        scores_BxKxQxS = jnp.where(mask_BxKxQxS, scores_BxKxQxS * scale, _MASKED)
+        probs_BxKxQxS = jax.nn.softmax(scores_BxKxQxS, axis=-1).astype(v_BxKxSxH.dtype)
+        if prefix:
+            pre_BxKxQxJ, probs_BxKxQxS = probs_BxKxQxS[..., :j], probs_BxKxQxS[..., j:]
+            pre_PxKxRQxJ = (
+                pre_BxKxQxJ.reshape(p, r, kv, g * t, j)
+                .transpose(0, 2, 1, 3, 4)
+                .reshape(p, kv, r * g * t, j)
+            )
+            pre_out_PxKxRQxH = jnp.einsum("pkqj,pkjh->pkqh", pre_PxKxRQxJ, pv_PxKxJxH)
+            pre_out_BxKxQxH = (
+                pre_out_PxKxRQxH.reshape(p, kv, r, g * t, h)
+                .transpose(0, 2, 1, 3, 4)
+                .reshape(b, kv, g * t, h)
+            )
+        out_BxKxQxH = jnp.einsum("bkqs,bksh->bkqh", probs_BxKxQxS, v_BxKxSxH)
+        if prefix:
+            out_BxKxQxH = out_BxKxQxH + pre_out_BxKxQxH
+        out_BTxNH = (
+            out_BxKxQxH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b * t, n * h)
+        )
+        out_BxTxD = (out_BTxNH @ self.o_kernel[...].reshape(n * h, d)).reshape(b, t, d)
         return constrain(out_BxTxD, ("batch", "length", "embed")), layer_cache
 
 
@@ -158,10 +223,14 @@ class MLP(nnx.Module):
         self.down_kernel = _param(rngs, _normal, (f, d), dt, ("mlp", "embed"))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        gate_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.gate_kernel[...])
-        up_BxTxF = jnp.einsum("btd,df->btf", x_BxTxD, self.up_kernel[...])
-        hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "mlp"))
-        return jnp.einsum("btf,fd->btd", hidden_BxTxF, self.down_kernel[...])
+        # 2-D matmuls on [B*T, D]: see Attention._project for why not 3-D einsums.
+        b, t, d = x_BxTxD.shape
+        x_BTxD = x_BxTxD.reshape(b * t, d)
+        gate_BTxF = x_BTxD @ self.gate_kernel[...]
+        up_BTxF = x_BTxD @ self.up_kernel[...]
+        hidden_BxTxF = (jax.nn.silu(gate_BTxF) * up_BTxF).reshape(b, t, -1)
+        hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "mlp"))
+        return (hidden_BxTxF.reshape(b * t, -1) @ self.down_kernel[...]).reshape(b, t, d)
 
 
 class Block(nnx.Module):
@@ -211,9 +280,9 @@ class Transformer(nnx.Module):
             )
 
     def init_cache(self, batch_size: int, max_len: int) -> list[dict[str, jax.Array]]:
-        """Empty KV cache: per layer {'k','v': [B, S, K, H] param dtype, 'valid': bool [B, S]}."""
+        """Empty KV cache: per layer {'k','v': [B, K, S, H] param dtype, 'valid': bool [B, S]}."""
         cfg = self.config
-        shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
         return [
             {
                 "k": jnp.zeros(shape, cfg.dtype),
@@ -221,6 +290,25 @@ class Transformer(nnx.Module):
                 "valid": jnp.zeros((batch_size, max_len), jnp.bool_),
             }
             for _ in range(cfg.num_layers)
+        ]
+
+    def share_prefix_cache(
+        self, prefix_cache: list[dict[str, jax.Array]], num_samples: int, max_len: int
+    ) -> list[dict[str, jax.Array]]:
+        """Decode cache for `num_samples` continuations of each of P prefilled prefixes.
+
+        `prefix_cache` is a filled cache of batch P (e.g. the prompts after prefill). The result
+        keeps it once per prefix ('prefix_k', 'prefix_v' [P, K, J, H], 'prefix_valid' [P, J]) and
+        adds an empty cache of batch B = P * num_samples and `max_len` slots for the new tokens
+        (row p * num_samples + r continues prefix p). Calls then index the new-token slots:
+        cache_index 0 is the first token after the prefix. Every prefix slot is in the past of
+        every new token, so only 'prefix_valid' masks it.
+        """
+        rows = prefix_cache[0]["k"].shape[0] * num_samples
+        empty = self.init_cache(rows, max_len)
+        return [
+            {"prefix_k": c["k"], "prefix_v": c["v"], "prefix_valid": c["valid"], **e}
+            for c, e in zip(prefix_cache, empty, strict=True)
         ]
 
     def hidden(
