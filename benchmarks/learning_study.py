@@ -94,8 +94,10 @@ def config_key(cell: Cell, base) -> str:
     """Cells with the same effective config share runs (e.g. gvpo lr x1 and the offpolicy gvpo)."""
     fields = dict(cell.overrides)
     for k, v in list(fields.items()):
-        sect, name = k.split(".")
-        if base[sect][name] == v:
+        node = base
+        for part in k.split("."):
+            node = node[part]
+        if node == v:
             del fields[k]
     return json.dumps([cell.start, sorted(fields.items())])
 
@@ -133,8 +135,11 @@ def base_config(quick: bool):
 def with_overrides(c, overrides, seed: int):
     c = c.copy_and_resolve_references()
     for k, v in overrides:
-        sect, name = k.split(".")
-        c[sect][name] = v
+        *sects, name = k.split(".")
+        node = c
+        for sect in sects:
+            node = node[sect]
+        node[name] = v
     c.seed = seed
     return c
 
@@ -174,7 +179,7 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
     learning rate after the saved checkpoint (the plateau check; not saved).
     Returns {"curve": [(sft_step, accuracy)], "extra_curve": [...], "time_s": ...}.
     """
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     c = config.copy_and_resolve_references()
     c.mode = "sft"
     run_, state = session.build(c, workdir)
@@ -204,7 +209,8 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
         run_.writer.close()
         run_.task.close()
         run_.ckpt.close()
-    return {"curve": curve, "extra_curve": extra_curve, "time_s": time.perf_counter() - t0}
+    return {"curve": curve, "extra_curve": extra_curve, "time_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - cpu0}  # fmt: skip
 
 
 def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
@@ -246,13 +252,24 @@ def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
 # One RL run
 
 
-def rl_run(config, workdir: str, start_dir: str, *, budget: int, eval_points: int, start_acc):
+def evaluate_sampled(run_, params, *, step: int, n: int) -> float:
+    """Held-out avg@n at the rollout temperature (the greedy number is `session.evaluate`'s)."""
+    c = run_.config.copy_and_resolve_references()
+    c.train.eval_samples = n
+    return session.evaluate(dataclasses.replace(run_, config=c), params, step=step)["accuracy"]
+
+
+def rl_run(
+    config, workdir: str, start_dir: str, *, budget: int, eval_points: int, start_acc, eval_n=0
+):
     """RL from `start_dir` until `budget` responses are sampled; returns the run's record.
 
     Composes the trainer's public pieces (session.build / restore, train.rl_step) so that the
-    loop can stop on a response budget and measure KL to the start policy at the end.
+    loop can stop on a response budget and measure KL to the start policy at the end. With
+    `eval_n` > 1 every evaluation also records held-out avg@eval_n at the rollout temperature
+    (`curve_sampled`), next to the greedy `curve`.
     """
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     c = config.copy_and_resolve_references()
     c.restore_from = os.path.join(start_dir, "checkpoints")
     P, G = c.rollout.prompts_per_step, c.rollout.group_size
@@ -260,7 +277,8 @@ def rl_run(config, workdir: str, start_dir: str, *, budget: int, eval_points: in
     c.train.steps = int(np.ceil(1 + (budget / (P * G) - 1) / (1 - f)))  # schedule length only
     run_, state = session.build(c, workdir)
     run_.replay = session.make_replay(c)
-    rec = {"curve": [], "losses": [], "skipped": 0, "error": None}
+    rec = {"curve": [], "curve_sampled": [], "losses": [], "rewards": [], "skipped": 0,
+           "error": None}  # fmt: skip
     try:
         per_step = c.algo.num_epochs * c.algo.num_minibatches
         state, update, _ = train.make_update_fns(
@@ -280,6 +298,8 @@ def rl_run(config, workdir: str, start_dir: str, *, budget: int, eval_points: in
         if acc0 is None:
             acc0 = session.evaluate(run_, state.params, step=0)["accuracy"]
         rec["curve"].append((0, acc0))
+        if eval_n > 1:
+            rec["curve_sampled"].append((0, evaluate_sampled(run_, state.params, step=0, n=eval_n)))
         responses, step, next_eval = 0, 0, 1
         while responses < budget:
             step += 1
@@ -287,10 +307,14 @@ def rl_run(config, workdir: str, start_dir: str, *, budget: int, eval_points: in
             responses += int(m["rollout_rounds"]) * (P - int(m["replayed_groups"])) * G
             run_.writer.write_scalars(step, m | {"responses": responses})
             rec["losses"].append(m.get("loss", float("nan")))
+            rec["rewards"].append(m["accuracy"])
             rec["skipped"] += int(m["skipped_updates"])
             if responses >= next_eval * budget / eval_points or responses >= budget:
                 acc = session.evaluate(run_, state.params, step=step)["accuracy"]
                 rec["curve"].append((responses, acc))
+                if eval_n > 1:
+                    acc_n = evaluate_sampled(run_, state.params, step=step, n=eval_n)
+                    rec["curve_sampled"].append((responses, acc_n))
                 next_eval = int(responses * eval_points / budget) + 1
         rec["steps"] = step
         rec["kl_start"] = kl_to_start(run_, state.params, start_params, c.seed)
@@ -302,6 +326,7 @@ def rl_run(config, workdir: str, start_dir: str, *, budget: int, eval_points: in
         run_.task.close()
         run_.ckpt.close()
     rec["time_s"] = time.perf_counter() - t0
+    rec["cpu_s"] = time.process_time() - cpu0
     return rec
 
 
@@ -413,6 +438,122 @@ def plot(exp: str, series: list[tuple[str, list[dict]]], out_png: str, extra=Non
 
 
 # ----------------------------------------------------------------------------------------------
+# The demo recipe search (STUDY.md, "The demo recipe"): end-to-end seeds, greedy and avg@n
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoTrial:
+    """A demo-recipe candidate: `start` overrides (task + SFT: one cold start per seed) and `rl`
+    overrides (dotted config fields); RL runs `steps` rollouts (0: the config's train.steps)."""
+
+    name: str
+    start: tuple = ()
+    rl: tuple = ()
+    steps: int = 0
+
+
+_OLD_TASK = (("data.arith.max_operand", 30), ("data.arith.ops", "+-"))
+_P32G8 = (("rollout.prompts_per_step", 32), ("rollout.group_size", 8), ("optim.warmup_steps", 5))
+DEMO_TRIALS = (
+    DemoTrial("demo recipe (configs/arith_tiny.py)"),
+    DemoTrial(
+        "previous default: +- 0-30, P32 G8, lr 1e-5",
+        _OLD_TASK,
+        (*_P32G8, ("optim.lr", 1e-5)),
+        steps=100,
+    ),  # fmt: skip
+    DemoTrial("+ 0-99, P32 G8, lr 2e-5", (), (*_P32G8, ("optim.lr", 2e-5)), steps=100),
+)
+
+
+def demo_search(trials, seeds, *, workdir: str, out: str, eval_n: int, eval_points: int = 6):
+    """Each trial x seed: SFT from scratch with that seed (cached per start + seed), then RL from
+    it with the same seed; greedy and avg@eval_n held-out accuracy along the RL run."""
+    base = base_config(quick=False)
+    records = {}
+    for trial in trials:
+        for seed in seeds:
+            start_cfg = with_overrides(base, trial.start, seed)
+            key = json.dumps([sorted(trial.start), seed, start_cfg.sft.steps])
+            start_dir = os.path.join(workdir, "starts", f"{zlib.crc32(key.encode()):08x}")
+            meta = os.path.join(start_dir, "start.json")
+            if not os.path.exists(meta):
+                info = sft(start_cfg, start_dir, noise=0.0, steps=start_cfg.sft.steps,
+                           eval_points=5)  # fmt: skip
+                with open(meta, "w") as fh:
+                    json.dump(info, fh)
+            with open(meta) as fh:
+                start = json.load(fh)
+            cfg = with_overrides(start_cfg, trial.rl, seed)
+            P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+            steps = trial.steps or cfg.train.steps
+            rl_key = key + json.dumps(sorted(trial.rl)) + str(steps)
+            tag = f"{zlib.crc32(rl_key.encode()):08x}"
+            cached = os.path.join(workdir, "records", f"{tag}_s{seed}.json")
+            if not os.path.exists(cached):
+                wd = os.path.join(workdir, "runs", f"{tag}_s{seed}")
+                shutil.rmtree(wd, ignore_errors=True)
+                print(f"== demo / {trial.name} / seed {seed}", flush=True)
+                rec = rl_run(cfg, wd, start_dir, budget=steps * P * G,
+                             eval_points=eval_points, start_acc=start["curve"][-1][1],
+                             eval_n=eval_n)  # fmt: skip
+                rec.update(sft_time_s=start["time_s"], sft_cpu_s=start.get("cpu_s", float("nan")))
+                os.makedirs(os.path.dirname(cached), exist_ok=True)
+                with open(cached, "w") as fh:
+                    json.dump(rec, fh)
+            with open(cached) as fh:
+                records.setdefault(trial.name, []).append(json.load(fh))
+    md = demo_table(records, eval_n)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "demo_search.json"), "w") as fh:
+        json.dump({"seeds": list(seeds), "eval_n": eval_n, "records": records}, fh, indent=1)
+    with open(os.path.join(out, "demo_search.md"), "w") as fh:
+        fh.write(md + "\n")
+    print(md)
+    return records
+
+
+def gain_stats(recs: list[dict], curve: str) -> dict:
+    """Start, end and end - start of one accuracy curve over seeds (mean, sample std, min)."""
+    start = np.array([r[curve][0][1] for r in recs])
+    end = np.array([r[curve][-1][1] for r in recs])
+    gain = end - start
+
+    def std(x):
+        return float(x.std(ddof=1)) if len(x) > 1 else 0.0
+
+    return {
+        "start": float(start.mean()),
+        "end": float(end.mean()),
+        "end_std": std(end),
+        "gain": float(gain.mean()),
+        "gain_std": std(gain),
+        "gain_min": float(gain.min()),
+    }
+
+
+def demo_table(records: dict[str, list[dict]], eval_n: int) -> str:
+    """Markdown: per trial, greedy and avg@n at the RL start and end (mean +- std over seeds)."""
+    lines = [
+        f"| trial | seeds | greedy start -> end (gain, min gain) | avg@{eval_n} start -> end "
+        "(gain, min gain) | RL s (CPU s) per run |",
+        "|---|---|---|---|---|",
+    ]
+    for name, recs in records.items():
+        cells = []
+        for curve in ("curve", "curve_sampled"):
+            g = gain_stats(recs, curve)
+            cells.append(
+                f"{g['start']:.3f} -> {g['end']:.3f} +- {g['end_std']:.3f} "
+                f"({g['gain']:+.3f} +- {g['gain_std']:.3f}, min {g['gain_min']:+.3f})"
+            )
+        t = np.mean([r["time_s"] for r in recs])
+        cpu = np.mean([r.get("cpu_s", float("nan")) for r in recs])
+        lines.append(f"| {name} | {len(recs)} | {cells[0]} | {cells[1]} | {t:.0f} ({cpu:.0f}) |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # The study
 
 
@@ -431,9 +572,20 @@ def main(argv=None) -> dict:
         action="store_true",
         help="tables and plots from the runs already recorded; runs nothing",
     )
+    p.add_argument("--demo", action="store_true",
+                   help="the demo recipe search (DEMO_TRIALS) instead of the study")  # fmt: skip
+    p.add_argument("--eval-n", type=int, default=16, help="--demo: samples for avg@n")
     args = p.parse_args(argv)
 
     quick = args.quick
+    if args.demo:
+        jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [0, 1, 2]
+        only = [w for w in args.only.split(",") if w]
+        trials = [t for t in DEMO_TRIALS if not only or any(w in t.name for w in only)]
+        return demo_search(trials, seeds, workdir=args.workdir, out=args.out,
+                           eval_n=args.eval_n)  # fmt: skip
     config = base_config(quick)
     P, G = config.rollout.prompts_per_step, config.rollout.group_size
     budget = args.budget or (2 * P * G if quick else 30 * P * G)

@@ -64,6 +64,30 @@ def test_identical_configurations_share_runs():
     assert ls.config_key(noisy, base) != ls.config_key(by_name["gvpo"], base)
 
 
+def test_with_overrides_sets_nested_fields_and_leaves_the_base_alone():
+    base = ls.base_config(quick=False)
+    c = ls.with_overrides(base, (("data.arith.max_operand", 99), ("optim.lr", 1e-4)), seed=3)
+    assert (c.data.arith.max_operand, c.optim.lr, c.seed) == (99, 1e-4, 3)
+    assert base.to_dict() == ls.base_config(quick=False).to_dict()  # a copy was changed
+
+
+def test_demo_gain_stats_and_table():
+    def rec(g0, g1, s0, s1):
+        return {"curve": [(0, g0), (10, g1)], "curve_sampled": [(0, s0), (10, s1)],
+                "time_s": 10.0, "cpu_s": 8.0}  # fmt: skip
+
+    recs = [rec(0.5, 0.7, 0.3, 0.6), rec(0.6, 0.7, 0.4, 0.6)]
+    g = ls.gain_stats(recs, "curve")
+    assert g["start"] == pytest.approx(0.55) and g["end"] == pytest.approx(0.7)
+    assert g["gain"] == pytest.approx(0.15) and g["gain_min"] == pytest.approx(0.1)
+    assert g["gain_std"] == pytest.approx(np.std([0.2, 0.1], ddof=1))
+    s = ls.gain_stats(recs, "curve_sampled")
+    assert s["gain"] == pytest.approx(0.25) and s["end_std"] == pytest.approx(0.0)
+    row = ls.demo_table({"trial a": recs}, 16).splitlines()[-1]
+    assert row.startswith("| trial a | 2 | 0.550 -> 0.700 +- 0.000 (+0.150 +- 0.071, min +0.100)")
+    assert "0.350 -> 0.600" in row and "| 10 (8) |" in row
+
+
 @pytest.mark.slow
 def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
     # A subprocess without the suite's 8 fake devices: the study runs on one CPU device.
