@@ -487,7 +487,8 @@ def demo_search(trials, seeds, *, workdir: str, out: str, eval_n: int, eval_poin
             cfg = with_overrides(start_cfg, trial.rl, seed)
             P, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
             steps = trial.steps or cfg.train.steps
-            rl_key = key + json.dumps(sorted(trial.rl)) + str(steps)
+            # The whole resolved config: a changed default (e.g. the config's lr) is a new run.
+            rl_key = json.dumps([cfg.to_dict(), steps], sort_keys=True, default=str)
             tag = f"{zlib.crc32(rl_key.encode()):08x}"
             cached = os.path.join(workdir, "records", f"{tag}_s{seed}.json")
             if not os.path.exists(cached):

@@ -9,12 +9,13 @@ operands in [0, 99]: 10,000 problems, too many for the model to memorise, so wha
 training problems transfers to the 200 held-out ones) are generated on the fly. A short cold-start
 SFT phase teaches the format and most of the algorithm, then GVPO (beta 0.1, k = 4, 128 prompts
 per step, anchor = rollout policy) trains on exact-match reward at temperature 1.
-Expect on a 2-core CPU: about 4 minutes in all (SFT ~1 min, RL ~2.5 min, CPU time ~3.5 min);
-the end prints held-out accuracy before SFT (0), after SFT (the RL start) and at the end, writes
-metrics.jsonl, curves.png, a checkpoint and the exported Hugging Face directory. RL mostly sharpens
-the sampled distribution: held-out avg@16 at temperature 1 (--config.train.eval_samples=16) rises
-by about 0.12 over the 150 steps; greedy accuracy rises less when SFT already got it to ~0.9
-(measured numbers, several seeds: STUDY.md "The demo recipe").
+Expect on a 2-core CPU: about 3 minutes in all (measured 2 min 51 s wall, 220 s CPU); the end
+prints held-out greedy accuracy before SFT (0), after SFT (the RL start; 0.93 for seed 0) and at
+the end, and writes metrics.jsonl, curves.png, checkpoints and the exported Hugging Face directory.
+RL mostly sharpens the sampled distribution: the training reward climbs from ~0.70 to ~0.78 and
+held-out avg@16 at temperature 1 (--config.train.eval_samples=16) rises by +0.10 +- 0.015 over
+3 seeds (0.690 -> 0.778 for seed 0), while greedy accuracy moves by +0.03 +- 0.06 (STUDY.md,
+"The demo recipe").
 """
 
 from gvpo_jax.config import base_config
@@ -58,7 +59,7 @@ def get_config():
     c.algo.anchor = "old"  # pi_theta' = the rollout policy
     c.algo.overlong_cache = 2  # DAPO overlong window when algo.name=dapo
 
-    c.optim.lr = 2e-4  # RL learning rate (AdamW); stable at P=128 (at P=32, >= 1e-4 was not)
+    c.optim.lr = 1e-4  # RL learning rate (AdamW); 2e-4 dips early, at P=32 >= 1e-4 lost accuracy
     c.optim.warmup_steps = 10  # linear warm-up updates (Adam's first, sign-like steps are noisy)
     c.optim.grad_clip = 1.0  # global norm clip
 
@@ -67,7 +68,7 @@ def get_config():
     c.sft.lr = 1e-3  # SFT peak learning rate (cosine decay)
     c.sft.warmup_steps = 10
 
-    c.train.steps = 150  # RL steps
+    c.train.steps = 200  # RL steps
     c.train.eval_every = 25  # held-out accuracy every 25 steps
     # 1: greedy. 16: avg@16 at the rollout temperature (the GVPO paper reports avg@32), the
     # number RL moves most here (STUDY.md); greedy stays the default until eval logs both.
