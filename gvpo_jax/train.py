@@ -397,6 +397,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         run_.ckpt.close()
 
 
+def _record_eval(summary: dict, key: str, run_: Run, params, *, step: int) -> None:
+    """summary[key] = held-out accuracy (avg@n when eval_samples > 1), key_greedy = greedy."""
+    result = session.evaluate(run_, params, step=step)
+    summary[key] = result["accuracy"]
+    if run_.config.train.eval_samples > 1:
+        summary[f"{key}_greedy"] = result["greedy"]
+
+
 def _run_mode(run_: Run, state) -> dict:
     """Restore or cold-start, then the mode's work. Resume order: restore_from > workdir > init."""
     c = run_.config
@@ -413,13 +421,13 @@ def _run_mode(run_: Run, state) -> dict:
     if c.mode == "export":
         return session.export(run_, state.params)
     if c.sft.steps and not resumed:
-        summary["eval_before_sft"] = session.evaluate(run_, state.params, step=0)["accuracy"]
+        _record_eval(summary, "eval_before_sft", run_, state.params, step=0)
         state = run_sft(run_, state, steps=c.sft.steps)
         state = init_train_state(run_, state.params, tx, state.rng)  # fresh moments for RL
     if needs_reference(c) and not resumed:
         session.freeze_reference(run_, state.params)
     if c.mode == "sft":
-        summary["eval_after_sft"] = session.evaluate(run_, state.params, step=0)["accuracy"]
+        _record_eval(summary, "eval_after_sft", run_, state.params, step=0)
         session.save(run_, state, 0)
         session.finish(run_, state.params, summary)
         return summary
@@ -428,7 +436,7 @@ def _run_mode(run_: Run, state) -> dict:
 
 def train_rl(run_: Run, state, update, start: int, summary: dict) -> dict:
     c = run_.config
-    summary["eval_start"] = session.evaluate(run_, state.params, step=start)["accuracy"]
+    _record_eval(summary, "eval_start", run_, state.params, step=start)
     guard = session.preemption_guard()
     bar = session.Progress(c.train.steps, start, c.train.log_every)
     with guard:
@@ -453,7 +461,7 @@ def train_rl(run_: Run, state, update, start: int, summary: dict) -> dict:
                 summary["preempted_at"] = step
                 return summary
     bar.close()
-    summary["eval_end"] = session.evaluate(run_, state.params, step=c.train.steps)["accuracy"]
+    _record_eval(summary, "eval_end", run_, state.params, step=c.train.steps)
     session.finish(run_, state.params, summary)
     if sharding.is_primary():
         with open(os.path.join(run_.workdir, "summary.json"), "w") as f:
