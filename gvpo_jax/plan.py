@@ -150,17 +150,21 @@ def tree_bytes(abstract_tree, mesh, rules) -> int:
     )
 
 
-def kv_cache_bytes(cfg: models.ModelConfig, rows: int, length: int, sizes: dict) -> int:
-    """Sampler KV cache per device: L x (k, v) [B, S, K, H] + valid [B, S] (bool).
+def kv_cache_bytes(
+    cfg: models.ModelConfig, prompts: int, group: int, prompt_len: int, new_tokens: int, sizes: dict
+) -> int:
+    """Sampler KV cache per device: L x (k, v) + valid, as `sampler.generate` holds it.
 
-    Rows split over data x fsdp; K split over tensor when divisible (else replicated, as in
-    `sharding.logical_rules`).
+    The P prompts' keys/values are stored once ([P, K, Tp, H], shared by each group) and the
+    P * G rows hold max(N - 1, 1) new-token slots. Rows split over data x fsdp; K split over
+    tensor when divisible (else replicated, as in `sharding.logical_rules`).
     """
-    b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
+    shards = sizes["data"] * sizes["fsdp"]
     t = sizes["tensor"]
     k = cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads
-    kv = 2 * b * length * k * cfg.head_dim * cfg.dtype.itemsize
-    return cfg.num_layers * (kv + b * length)
+    slots = math.ceil(prompts / shards) * prompt_len
+    slots += math.ceil(prompts * group / shards) * max(new_tokens - 1, 1)
+    return cfg.num_layers * slots * (2 * k * cfg.head_dim * cfg.dtype.itemsize + 1)
 
 
 def activation_bytes(
@@ -172,7 +176,7 @@ def activation_bytes(
     the backward pass: a*b*T*(4D + 2(N+K)H/t + 3F/t) (norm inputs, q/k/v/out, MLP gate/up/act)
     plus the attention scores (fp32) and probabilities: b*N*T^2*(4+a)/t. With remat only the
     L layer inputs (a*b*T*D each) stay, plus one layer's working set during its recompute.
-    The chunked log-probs add ~3 fp32 [b, chunk, V/t] buffers.
+    The blocked log-probs add ~3 fp32 [b*T, Vb/t] buffers (`models.logprobs.vocab_block_size`).
     """
     b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
     t, a, T = sizes["tensor"], cfg.dtype.itemsize, length
@@ -188,7 +192,8 @@ def activation_bytes(
         layers = cfg.num_layers * a * b * T * d + per_layer
     else:
         layers = cfg.num_layers * per_layer
-    logits = 3 * 4 * b * min(logprob_chunk, T) * math.ceil(cfg.vocab_size / t)
+    block = models.logprobs.vocab_block_size(b * T, cfg.vocab_size, logprob_chunk)
+    logits = 3 * 4 * b * T * math.ceil(block / t)
     return int(layers + logits)
 
 
@@ -244,7 +249,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         reference=param_bytes if _needs_reference(c) else 0,
         gradients=grads,
         activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
-        kv_cache=kv_cache_bytes(cfg, P * G, Tp + N - 1, sizes),
+        kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes),
         notes=tuple(notes),
     )
 
