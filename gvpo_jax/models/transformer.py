@@ -81,6 +81,28 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * x.astype(x_BxTxD.dtype)
 
 
+def _per_prefix(x_BxKxQxY: jax.Array, prefixes: int) -> jax.Array:
+    """[B, K, Q, Y] with rows p*R + r (R = B / P) -> [P, K, R*Q, Y]: a group's rows stacked."""
+    b, k, q, y = x_BxKxQxY.shape
+    r = b // prefixes
+    return (
+        x_BxKxQxY.reshape(prefixes, r, k, q, y)
+        .transpose(0, 2, 1, 3, 4)
+        .reshape(prefixes, k, r * q, y)
+    )
+
+
+def _per_row(x_PxKxRQxY: jax.Array, rows: int) -> jax.Array:
+    """Inverse of `_per_prefix`: [P, K, R*Q, Y] -> [B, K, Q, Y] with B = `rows`."""
+    p, k, rq, y = x_PxKxRQxY.shape
+    r = rows // p
+    return (
+        x_PxKxRQxY.reshape(p, k, r, rq // r, y)
+        .transpose(0, 2, 1, 3, 4)
+        .reshape(rows, k, rq // r, y)
+    )
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE; K key/value heads shared by N/K query heads each."""
 
@@ -168,22 +190,13 @@ class Attention(nnx.Module):
             # prefix key is read once per prompt instead of once per sample.
             pk_PxKxJxH, pv_PxKxJxH = layer_cache["prefix_k"], layer_cache["prefix_v"]
             p, j = pk_PxKxJxH.shape[0], pk_PxKxJxH.shape[2]
-            r = b // p
-            q_PxKxRQxH = (
-                q_BxKxQxH.reshape(p, r, kv, g * t, h)
-                .transpose(0, 2, 1, 3, 4)
-                .reshape(p, kv, r * g * t, h)
-            )
+            q_PxKxRQxH = _per_prefix(q_BxKxQxH, p)
             pre_PxKxRQxJ = jnp.einsum(
                 "pkqh,pkjh->pkqj", q_PxKxRQxH, pk_PxKxJxH, preferred_element_type=jnp.float32
             )
-            pre_BxKxQxJ = (
-                pre_PxKxRQxJ.reshape(p, kv, r, g * t, j)
-                .transpose(0, 2, 1, 3, 4)
-                .reshape(b, kv, g * t, j)
-            )
+            pre_BxKxQxJ = _per_row(pre_PxKxRQxJ, b)
             pre_mask_BxKxQxJ = jnp.broadcast_to(
-                jnp.repeat(layer_cache["prefix_valid"], r, axis=0)[:, None, None, :],
+                jnp.repeat(layer_cache["prefix_valid"], b // p, axis=0)[:, None, None, :],
                 (b, kv, g * t, j),
             )
             scores_BxKxQxS = jnp.concatenate([pre_BxKxQxJ, scores_BxKxQxS], axis=-1)
@@ -192,17 +205,10 @@ class Attention(nnx.Module):
         probs_BxKxQxS = jax.nn.softmax(scores_BxKxQxS, axis=-1).astype(v_BxKxSxH.dtype)
         if prefix:
             pre_BxKxQxJ, probs_BxKxQxS = probs_BxKxQxS[..., :j], probs_BxKxQxS[..., j:]
-            pre_PxKxRQxJ = (
-                pre_BxKxQxJ.reshape(p, r, kv, g * t, j)
-                .transpose(0, 2, 1, 3, 4)
-                .reshape(p, kv, r * g * t, j)
+            pre_out_PxKxRQxH = jnp.einsum(
+                "pkqj,pkjh->pkqh", _per_prefix(pre_BxKxQxJ, p), pv_PxKxJxH
             )
-            pre_out_PxKxRQxH = jnp.einsum("pkqj,pkjh->pkqh", pre_PxKxRQxJ, pv_PxKxJxH)
-            pre_out_BxKxQxH = (
-                pre_out_PxKxRQxH.reshape(p, kv, r, g * t, h)
-                .transpose(0, 2, 1, 3, 4)
-                .reshape(b, kv, g * t, h)
-            )
+            pre_out_BxKxQxH = _per_row(pre_out_PxKxRQxH, b)
         out_BxKxQxH = jnp.einsum("bkqs,bksh->bkqh", probs_BxKxQxS, v_BxKxSxH)
         if prefix:
             out_BxKxQxH = out_BxKxQxH + pre_out_BxKxQxH
