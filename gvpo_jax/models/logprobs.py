@@ -24,11 +24,6 @@ def vocab_block_size(num_tokens: int, vocab: int, chunk_size: int) -> int:
     return max(min(vocab, _MIN_BLOCK), min(vocab, budget))
 
 
-def _blocks(vocab: int, block: int) -> tuple[int, int]:
-    """(number of full blocks, rows in the tail block) for a vocabulary cut into `block` rows."""
-    return vocab // block, vocab % block
-
-
 def _as_bits(unembed_VxD):
     """The unembedding as raw bits when it is bf16 (a view for the loops; see `_slice_rows`)."""
     if unembed_VxD.dtype == jnp.bfloat16:
@@ -49,6 +44,25 @@ def _slice_rows(unembed_bits_VxD, start, block):
     return rows
 
 
+def _over_blocks(visit, carry, unembed_VxD, block: int):
+    """Fold `visit(carry, rows_BvxD, start) -> carry` over the vocabulary in blocks of `block` rows.
+
+    The full blocks run in one `lax.scan` (rows sliced from the `_as_bits` view inside the loop);
+    a last partial block, if any, is visited once after it with a static slice.
+    """
+    full, tail = divmod(unembed_VxD.shape[0], block)
+    bits_VxD = _as_bits(unembed_VxD)
+
+    def step(carry, i):
+        start = i * block
+        return visit(carry, _slice_rows(bits_VxD, start, block), start), None
+
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(full))
+    if tail:
+        carry = visit(carry, unembed_VxD[full * block :], full * block)
+    return carry
+
+
 def _block_logits(hidden_MxD, unembed_BvxD):
     return jnp.einsum(
         "md,vd->mv", hidden_MxD, unembed_BvxD, preferred_element_type=jnp.float32
@@ -58,8 +72,6 @@ def _block_logits(hidden_MxD, unembed_BvxD):
 def _forward(hidden_MxD, unembed_VxD, targets_M, block):
     """(logp_M, lse_M): an online log-sum-exp over vocabulary blocks, fp32 throughout."""
     m, _ = hidden_MxD.shape
-    vocab = unembed_VxD.shape[0]
-    full, tail = _blocks(vocab, block)
 
     def visit(carry, unembed_BvxD, start):
         max_M, sum_M, target_M = carry
@@ -80,17 +92,7 @@ def _forward(hidden_MxD, unembed_VxD, targets_M, block):
         jnp.zeros((m,), jnp.float32),
         jnp.zeros((m,), jnp.float32),
     )
-
-    bits_VxD = _as_bits(unembed_VxD)
-
-    def step(carry, i):
-        start = i * block
-        return visit(carry, _slice_rows(bits_VxD, start, block), start), None
-
-    carry, _ = jax.lax.scan(step, carry, jnp.arange(full))
-    if tail:
-        carry = visit(carry, unembed_VxD[full * block :], full * block)
-    max_M, sum_M, target_M = carry
+    max_M, sum_M, target_M = _over_blocks(visit, carry, unembed_VxD, block)
     lse_M = max_M + jnp.log(sum_M)
     return target_M - lse_M, lse_M
 
@@ -113,12 +115,11 @@ def _blocked_bwd(block, residuals, g_M):
     per-block [V, D] product, just the [M, Vb] logits of one block and the [M, D] hidden gradient.
     """
     hidden_MxD, unembed_VxD, targets_M, lse_M = residuals
-    vocab, d = unembed_VxD.shape
-    full, tail = _blocks(vocab, block)
     g_M = g_M.astype(jnp.float32)
     hidden32_MxD = hidden_MxD.astype(jnp.float32)
 
-    def visit(dh_MxD, unembed_BvxD, start):
+    def visit(carry, unembed_BvxD, start):
+        dh_MxD, dw_bits_VxD = carry
         logits_MxBv = _block_logits(hidden_MxD, unembed_BvxD)
         probs_MxBv = jnp.exp(logits_MxBv - lse_M[:, None])
         local_M = targets_M - start
@@ -126,27 +127,17 @@ def _blocked_bwd(block, residuals, g_M):
         dlogits_MxBv = g_M[:, None] * (onehot_MxBv.astype(jnp.float32) - probs_MxBv)
         dh_MxD = dh_MxD + dlogits_MxBv @ unembed_BvxD.astype(jnp.float32)
         dw_BvxD = (dlogits_MxBv.T @ hidden32_MxD).astype(unembed_VxD.dtype)
-        return dh_MxD, dw_BvxD
-
-    bits_VxD = _as_bits(unembed_VxD)
-
-    def step(carry, i):
-        dh_MxD, dw_bits_VxD = carry
-        start = i * block
-        dh_MxD, dw_BvxD = visit(dh_MxD, _slice_rows(bits_VxD, start, block), start)
         dw_bits_VxD = jax.lax.dynamic_update_slice_in_dim(
             dw_bits_VxD, _as_bits(dw_BvxD), start, axis=0
         )
-        return (dh_MxD, dw_bits_VxD), None
+        return dh_MxD, dw_bits_VxD
 
-    carry = (jnp.zeros(hidden_MxD.shape, jnp.float32), jnp.zeros((vocab, d), bits_VxD.dtype))
-    (dh_MxD, dw_bits_VxD), _ = jax.lax.scan(step, carry, jnp.arange(full))
-    dw_VxD = dw_bits_VxD
+    # The gradient is built in the `_as_bits` view too, for the same reason as the operand.
+    dw_bits_VxD = jnp.zeros(unembed_VxD.shape, _as_bits(unembed_VxD).dtype)
+    carry = (jnp.zeros(hidden_MxD.shape, jnp.float32), dw_bits_VxD)
+    dh_MxD, dw_VxD = _over_blocks(visit, carry, unembed_VxD, block)
     if dw_VxD.dtype != unembed_VxD.dtype:
         dw_VxD = jax.lax.bitcast_convert_type(dw_VxD, unembed_VxD.dtype)
-    if tail:
-        dh_MxD, dw_TxD = visit(dh_MxD, unembed_VxD[full * block :], full * block)
-        dw_VxD = dw_VxD.at[full * block :].set(dw_TxD)
     return dh_MxD.astype(hidden_MxD.dtype), dw_VxD, None
 
 
