@@ -358,7 +358,7 @@ def finish(run, params, summary: dict) -> None:
         metrics.plot_curves(
             rows,
             png,
-            keys=_plot_keys(c.train.eval_samples),
+            keys=("reward_mean", *_eval_keys(c), "response_len_mean", "kl_ref"),
             title=f"{c.algo.name} on {c.data.task}",
         )
         summary["plot"] = png
@@ -368,13 +368,9 @@ def finish(run, params, summary: dict) -> None:
 
 
 def _eval_keys(c) -> tuple[str, ...]:
+    """The evaluation metrics a run logs: avg@n at the rollout temperature (n > 1) and greedy."""
     n = c.train.eval_samples
     return (f"eval/avg@{n}", "eval/greedy") if n > 1 else ("eval/greedy",)
-
-
-def _plot_keys(eval_samples: int) -> tuple[str, ...]:
-    sampled = (f"eval/avg@{eval_samples}",) if eval_samples > 1 else ()
-    return ("reward_mean", *sampled, "eval/greedy", "response_len_mean", "kl_ref")
 
 
 class Progress:
