@@ -201,11 +201,11 @@ def decode_segments(slots: int, max_segments: int = 4, min_segment: int = 16) ->
 
 
 def _grow_cache(cache: list[dict[str, jax.Array]], slots: int) -> list[dict[str, jax.Array]]:
-    """Pad every layer's new-token slots ('k', 'v' [B, K, S, H], 'valid' [B, S]) to `slots`."""
+    """Pad every layer's new-token slots ('k', 'v' [..., S, H], 'valid' [B, S]) to `slots`."""
 
     def grow(layer):
         extra = slots - layer["valid"].shape[1]
-        pad_kv = ((0, 0), (0, 0), (0, extra), (0, 0))
+        pad_kv = [(0, 0)] * (layer["k"].ndim - 2) + [(0, extra), (0, 0)]
         return {
             **layer,
             "k": jnp.pad(layer["k"], pad_kv),

@@ -162,7 +162,7 @@ def test_shared_prefix_cache_decode_equals_full_forward(checkpoints):
     pos = np.broadcast_to(np.arange(tp), (p, tp)).astype(np.int32)
     _, cache = model(jnp.asarray(prompt), pos, valid, cache=model.init_cache(p, tp), cache_index=0)
     cache = model.share_prefix_cache(cache, g, steps)
-    assert cache[0]["prefix_k"].shape[0] == p and cache[0]["k"].shape[:3] == (p * g, 2, steps)
+    assert cache[0]["prefix_k"].shape[0] == p and cache[0]["k"].shape[:4] == (p, 2, g, steps)
     cont = _tokens((p * g, steps), seed=6)
     decoded = []
     for n in range(steps):

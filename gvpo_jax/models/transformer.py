@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import with_logical_constraint
 
+from gvpo_jax.models import fused
 from gvpo_jax.models.config import ModelConfig
 
 # Logical axis names. Parameters carry them as `out_sharding` metadata (read them with
@@ -18,7 +19,7 @@ PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
 ACTIVATION_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: fully masked rows stay NaN-free
+_MASKED = fused.MASKED
 
 
 def _param(rngs: nnx.Rngs, init, shape, dtype, axes) -> nnx.Param:
@@ -81,28 +82,6 @@ class RMSNorm(nnx.Module):
         return self.scale[...] * x.astype(x_BxTxD.dtype)
 
 
-def _per_prefix(x_BxKxQxY: jax.Array, prefixes: int) -> jax.Array:
-    """[B, K, Q, Y] with rows p*R + r (R = B / P) -> [P, K, R*Q, Y]: a group's rows stacked."""
-    b, k, q, y = x_BxKxQxY.shape
-    r = b // prefixes
-    return (
-        x_BxKxQxY.reshape(prefixes, r, k, q, y)
-        .transpose(0, 2, 1, 3, 4)
-        .reshape(prefixes, k, r * q, y)
-    )
-
-
-def _per_row(x_PxKxRQxY: jax.Array, rows: int) -> jax.Array:
-    """Inverse of `_per_prefix`: [P, K, R*Q, Y] -> [B, K, Q, Y] with B = `rows`."""
-    p, k, rq, y = x_PxKxRQxY.shape
-    r = rows // p
-    return (
-        x_PxKxRQxY.reshape(p, k, r, rq // r, y)
-        .transpose(0, 2, 1, 3, 4)
-        .reshape(rows, k, rq // r, y)
-    )
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE; K key/value heads shared by N/K query heads each."""
 
@@ -151,6 +130,11 @@ class Attention(nnx.Module):
         k_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3)
         v_BxKxTxH = v_BxTxKxH.transpose(0, 2, 1, 3)
 
+        if layer_cache is not None and "prefix_k" in layer_cache:
+            out_BxTxNxH, layer_cache = self._attend_shared_prefix(
+                q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, layer_cache, cache_index
+            )
+            return self._out(out_BxTxNxH), layer_cache
         if layer_cache is None:
             k_BxKxSxH, v_BxKxSxH, valid_BxS = k_BxKxTxH, v_BxKxTxH, valid_BxT
             query_slot_T = key_slot_S = jnp.arange(t)
@@ -176,47 +160,97 @@ class Attention(nnx.Module):
         q_BxKxQxH = (
             q_BxTxNxH.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
         )
-        scale = 1.0 / math.sqrt(h)
-        s = k_BxKxSxH.shape[2]
-        scores_BxKxQxS = jnp.einsum(
-            "bkqh,bksh->bkqs", q_BxKxQxH, k_BxKxSxH, preferred_element_type=jnp.float32
+        out_BxKxQxH = fused.attention(q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS)
+        out_BxTxNxH = out_BxKxQxH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
+        return self._out(out_BxTxNxH.reshape(b, t, n, h)), layer_cache
+
+    def _out(self, out_BxTxNxH: jax.Array) -> jax.Array:
+        """Output projection [B, T, N, H] -> [B, T, D] (one 2-D matmul)."""
+        b, t, n, h = out_BxTxNxH.shape
+        d = self.o_kernel.shape[-1]
+        out_BxTxD = out_BxTxNxH.reshape(b * t, n * h) @ self.o_kernel[...].reshape(n * h, d)
+        return constrain(out_BxTxD.reshape(b, t, d), ("batch", "length", "embed"))
+
+    def _attend_shared_prefix(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, cache, index):
+        """Attention of B = P * R rows that continue P shared prefixes (see `share_prefix_cache`).
+
+        Row p*R + r attends to the J keys of prefix p (stored once, [P, K, J, H]) and to its own
+        new-token slots (stored [P, K, R, S, H]). Queries are laid out [P, K, R, Q, H] with the
+        Q = T * G query heads of a key/value head as rows, so both score matmuls and both value
+        matmuls are batched over (P, K) or (P, K, R) with no transpose of keys or values, and
+        the softmax runs over the two parts without concatenating them (a decode step is made
+        of many small kernels on CPU; this layout needs the fewest).
+        Returns (out [B, T, N, H], updated cache).
+        """
+        b, t, n, h = q_BxTxNxH.shape
+        pk_PxKxJxH, pv_PxKxJxH = cache["prefix_k"], cache["prefix_v"]
+        p, kv, j = pk_PxKxJxH.shape[:3]
+        r, g = b // p, n // kv
+        i = jnp.asarray(index, jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+
+        def write(buf_PxKxRxSxH, new_BxKxTxH):
+            new = new_BxKxTxH.reshape(p, r, kv, t, h).transpose(0, 2, 1, 3, 4)
+            return jax.lax.dynamic_update_slice(
+                buf_PxKxRxSxH, new.astype(buf_PxKxRxSxH.dtype), (zero, zero, zero, i, zero)
+            )
+
+        k_PxKxRxSxH = write(cache["k"], k_BxKxTxH)
+        v_PxKxRxSxH = write(cache["v"], v_BxKxTxH)
+        valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (zero, i))
+        cache = {**cache, "k": k_PxKxRxSxH, "v": v_PxKxRxSxH, "valid": valid_BxS}
+        s = k_PxKxRxSxH.shape[3]
+
+        q_PxKxRxQxH = (
+            q_BxTxNxH.reshape(p, r, t, kv, g, h)
+            .transpose(0, 3, 1, 2, 4, 5)
+            .reshape(p, kv, r, -1, h)
+        ) * (1.0 / math.sqrt(h))
+        pre_PxKxRxQxJ = jnp.einsum(
+            "pkxh,pkjh->pkxj",
+            q_PxKxRxQxH.reshape(p, kv, -1, h),
+            pk_PxKxJxH,
+            preferred_element_type=jnp.float32,
+        ).reshape(p, kv, r, t * g, j)
+        new_PxKxRxQxS = jnp.einsum(
+            "pkrqh,pkrsh->pkrqs", q_PxKxRxQxH, k_PxKxRxSxH, preferred_element_type=jnp.float32
         )
-        mask_BxKxQxS = jnp.broadcast_to(mask_BxTxS[:, None, None], (b, kv, g, t, s))
-        mask_BxKxQxS = mask_BxKxQxS.reshape(b, kv, g * t, s)
-        prefix = layer_cache is not None and "prefix_k" in layer_cache
-        if prefix:
-            # A shared prefix (the prompt of a group): rows p*R .. p*R + R-1 all attend to the
-            # keys of prompt p, stored once. Their queries are stacked per prompt, so each
-            # prefix key is read once per prompt instead of once per sample.
-            pk_PxKxJxH, pv_PxKxJxH = layer_cache["prefix_k"], layer_cache["prefix_v"]
-            p, j = pk_PxKxJxH.shape[0], pk_PxKxJxH.shape[2]
-            q_PxKxRQxH = _per_prefix(q_BxKxQxH, p)
-            pre_PxKxRQxJ = jnp.einsum(
-                "pkqh,pkjh->pkqj", q_PxKxRQxH, pk_PxKxJxH, preferred_element_type=jnp.float32
-            )
-            pre_BxKxQxJ = _per_row(pre_PxKxRQxJ, b)
-            pre_mask_BxKxQxJ = jnp.broadcast_to(
-                jnp.repeat(layer_cache["prefix_valid"], b // p, axis=0)[:, None, None, :],
-                (b, kv, g * t, j),
-            )
-            scores_BxKxQxS = jnp.concatenate([pre_BxKxQxJ, scores_BxKxQxS], axis=-1)
-            mask_BxKxQxS = jnp.concatenate([pre_mask_BxKxQxJ, mask_BxKxQxS], axis=-1)
-        scores_BxKxQxS = jnp.where(mask_BxKxQxS, scores_BxKxQxS * scale, _MASKED)
-        probs_BxKxQxS = jax.nn.softmax(scores_BxKxQxS, axis=-1).astype(v_BxKxSxH.dtype)
-        if prefix:
-            pre_BxKxQxJ, probs_BxKxQxS = probs_BxKxQxS[..., :j], probs_BxKxQxS[..., j:]
-            pre_out_PxKxRQxH = jnp.einsum(
-                "pkqj,pkjh->pkqh", _per_prefix(pre_BxKxQxJ, p), pv_PxKxJxH
-            )
-            pre_out_BxKxQxH = _per_row(pre_out_PxKxRQxH, b)
-        out_BxKxQxH = jnp.einsum("bkqs,bksh->bkqh", probs_BxKxQxS, v_BxKxSxH)
-        if prefix:
-            out_BxKxQxH = out_BxKxQxH + pre_out_BxKxQxH
-        out_BTxNH = (
-            out_BxKxQxH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b * t, n * h)
+        # Every prefix key is in the past of every new token: only its validity masks it. A new
+        # slot is seen by query t when it is valid and at most slot index + t.
+        pre_mask_Px1x1x1xJ = cache["prefix_valid"][:, None, None, None, :]
+        causal_TxS = jnp.arange(s)[None, :] <= (i + jnp.arange(t))[:, None]
+        new_mask_PxRxTxS = valid_BxS.reshape(p, r, 1, s) & causal_TxS
+        new_mask_Px1xRxQxS = jnp.broadcast_to(
+            new_mask_PxRxTxS[:, None, :, :, None, :], (p, 1, r, t, g, s)
+        ).reshape(p, 1, r, t * g, s)
+        pre_PxKxRxQxJ = jnp.where(pre_mask_Px1x1x1xJ, pre_PxKxRxQxJ, _MASKED)
+        new_PxKxRxQxS = jnp.where(new_mask_Px1xRxQxS, new_PxKxRxQxS, _MASKED)
+        max_PxKxRxQx1 = jnp.maximum(
+            jnp.max(pre_PxKxRxQxJ, axis=-1, keepdims=True),
+            jnp.max(new_PxKxRxQxS, axis=-1, keepdims=True),
         )
-        out_BxTxD = (out_BTxNH @ self.o_kernel[...].reshape(n * h, d)).reshape(b, t, d)
-        return constrain(out_BxTxD, ("batch", "length", "embed")), layer_cache
+        pre_PxKxRxQxJ = jnp.exp(pre_PxKxRxQxJ - max_PxKxRxQx1)
+        new_PxKxRxQxS = jnp.exp(new_PxKxRxQxS - max_PxKxRxQx1)
+        total_PxKxRxQx1 = jnp.sum(pre_PxKxRxQxJ, axis=-1, keepdims=True) + jnp.sum(
+            new_PxKxRxQxS, axis=-1, keepdims=True
+        )
+        dtype = v_PxKxRxSxH.dtype
+        out_PxKxRxQxH = jnp.einsum(
+            "pkxj,pkjh->pkxh",
+            pre_PxKxRxQxJ.astype(dtype).reshape(p, kv, -1, j),
+            pv_PxKxJxH,
+            preferred_element_type=jnp.float32,
+        ).reshape(p, kv, r, t * g, h) + jnp.einsum(
+            "pkrqs,pkrsh->pkrqh",
+            new_PxKxRxQxS.astype(dtype),
+            v_PxKxRxSxH,
+            preferred_element_type=jnp.float32,
+        )
+        out_PxKxRxQxH = (out_PxKxRxQxH / total_PxKxRxQx1).astype(dtype)
+        out_BxTxNxH = (
+            out_PxKxRxQxH.reshape(p, kv, r, t, g, h).transpose(0, 2, 3, 1, 4, 5).reshape(b, t, n, h)
+        )
+        return out_BxTxNxH, cache
 
 
 class MLP(nnx.Module):
@@ -234,7 +268,7 @@ class MLP(nnx.Module):
         x_BTxD = x_BxTxD.reshape(b * t, d)
         gate_BTxF = x_BTxD @ self.gate_kernel[...]
         up_BTxF = x_BTxD @ self.up_kernel[...]
-        hidden_BxTxF = (jax.nn.silu(gate_BTxF) * up_BTxF).reshape(b, t, -1)
+        hidden_BxTxF = fused.swiglu(gate_BTxF, up_BTxF).reshape(b, t, -1)
         hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "mlp"))
         return (hidden_BxTxF.reshape(b * t, -1) @ self.down_kernel[...]).reshape(b, t, d)
 
@@ -305,16 +339,26 @@ class Transformer(nnx.Module):
 
         `prefix_cache` is a filled cache of batch P (e.g. the prompts after prefill). The result
         keeps it once per prefix ('prefix_k', 'prefix_v' [P, K, J, H], 'prefix_valid' [P, J]) and
-        adds an empty cache of batch B = P * num_samples and `max_len` slots for the new tokens
-        (row p * num_samples + r continues prefix p). Calls then index the new-token slots:
-        cache_index 0 is the first token after the prefix. Every prefix slot is in the past of
-        every new token, so only 'prefix_valid' masks it.
+        adds empty new-token slots for B = P * num_samples rows (row p * num_samples + r
+        continues prefix p): 'k', 'v' [P, K, R, S, H] with R = num_samples and S = `max_len`
+        (grouped per prefix, so attention needs no transposes; see
+        `Attention._attend_shared_prefix`), 'valid' [B, S]. Calls then index the new-token
+        slots: cache_index 0 is the first token after the prefix. Every prefix slot is in the
+        past of every new token, so only 'prefix_valid' masks it.
         """
-        rows = prefix_cache[0]["k"].shape[0] * num_samples
-        empty = self.init_cache(rows, max_len)
+        cfg = self.config
+        p = prefix_cache[0]["k"].shape[0]
+        shape = (p, cfg.num_kv_heads, num_samples, max_len, cfg.head_dim)
         return [
-            {"prefix_k": c["k"], "prefix_v": c["v"], "prefix_valid": c["valid"], **e}
-            for c, e in zip(prefix_cache, empty, strict=True)
+            {
+                "prefix_k": c["k"],
+                "prefix_v": c["v"],
+                "prefix_valid": c["valid"],
+                "k": jnp.zeros(shape, cfg.dtype),
+                "v": jnp.zeros(shape, cfg.dtype),
+                "valid": jnp.zeros((p * num_samples, max_len), jnp.bool_),
+            }
+            for c in prefix_cache
         ]
 
     def hidden(
