@@ -292,7 +292,7 @@ def rl_run(
         state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))
         run_.np_rng = np.random.default_rng(c.seed + 1)
         run_.task.close()
-        run_.task = tasks.build_task(c, run_.tokenizer, workdir)
+        run_.task = tasks.build_task(c, run_.tokenizer)
         start_params = jax.tree.map(jnp.copy, state.params)
         acc0 = start_acc
         if acc0 is None:

@@ -141,7 +141,6 @@ def build(config: ml_collections.ConfigDict, workdir: str):
     task = tasks.build_task(
         config,
         tokenizer,
-        workdir,
         shard=sharding.data_shard(mesh),
         allgather=sharding.host_allgather,
     )

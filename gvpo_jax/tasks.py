@@ -201,7 +201,6 @@ class Task:
         rewards.close_pools()
 
 
-def build_task(config, tokenizer, workdir: str, *, shard=(0, 1), allgather=None) -> Task:
+def build_task(config, tokenizer, *, shard=(0, 1), allgather=None) -> Task:
     """The run's Task; `shard` = (index, count) of this process's data shard."""
-    del workdir
     return Task(config, tokenizer, shard_index=shard[0], shard_count=shard[1], allgather=allgather)

@@ -43,8 +43,10 @@ def attention(q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS):
     and is shared by the G heads. The weights are rounded to v's dtype before the weighted sum
     (bf16 models keep bf16 matmuls). The backward pass uses the saved weights P and
     dS = P * (dP - rowsum(dO * O)) (rowsum over H, not S), and plain batched matmuls for
-    dq, dk, dv: XLA's autodiff of the masked softmax fuses a quotient-rule chain into the
-    dO @ v^T matmul, which runs ~3x slower on CPU (measured in BENCHMARKS.md).
+    dq, dk, dv. XLA's own derivative of the masked softmax fuses a longer quotient-rule chain
+    (two [B, K, Q, S] reductions) into the dO @ v^T matmul; this one and `swiglu` together
+    make the bench-45m update step ~9% faster on CPU (A/B runs in BENCHMARKS.md). A fully
+    masked query row (padding) attends uniformly and gets no gradient, as with autodiff.
     """
     return _attention_fwd(q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS)[0]
 
