@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import platform
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gvpo_jax import session, tasks, train, train_step
+from gvpo_jax import session, tasks, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDY_DIR = os.path.join(REPO, "docs", "study")
@@ -215,28 +214,13 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
 
 def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
     c = run_.config
-    tx, lr_fn = train_step.make_optimizer(
+    st, update = train.sft_updater(
+        run_,
+        state,
+        steps=steps,
         lr=lr,
-        total_updates=steps,
         warmup_steps=c.sft.warmup_steps if not offset else 0,
         schedule=schedule,
-        grad_clip=c.optim.grad_clip,
-    )
-    loss_fn = functools.partial(
-        train_step.sft_loss,
-        graphdef=run_.graphdef,
-        prompt_len=c.data.max_prompt_len,
-        chunk_size=c.model.logprob_chunk,
-    )
-    st = train.init_train_state(run_, jax.tree.map(jnp.copy, state.params), tx, jnp.copy(state.rng))
-    update = train_step.jit_update(
-        loss_fn,
-        tx,
-        1,
-        lr_fn,
-        mesh=run_.mesh,
-        state_shardings=run_.state_shardings,
-        rules=run_.rules,
     )
     every = max(steps // eval_points, 1)
     for i in range(1, steps + 1):

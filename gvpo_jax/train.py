@@ -195,14 +195,26 @@ def sft_batch(run: Run, examples) -> dict[str, np.ndarray]:
     )
 
 
-def run_sft(run: Run, state: train_step.TrainState, *, steps: int, log_prefix="sft"):
-    """Cross-entropy on prompt + answer pairs with the response mask; returns the new params."""
+def sft_updater(
+    run: Run,
+    state: train_step.TrainState,
+    *,
+    steps: int,
+    lr: float,
+    warmup_steps: int,
+    schedule: str = "cosine",
+):
+    """(sft_state, update) for `steps` cross-entropy updates from `state`'s params and rng.
+
+    `update(sft_state, batch) -> (sft_state, metrics)` is the jitted step (state donated); the
+    params and rng are copied so `state` stays valid for the caller.
+    """
     c = run.config
     tx, lr_fn = train_step.make_optimizer(
-        lr=c.sft.lr,
+        lr=lr,
         total_updates=steps,
-        warmup_steps=c.sft.warmup_steps,
-        schedule="cosine",
+        warmup_steps=warmup_steps,
+        schedule=schedule,
         grad_clip=c.optim.grad_clip,
     )
     loss_fn = functools.partial(
@@ -211,12 +223,20 @@ def run_sft(run: Run, state: train_step.TrainState, *, steps: int, log_prefix="s
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
     )
-    # Copies: the update donates its state, and `state` stays valid for the caller.
     sft_state = init_train_state(run, jax.tree.map(jnp.copy, state.params), tx, jnp.copy(state.rng))
     update = train_step.jit_update(
         loss_fn, tx, 1, lr_fn, mesh=run.mesh, state_shardings=run.state_shardings,
         rules=run.rules,
     )  # fmt: skip
+    return sft_state, update
+
+
+def run_sft(run: Run, state: train_step.TrainState, *, steps: int, log_prefix="sft"):
+    """Cross-entropy on prompt + answer pairs with the response mask; returns the new params."""
+    c = run.config
+    sft_state, update = sft_updater(
+        run, state, steps=steps, lr=c.sft.lr, warmup_steps=c.sft.warmup_steps
+    )
     t0 = time.perf_counter()
     for i in range(steps):
         examples = next_examples(run, c.sft.batch_size)
