@@ -54,20 +54,26 @@ def prompts(vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return ids * (np.arange(PROMPT_LEN) < lens[:, None]), lens
 
 
-def _pieces(graphdef):
+def gvpo_pieces(graphdef, *, group_size: int = GROUP, prompt_len: int = PROMPT_LEN):
+    """(tx, loss_fn) of the sharding tests: one GVPO loss and clipped SGD with momentum.
+
+    SGD with momentum (an optimizer state sharded like the params) after global-norm clipping
+    (a cross-shard reduction). Not AdamW: its first step lr*g/(|g|+eps) amplifies round-off of
+    near-zero gradient entries up to lr/eps-fold (a 1e-8 gradient moved one weight by 4e-5),
+    which says nothing about sharding. With SGD the parameter error is lr x gradient error.
+    Also used by tests/test_sharding.py.
+    """
     import optax
 
     from gvpo_jax import train_step
 
-    # Clipped SGD with momentum: the parameter error is lr x gradient error (AdamW's first steps
-    # amplify round-off of near-zero gradients; see tests/test_sharding.py).
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
     loss_fn = functools.partial(
         train_step.rl_loss,
         graphdef=graphdef,
         algo="gvpo",
-        group_size=GROUP,
-        prompt_len=PROMPT_LEN,
+        group_size=group_size,
+        prompt_len=prompt_len,
         chunk_size=4,
         anchor="old",
         loss_kwargs={"beta": 0.1},
@@ -89,7 +95,7 @@ def reference_run(init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         for path, v in nnx.to_flat_state(abstract)
     ]
     params = nnx.from_flat_state(flat)
-    tx, loss_fn = _pieces(graphdef)
+    tx, loss_fn = gvpo_pieces(graphdef)
     state = train_step.init_state(params, tx, jax.random.key_data(jax.random.key(SEED)))
     update = train_step.jit_update(loss_fn, tx, 1)
     logprobs = train_step.jit_logprobs(graphdef, prompt_len=PROMPT_LEN, chunk_size=4)
@@ -134,7 +140,7 @@ def worker(out_dir: str) -> None:
     model = sharding.init_sharded(cfg, mesh, SEED, rules)
     graphdef, params = nnx.split(model, nnx.Param)
     init_host = sharding.gather(params)  # the reference starts from exactly these values
-    tx, loss_fn = _pieces(graphdef)
+    tx, loss_fn = gvpo_pieces(graphdef)
     key = jax.random.key_data(jax.random.key(SEED))
     state, shardings = train_step.init_state_sharded(params, tx, key, mesh, rules)
     update = train_step.jit_update(

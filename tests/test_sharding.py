@@ -2,19 +2,18 @@
 greedy sampling against one device, batch layout, and the memory planner against real bytes."""
 
 import dataclasses
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gvpo_jax import config as config_lib
 from gvpo_jax import models, plan, sampler, sharding, train_step
+from tests import mp_worker
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]  # (data, fsdp, tensor)
 G, NUM_PROMPTS, TP, NEW = 4, 16, 6, 6  # group size, prompts, prompt slots, response slots
@@ -198,25 +197,6 @@ def _rollout_batch(vocab: int) -> dict[str, np.ndarray]:
     }
 
 
-def _gvpo_pieces(graphdef):
-    # SGD with momentum (an optimizer state sharded like the params) after global-norm clipping
-    # (a cross-shard reduction). Not AdamW: its first step lr*g/(|g|+eps) amplifies round-off of
-    # near-zero gradient entries up to lr/eps-fold (a 1e-8 gradient moved one weight by 4e-5),
-    # which says nothing about sharding. With SGD the parameter error is lr x gradient error.
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
-    loss_fn = functools.partial(
-        train_step.rl_loss,
-        graphdef=graphdef,
-        algo="gvpo",
-        group_size=G,
-        prompt_len=TP,
-        chunk_size=4,
-        anchor="old",
-        loss_kwargs={"beta": 0.1},
-    )
-    return tx, loss_fn
-
-
 @pytest.fixture(scope="module")
 def unsharded_step():
     """Initial params, one GVPO step (2 micro-batches) and log-probs, all on one device."""
@@ -224,7 +204,7 @@ def unsharded_step():
     params = _jit_init(cfg, 0)
     graphdef = nnx.split(models.abstract_model(cfg), nnx.Param)[0]
     init = jax.device_get(params)
-    tx, loss_fn = _gvpo_pieces(graphdef)
+    tx, loss_fn = mp_worker.gvpo_pieces(graphdef, group_size=G, prompt_len=TP)
     batch = _rollout_batch(cfg.vocab_size)
     logp = train_step.jit_logprobs(graphdef, prompt_len=TP, chunk_size=4)(
         params, batch["tokens"], batch["attn_mask"]
@@ -243,7 +223,7 @@ def test_gvpo_step_on_a_mesh_equals_the_unsharded_step(unsharded_step, shape):
     abstract = models.abstract_model(cfg)
     graphdef = nnx.split(abstract, nnx.Param)[0]
     params = jax.device_put(init, sharding.param_shardings(abstract, mesh, rules))
-    tx, loss_fn = _gvpo_pieces(graphdef)
+    tx, loss_fn = mp_worker.gvpo_pieces(graphdef, group_size=G, prompt_len=TP)
     key = jax.random.key_data(jax.random.key(0))
     state, shardings = train_step.init_state_sharded(params, tx, key, mesh, rules)
     trace = state.opt_state[1][0].trace["layers"][0]["mlp"]["down_kernel"].get_value()
