@@ -19,8 +19,6 @@ PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
 ACTIVATION_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")
 CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 
-_MASKED = fused.MASKED
-
 
 def _param(rngs: nnx.Rngs, init, shape, dtype, axes) -> nnx.Param:
     """A Param with logical axis names; eager sharding off so it can be built without a mesh."""
@@ -178,8 +176,8 @@ class Attention(nnx.Module):
         new-token slots (stored [P, K, R, S, H]). Queries are laid out [P, K, R, Q, H] with the
         Q = T * G query heads of a key/value head as rows, so both score matmuls and both value
         matmuls are batched over (P, K) or (P, K, R) with no transpose of keys or values, and
-        the softmax runs over the two parts without concatenating them (a decode step is made
-        of many small kernels on CPU; this layout needs the fewest).
+        the softmax runs over the two parts without concatenating them (fewer kernels per
+        decode step than stacking rows per prefix and back; the same speed in CPU A/B runs).
         Returns (out [B, T, N, H], updated cache).
         """
         b, t, n, h = q_BxTxNxH.shape
@@ -223,8 +221,8 @@ class Attention(nnx.Module):
         new_mask_Px1xRxQxS = jnp.broadcast_to(
             new_mask_PxRxTxS[:, None, :, :, None, :], (p, 1, r, t, g, s)
         ).reshape(p, 1, r, t * g, s)
-        pre_PxKxRxQxJ = jnp.where(pre_mask_Px1x1x1xJ, pre_PxKxRxQxJ, _MASKED)
-        new_PxKxRxQxS = jnp.where(new_mask_Px1xRxQxS, new_PxKxRxQxS, _MASKED)
+        pre_PxKxRxQxJ = jnp.where(pre_mask_Px1x1x1xJ, pre_PxKxRxQxJ, fused.MASKED)
+        new_PxKxRxQxS = jnp.where(new_mask_Px1xRxQxS, new_PxKxRxQxS, fused.MASKED)
         max_PxKxRxQx1 = jnp.maximum(
             jnp.max(pre_PxKxRxQxJ, axis=-1, keepdims=True),
             jnp.max(new_PxKxRxQxS, axis=-1, keepdims=True),
