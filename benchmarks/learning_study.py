@@ -186,7 +186,7 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
         run_.task = NoisyTask(run_.task, noise)
     try:
         state, _, tx = train.make_update_fns(run_, state.params, state.rng, 1)
-        curve = [(0, session.evaluate(run_, state.params, step=0)["accuracy"])]
+        curve = [(0, held_out(run_, state.params, step=0))]
         params, curve = _sft_phase(run_, state, steps, c.sft.lr, "cosine", eval_points, curve)
         state = train.init_train_state(run_, params, tx, state.rng)  # fresh RL moments
         session.save(run_, state, 0)
@@ -226,9 +226,9 @@ def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
     for i in range(1, steps + 1):
         st, _ = update(st, train.sft_batch(run_, run_.task.next_train(c.sft.batch_size)))
         if i % every == 0 or i == steps:
-            acc = session.evaluate(run_, st.params, step=offset + i)["accuracy"]
+            acc = held_out(run_, st.params, step=offset + i)
             curve.append((offset + i, acc))
-            print(f"[sft] step {offset + i}: held-out accuracy {acc:.3f}", flush=True)
+            print(f"[sft] step {offset + i}: held-out greedy accuracy {acc:.3f}", flush=True)
     return st.params, curve
 
 
@@ -236,8 +236,9 @@ def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
 # One RL run
 
 
-def evaluate_sampled(run_, params, *, step: int, n: int) -> float:
-    """Held-out avg@n at the rollout temperature (the greedy number is `session.evaluate`'s)."""
+def held_out(run_, params, *, step: int, n: int = 1) -> float:
+    """Held-out greedy accuracy (n = 1), or avg@n at the rollout temperature (n > 1), whatever
+    the config's own `train.eval_samples` (the demo config evaluates avg@16 by default)."""
     c = run_.config.copy_and_resolve_references()
     c.train.eval_samples = n
     return session.evaluate(dataclasses.replace(run_, config=c), params, step=step)["accuracy"]
@@ -280,10 +281,10 @@ def rl_run(
         start_params = jax.tree.map(jnp.copy, state.params)
         acc0 = start_acc
         if acc0 is None:
-            acc0 = session.evaluate(run_, state.params, step=0)["accuracy"]
+            acc0 = held_out(run_, state.params, step=0)
         rec["curve"].append((0, acc0))
         if eval_n > 1:
-            rec["curve_sampled"].append((0, evaluate_sampled(run_, state.params, step=0, n=eval_n)))
+            rec["curve_sampled"].append((0, held_out(run_, state.params, step=0, n=eval_n)))
         responses, step, next_eval = 0, 0, 1
         while responses < budget:
             step += 1
@@ -294,10 +295,10 @@ def rl_run(
             rec["rewards"].append(m["accuracy"])
             rec["skipped"] += int(m["skipped_updates"])
             if responses >= next_eval * budget / eval_points or responses >= budget:
-                acc = session.evaluate(run_, state.params, step=step)["accuracy"]
+                acc = held_out(run_, state.params, step=step)
                 rec["curve"].append((responses, acc))
                 if eval_n > 1:
-                    acc_n = evaluate_sampled(run_, state.params, step=step, n=eval_n)
+                    acc_n = held_out(run_, state.params, step=step, n=eval_n)
                     rec["curve_sampled"].append((responses, acc_n))
                 next_eval = int(responses * eval_points / budget) + 1
         rec["steps"] = step
