@@ -109,8 +109,8 @@ def make_update_fns(run: Run, params, rng, total_rl_updates: int):
     shardings = run.state_shardings
     run.logprobs = train_step.jit_logprobs(
         run.graphdef, prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk,
-        mesh=run.mesh, param_shardings=None if shardings is None else shardings.params,
-        rules=run.rules,
+        group_size=c.rollout.group_size, mesh=run.mesh,
+        param_shardings=None if shardings is None else shardings.params, rules=run.rules,
     )  # fmt: skip
     loss_fn = functools.partial(
         train_step.rl_loss,
@@ -121,6 +121,7 @@ def make_update_fns(run: Run, params, rng, total_rl_updates: int):
         chunk_size=c.model.logprob_chunk,
         anchor=c.algo.anchor,
         loss_kwargs=loss_kwargs(c),
+        logprob_remat=c.model.logprob_remat,
     )
     update = train_step.jit_update(
         loss_fn, tx, c.optim.micro_batches, lr_fn, mesh=run.mesh, state_shardings=shardings,
@@ -222,6 +223,7 @@ def sft_updater(
         graphdef=run.graphdef,
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
+        logprob_remat=c.model.logprob_remat,
     )
     sft_state = init_train_state(run, jax.tree.map(jnp.copy, state.params), tx, jnp.copy(state.rng))
     update = train_step.jit_update(

@@ -92,37 +92,72 @@ def init_state_sharded(params, tx: optax.GradientTransformation, rng, mesh, rule
 
 
 def response_logprobs(
-    graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len: int, chunk_size: int
+    graphdef,
+    params,
+    tokens_BxS,
+    attn_mask_BxS,
+    *,
+    prompt_len: int,
+    chunk_size: int,
+    group_size: int = 1,
+    logprob_remat: bool = True,
 ) -> jax.Array:
     """log pi(y_t | x, y_<t) of the response slots [prompt_len:] of a left-padded batch -> [B, N].
 
     Rows are `[pad.., prompt, response, pad..]` with the prompt right-aligned at `prompt_len`, so
     slot prompt_len-1 always holds the last prompt token and positions come from the mask.
+    group_size > 1: rows come in groups of that many consecutive rows with the same prompt (a
+    rollout batch), and each prompt is run once per group (`Transformer.hidden_shared_prefix`).
+    logprob_remat: see `models.chunked_logprobs` (False keeps the [B*N, V] logits for the
+    backward pass instead of recomputing them).
     """
     model = nnx.merge(graphdef, params)
-    hidden_BxSxD = model.hidden(tokens_BxS, None, attn_mask_BxS)
+    if group_size > 1:
+        hidden_BxSxD = model.hidden_shared_prefix(
+            tokens_BxS, attn_mask_BxS, prefix_len=prompt_len, group_size=group_size
+        )
+    else:
+        hidden_BxSxD = model.hidden(tokens_BxS, None, attn_mask_BxS)
     # Only the response slots need logits: hidden state s-1 predicts token s.
     logp_BxN = models.chunked_logprobs(
         hidden_BxSxD[:, prompt_len - 1 : -1],
         model.unembed_matrix(),
         tokens_BxS[:, prompt_len:],
         chunk_size=chunk_size,
+        remat=logprob_remat,
     )
     return jnp.where(attn_mask_BxS[:, prompt_len:] > 0, logp_BxN, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "chunk_size"))
-def batch_logprobs(graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len, chunk_size):
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "chunk_size", "group_size"))
+def batch_logprobs(
+    graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len, chunk_size, group_size=1
+):
     """One jitted forward over a whole rollout batch (old / reference / anchor log-probs)."""
     return response_logprobs(
-        graphdef, params, tokens_BxS, attn_mask_BxS, prompt_len=prompt_len, chunk_size=chunk_size
+        graphdef,
+        params,
+        tokens_BxS,
+        attn_mask_BxS,
+        prompt_len=prompt_len,
+        chunk_size=chunk_size,
+        group_size=group_size,
     )
 
 
 def jit_logprobs(
-    graphdef, *, prompt_len: int, chunk_size: int, mesh=None, param_shardings=None, rules=None
+    graphdef,
+    *,
+    prompt_len: int,
+    chunk_size: int,
+    group_size: int = 1,
+    mesh=None,
+    param_shardings=None,
+    rules=None,
 ):
     """`batch_logprobs` as a function of (params, tokens_BxS, attn_mask_BxS) -> logp [B, N].
+
+    group_size > 1: batches of whole groups sharing their prompt (see `response_logprobs`).
 
     With a mesh: jitted with explicit shardings (params as given, rows over data x fsdp in and
     out) and the model's activation constraints active; the same function serves the policy and
@@ -130,7 +165,11 @@ def jit_logprobs(
     """
     if mesh is None:
         return functools.partial(
-            batch_logprobs, graphdef, prompt_len=prompt_len, chunk_size=chunk_size
+            batch_logprobs,
+            graphdef,
+            prompt_len=prompt_len,
+            chunk_size=chunk_size,
+            group_size=group_size,
         )
     rules = sharding.LOGICAL_RULES if rules is None else rules
     rows = sharding.batch_sharding(mesh)
@@ -144,6 +183,7 @@ def jit_logprobs(
                 attn_mask_BxS,
                 prompt_len=prompt_len,
                 chunk_size=chunk_size,
+                group_size=group_size,
             )
 
     return jax.jit(logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows)
@@ -160,8 +200,13 @@ def rl_loss(
     chunk_size: int,
     anchor: str,
     loss_kwargs: dict,
+    logprob_remat: bool = True,
 ):
-    """The configured preset loss on one micro-batch of whole groups -> (loss, aux)."""
+    """The configured preset loss on one micro-batch of whole groups -> (loss, aux).
+
+    The G rows of a group share their prompt, which is run once per group
+    (`response_logprobs` with group_size = G).
+    """
     logp_BxN = response_logprobs(
         graphdef,
         params,
@@ -169,6 +214,8 @@ def rl_loss(
         batch["attn_mask"],
         prompt_len=prompt_len,
         chunk_size=chunk_size,
+        group_size=group_size,
+        logprob_remat=logprob_remat,
     )
     mask_BxN = batch["resp_mask"]
     anchor_logp = batch.get("ref_logp") if anchor == "ref" else None
@@ -191,7 +238,9 @@ def rl_loss(
     return loss, aux
 
 
-def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
+def sft_loss(
+    params, batch, *, graphdef, prompt_len: int, chunk_size: int, logprob_remat: bool = True
+):
     """Token-mean cross-entropy of the answer tokens (cold-start SFT) -> (loss, aux)."""
     logp_BxN = response_logprobs(
         graphdef,
@@ -200,6 +249,7 @@ def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
         batch["attn_mask"],
         prompt_len=prompt_len,
         chunk_size=chunk_size,
+        logprob_remat=logprob_remat,
     )
     mask_BxN = batch["resp_mask"]
     ntok = jnp.maximum(jnp.sum(mask_BxN), 1.0)

@@ -33,6 +33,7 @@ def global_batch(step: int, vocab: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(100 + step)
     B, S = PROMPTS * GROUP, PROMPT_LEN + NEW
     tokens = rng.integers(1, vocab, (B, S)).astype(np.int32)
+    tokens[:, :PROMPT_LEN] = tokens[::GROUP, :PROMPT_LEN].repeat(GROUP, axis=0)  # shared prompts
     plen = rng.integers(1, PROMPT_LEN + 1, PROMPTS).repeat(GROUP)
     rlen = rng.integers(1, NEW + 1, B)
     attn = np.zeros((B, S), np.float32)

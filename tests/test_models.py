@@ -179,6 +179,50 @@ def test_shared_prefix_cache_decode_equals_full_forward(checkpoints):
             np.testing.assert_allclose(decoded[n][row], full[lens[row // g] + n], atol=TOL, rtol=0)
 
 
+def _grouped_rows(p, g, tp, n, vocab, seed):
+    """P prompts left-padded to tp (lengths 1..tp), each repeated for G rows, then responses of
+    ragged lengths (1..n, right-padded): the trainer's rollout layout."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, (p * g, tp + n)).astype(np.int32)
+    tokens[:, :tp] = tokens[::g, :tp].repeat(g, axis=0)
+    plen = np.array([tp, 1, *rng.integers(1, tp + 1, p - 2)]).repeat(g)
+    rlen = np.array([n, 1, *rng.integers(1, n + 1, p * g - 2)])
+    mask = np.zeros((p * g, tp + n), np.int32)
+    for row in range(p * g):
+        mask[row, tp - plen[row] : tp + rlen[row]] = 1
+    return jnp.asarray(tokens * mask), jnp.asarray(mask)
+
+
+def test_hidden_shared_prefix_equals_hidden_values_and_gradients(checkpoints):
+    """Each group's prompt run once (shared keys / values) gives the full forward's hidden
+    states at every real slot, and the same parameter gradients."""
+    model = models.from_pretrained(checkpoints["qwen2-untied"][0])
+    p, g, tp, n = 3, 4, 5, 6
+    tokens, mask = _grouped_rows(p, g, tp, n, model.config.vocab_size, seed=11)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(p * g, tp + n, 1)), jnp.float32)
+    weights = weights * mask[..., None]
+
+    def run(shared):
+        def loss(m):
+            if shared:
+                h = m.hidden_shared_prefix(tokens, mask, prefix_len=tp, group_size=g)
+            else:
+                h = m.hidden(tokens, None, mask)
+            return jnp.sum(weights * jnp.sin(h)), h
+
+        return nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+
+    (_, full), full_grads = run(False)
+    (_, shared), shared_grads = run(True)
+    real = np.asarray(mask, bool)
+    assert shared.shape == full.shape
+    np.testing.assert_allclose(np.asarray(shared)[real], np.asarray(full)[real], atol=TOL, rtol=0)
+    for a, b in zip(jax.tree.leaves(shared_grads), jax.tree.leaves(full_grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)  # fp32 sums in another order
+    with pytest.raises(ValueError, match="whole groups of 5"):
+        model.hidden_shared_prefix(tokens, mask, prefix_len=tp, group_size=5)
+
+
 def test_hidden_with_cache_and_unembed_match_call(checkpoints):
     model = models.from_pretrained(checkpoints["qwen2-untied"][0])
     tokens = jnp.asarray(_tokens((2, 5), seed=3))
@@ -348,8 +392,9 @@ def _naive_token_logprobs(model, tokens, mask):
     return jnp.pad(jnp.where(real[:, 1:] & real[:, :-1], logp, 0.0), ((0, 0), (1, 0)))
 
 
+@pytest.mark.parametrize("remat", [True, False])
 @pytest.mark.parametrize("tied", [True, False])
-def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied, monkeypatch):
+def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied, remat, monkeypatch):
     monkeypatch.setattr(models.logprobs, "_MIN_BLOCK", 1)  # small blocks and a tail block
     cfg = models.PRESETS["tiny"].replace(tie_word_embeddings=tied)
     model = models.Transformer(cfg, rngs=nnx.Rngs(1))
@@ -372,7 +417,9 @@ def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied, monkeypat
     (_, naive), naive_grads = value_and_grads(lambda m: _naive_token_logprobs(m, tokens, mask))
     np.testing.assert_allclose(np.asarray(naive), ref, atol=1e-5)
     for chunk in (4, 64):  # 4: blocks of 37 rows + a tail of 34; 64: one block
-        fn = lambda m, chunk=chunk: models.token_logprobs(m, tokens, mask, chunk_size=chunk)
+        fn = lambda m, chunk=chunk: models.token_logprobs(
+            m, tokens, mask, chunk_size=chunk, remat=remat
+        )
         (_, logp), grads = value_and_grads(fn)
         assert logp.shape == (3, 10) and logp.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(logp), ref, atol=1e-5)
@@ -398,6 +445,17 @@ def test_chunked_logprobs_never_hold_full_logits():
     chunked = temp_bytes(lambda h, w, y: models.chunked_logprobs(h, w, y, chunk_size=16))
     assert temp_bytes(models.naive_logprobs) > 2 * full_logits
     assert chunked < 0.5 * full_logits
+
+
+def test_chunked_logprobs_without_remat_keep_the_logits_once():
+    """remat=False: the gradient holds the [B*T, V] logits (and their gradient), and no more;
+    remat=True stays far below one such buffer (the trade `chunked_logprobs` documents)."""
+    b, t, d, v = 4, 256, 32, 32768
+    full_logits = b * t * v * 4
+    kept = _grad_temp_bytes(models.chunked_logprobs, b, t, d, v, chunk_size=16, remat=False)
+    recomputed = _grad_temp_bytes(models.chunked_logprobs, b, t, d, v, chunk_size=16)
+    assert full_logits <= kept <= 2.25 * full_logits
+    assert recomputed < 0.5 * full_logits
 
 
 def _grad_temp_bytes(fn, b, t, d, v, dtype=jnp.float32, **kw):
@@ -428,7 +486,8 @@ def test_chunked_logprobs_bf16_gradient_has_no_fp32_vocab_matrix():
     assert temp < 0.75 * v * d * 4
 
 
-def test_chunked_logprobs_bf16_match_naive(monkeypatch):
+@pytest.mark.parametrize("remat", [True, False])
+def test_chunked_logprobs_bf16_match_naive(remat, monkeypatch):
     monkeypatch.setattr(models.logprobs, "_MIN_BLOCK", 1)
     rng = np.random.default_rng(3)
     h = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.bfloat16)
@@ -436,7 +495,8 @@ def test_chunked_logprobs_bf16_match_naive(monkeypatch):
     y = jnp.asarray(rng.integers(0, 300, (2, 5)), jnp.int32)
     g = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
     loss = lambda fn: lambda h, w: jnp.sum(g * fn(h, w, y))
-    chunked = functools.partial(models.chunked_logprobs, chunk_size=3)  # 6 blocks of 90 + tail
+    # 6 blocks of 90 + tail
+    chunked = functools.partial(models.chunked_logprobs, chunk_size=3, remat=remat)
     (va, ga) = jax.value_and_grad(loss(models.naive_logprobs), argnums=(0, 1))(h, w)
     (vb, gb) = jax.value_and_grad(loss(chunked), argnums=(0, 1))(h, w)
     np.testing.assert_allclose(float(va), float(vb), rtol=1e-5)

@@ -289,8 +289,8 @@ class Block(nnx.Module):
         return constrain(x_BxTxD, ("batch", "length", "embed")), layer_cache
 
 
-def _block_forward(block, x_BxTxD, positions_BxT, valid_BxT):
-    return block(x_BxTxD, positions_BxT, valid_BxT)[0]
+def _block_forward(block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index):
+    return block(x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index)
 
 
 _block_forward_remat = nnx.remat(_block_forward)
@@ -385,19 +385,51 @@ class Transformer(nnx.Module):
         table_VxD = constrain(self.embedding[...], ("vocab", None))
         x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0, mode="clip")
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
-        new_cache = [] if cache is not None else None
+        # remat only matters under differentiation (training); decoding runs the same ops.
+        forward = _block_forward_remat if cfg.remat else _block_forward
+        new_cache = []
         for layer_index, block in enumerate(self.layers):
-            if cache is not None:
-                x_BxTxD, layer_cache = block(
-                    x_BxTxD, positions_BxT, valid_BxT, cache[layer_index], cache_index
-                )
-                new_cache.append(layer_cache)
-            elif cfg.remat:
-                x_BxTxD = _block_forward_remat(block, x_BxTxD, positions_BxT, valid_BxT)
-            else:
-                x_BxTxD = _block_forward(block, x_BxTxD, positions_BxT, valid_BxT)
+            layer_cache = None if cache is None else cache[layer_index]
+            x_BxTxD, layer_cache = forward(
+                block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index
+            )
+            new_cache.append(layer_cache)
         hidden_BxTxD = self.final_norm(x_BxTxD)
         return hidden_BxTxD if cache is None else (hidden_BxTxD, new_cache)
+
+    def hidden_shared_prefix(self, tokens_BxS, mask_BxS, *, prefix_len: int, group_size: int):
+        """`hidden(tokens_BxS, None, mask_BxS)` for rows that share their prefix in groups.
+
+        Rows come in groups of `group_size` consecutive rows whose first `prefix_len` tokens
+        and mask entries are identical (the G responses of one prompt, prompt left-padded to
+        `prefix_len`). The prefix is run once per group and its keys / values are shared by the
+        group's rows, as in sampling (`share_prefix_cache`), so a forward + backward over the
+        rollout batch skips (G - 1) / G of the prompt tokens' work; gradients through the
+        shared prefix sum over the group. Same values as `hidden` (fp32 rounding aside);
+        returns final-norm hidden states [B, S, D], the prefix slots repeated per row.
+        """
+        b, s = tokens_BxS.shape
+        g, j = group_size, prefix_len
+        if b % g or not 0 < j < s:
+            raise ValueError(
+                f"hidden_shared_prefix needs rows in whole groups of {g} (got {b}) and "
+                f"0 < prefix_len < {s} (got {j})."
+            )
+        positions_BxS = default_positions(mask_BxS, b, s)
+        valid_BxS = mask_BxS.astype(bool)
+        p = b // g
+        prefix_PxJxD, cache = self.hidden(
+            tokens_BxS[::g, :j],
+            positions_BxS[::g, :j],
+            valid_BxS[::g, :j],
+            cache=self.init_cache(p, j),
+            cache_index=0,
+        )
+        cache = self.share_prefix_cache(cache, g, s - j)
+        new_BxNxD, _ = self.hidden(
+            tokens_BxS[:, j:], positions_BxS[:, j:], valid_BxS[:, j:], cache=cache, cache_index=0
+        )
+        return jnp.concatenate([jnp.repeat(prefix_PxJxD, g, axis=0), new_BxNxD], axis=1)
 
     def unembed_matrix(self) -> jax.Array:
         """[V, D] output projection (the embedding when tied)."""
