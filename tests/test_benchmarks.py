@@ -68,6 +68,8 @@ def test_update_step_quick_prints_table_and_matches_pytorch(capsys):
     assert remat["recompiles"] == 0
     assert remat["first_loss"] == pytest.approx(rows["gvpo_jax GVPO"]["first_loss"], rel=1e-5)
     assert summary["peak"] > 0 and summary["ratios"]["GVPO vs PyTorch"] > 0
+    # Prompts once per group and logits on response positions only: fewer FLOPs than counted.
+    assert 0 < summary["ratios"]["gvpo_jax GVPO executed-FLOP MFU"] < summary["ratios"]["GVPO MFU"]
 
 
 def test_scaling_quick_rollout_sweeps_print_tables_and_fits(capsys):
