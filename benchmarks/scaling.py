@@ -48,7 +48,7 @@ def time_update(model, *, prompts, group, prompt_len, new_tokens, repeats, chunk
     )  # fmt: skip
     bench = update_step.ours_bench(
         model, batch, "gvpo", group=group, prompt_len=prompt_len, new_tokens=new_tokens,
-        chunk=chunk, logprob_remat=False,  # as update_step's GVPO row
+        chunk=chunk,
     )  # fmt: skip
     r = common.interleave({"update": bench}, repeats)["update"]
     flops = common.update_flops(

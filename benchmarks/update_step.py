@@ -6,14 +6,11 @@ bench-45m update is ~1.5 TFLOP). One update = forward, token log-probs, loss, ba
 clipping and AdamW on 32 sequences (8 prompts x 4 responses) of 64 left-padded prompt + 128
 response tokens. Ours is the project's real step: `train_step.jit_update(train_step.rl_loss ...)`
 bound as in `train.make_update_fns`, which runs each group's prompt once
-(`Transformer.hidden_shared_prefix`); the GVPO and GRPO rows keep the log-prob logits for the
-backward pass (`model.logprob_remat = False`, as the PyTorch update keeps its logits), and one
-more GVPO row uses the memory-saving default (`logprob_remat = True`). The plain PyTorch update
-uses transformers' Qwen2ForCausalLM on the same weights, the same losses written in torch,
-torch.optim.AdamW and 2 threads. Tunix runs its `grpo_loss_fn` inside its RL Trainer's jitted
-train step (worker in .venv-tunix, see tunix_rollout.py). All see the same tokens, rewards and
-old/ref log-probs, and the first-step losses are printed side by side as a check that they
-compute the same thing.
+(`Transformer.hidden_shared_prefix`). The plain PyTorch update uses transformers'
+Qwen2ForCausalLM on the same weights, the same losses written in torch, torch.optim.AdamW and
+2 threads. Tunix runs its `grpo_loss_fn` inside its RL Trainer's jitted train step (worker in
+.venv-tunix, see tunix_rollout.py). All see the same tokens, rewards and old/ref log-probs, and the
+first-step losses are printed side by side as a check that they compute the same thing.
 
 Prints: the machine, the measured fp32 matmul peak (jnp.dot and torch.mm, n = 1024..4096),
 a table (first call, XLA compile time, best/median step time, tokens/s, GFLOP/s, MFU, best CPU
@@ -42,7 +39,6 @@ from benchmarks import common, tunix_rollout  # noqa: E402
 from gvpo_jax import losses, rollout, train_step  # noqa: E402
 
 LR, BETA, KL_COEF = 1e-6, 0.1, 0.04  # GVPO beta (official script); GRPO preset's k3 KL coef
-REMAT_ROW = "gvpo_jax GVPO, log-prob remat"
 QUICK = dict(prompts=2, group=2, prompt_len=8, new_tokens=8)
 FULL = dict(
     prompts=common.PROMPTS,
@@ -84,21 +80,22 @@ def make_batch(model, *, prompts, group, prompt_len, new_tokens, chunk, seed=0) 
     return batch
 
 
-def executed_flops(dims: dict, *, prompts, group, prompt_len, new_tokens, logprob_remat) -> float:
+def executed_flops(dims: dict, *, prompts, group, prompt_len, new_tokens) -> float:
     """Matmul FLOPs our update executes (forward + backward = 3x the forward's 2 per MAC).
 
     The issue's convention (`common.update_flops`) charges every row its prompt and every
     position the output layer. Our step runs the layers on each group's prompt once plus every
-    response token, the output layer on the response positions only (plus its recompute with
-    log-prob remat), and attention for P prompts over themselves and B responses over prompt
-    + response (full, unmasked score blocks, as the convention counts).
+    response token, the output layer on the response positions only (4 products per token:
+    forward, its recompute in the blocked log-prob backward, and the two gradients), and
+    attention for P prompts over themselves and B responses over prompt + response (full,
+    unmasked score blocks, as the convention counts).
     """
     b = prompts * group
     vd = dims["vocab"] * dims["d_model"]
     body = common.matmul_weights(**dims) - vd
     d = dims["heads"] * dims["head_dim"]
     layer_tokens = b * new_tokens + prompts * prompt_len
-    head = (8 if logprob_remat else 6) * vd * b * new_tokens
+    head = 8.0 * vd * b * new_tokens
     pairs = prompts * prompt_len**2 + b * new_tokens * (prompt_len + new_tokens)
     return 6.0 * body * layer_tokens + head + 12.0 * dims["layers"] * d * pairs
 
@@ -112,9 +109,7 @@ def loss_setup(algo: str, batch: dict, new_tokens: int) -> tuple[dict, dict]:
     return kw, {k: batch[k] for k in keys + ["ref_logp"]}
 
 
-def ours_bench(
-    model, batch, algo, *, group, prompt_len, new_tokens, chunk, logprob_remat
-) -> common.LocalBench:
+def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> common.LocalBench:
     """The real jitted update (state donated), repeated on the same batch."""
     graphdef, params = nnx.split(model, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the update donates them; keep the model intact
@@ -123,7 +118,6 @@ def ours_bench(
     loss_fn = functools.partial(
         train_step.rl_loss, graphdef=graphdef, algo=algo, group_size=group,
         prompt_len=prompt_len, chunk_size=chunk, anchor="old", loss_kwargs=loss_kwargs,
-        logprob_remat=logprob_remat,
     )  # fmt: skip
     update = train_step.jit_update(loss_fn, tx, 1, lr_fn)
     data = jax.device_put(data)
@@ -230,12 +224,10 @@ def main(argv=None):
     batch = make_batch(model, **shape, chunk=args.chunk)
 
     benches = {}
-    ours_update = functools.partial(
-        ours_bench, model, batch, group=g, prompt_len=tp, new_tokens=n, chunk=args.chunk
-    )
-    for algo in ("gvpo", "grpo"):  # logits kept for the backward, as the PyTorch update does
-        benches[f"gvpo_jax {algo.upper()}"] = ours_update(algo, logprob_remat=False)
-    benches[REMAT_ROW] = ours_update("gvpo", logprob_remat=True)  # the config default
+    for algo in ("gvpo", "grpo"):
+        benches[f"gvpo_jax {algo.upper()}"] = ours_bench(
+            model, batch, algo, group=g, prompt_len=tp, new_tokens=n, chunk=args.chunk
+        )
     with tempfile.TemporaryDirectory() as work:
         tunix_rollout.export_for_worker(model, work)
         if not args.skip_torch:
@@ -290,9 +282,8 @@ def main(argv=None):
                 )
     # Utilisation on the FLOPs our step really executes (prompts once per group, output layer
     # on the response positions): the convention's figures above overstate it.
-    for name, remat in (("gvpo_jax GVPO", False), ("gvpo_jax GRPO", False), (REMAT_ROW, True)):
-        done = executed_flops(dims, prompts=p, group=g, prompt_len=tp, new_tokens=n,
-                              logprob_remat=remat)  # fmt: skip
+    done = executed_flops(dims, prompts=p, group=g, prompt_len=tp, new_tokens=n)
+    for name in ("gvpo_jax GVPO", "gvpo_jax GRPO"):
         mfu, cpu_mfu = common.utilisation(done, timing[name], peak)
         summary["ratios"][f"{name} executed-FLOP MFU"] = mfu
         summary["ratios"][f"{name} executed-FLOP CPU-time MFU"] = cpu_mfu
@@ -300,10 +291,6 @@ def main(argv=None):
             f"{name}: executes {done / 1e9:.1f} GFLOP ({done / flops:.0%} of the convention's); "
             f"MFU on those {mfu:.1%} wall, {cpu_mfu:.1%} CPU time"
         )
-    if "PyTorch GVPO" in timing:  # the memory-saving default against the same PyTorch update
-        ratio = timing["PyTorch GVPO"].best / timing[REMAT_ROW].best
-        summary["ratios"]["GVPO log-prob remat vs PyTorch"] = ratio
-        lines.append(common.ratio_line(f"{REMAT_ROW} speed-up over PyTorch GVPO", ratio, 1.1))
     ours_recompiles = sum(r["recompiles"] for k, r in rows.items() if k.startswith("gvpo_jax"))
     lines.append(common.ratio_line("gvpo_jax recompiles after the first step", ours_recompiles, 0,
                                    higher_is_better=False))  # fmt: skip

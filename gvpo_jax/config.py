@@ -50,9 +50,6 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # parameter dtype: float32 | bfloat16 (logits are always float32)
     c.model.remat = False  # gradient checkpointing per layer
     c.model.logprob_chunk = 128  # log-prob blocks hold <= this many tokens x vocab fp32 logits
-    # True: the log-prob backward recomputes each block's logits; False keeps all B*N*V fp32
-    # logits of a micro-batch from the forward (one [B*N, D] x [D, V] matmul less, more memory).
-    c.model.logprob_remat = True
 
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.kind = (

@@ -168,12 +168,7 @@ def kv_cache_bytes(
 
 
 def activation_bytes(
-    cfg: models.ModelConfig,
-    rows: int,
-    length: int,
-    sizes: dict,
-    logprob_chunk: int,
-    logprob_remat: bool = True,
+    cfg: models.ModelConfig, rows: int, length: int, sizes: dict, logprob_chunk: int
 ) -> int:
     """Estimated live activations of one micro-batch's forward + backward on one device.
 
@@ -181,9 +176,9 @@ def activation_bytes(
     the backward pass: a*b*T*(4D + 2(N+K)H/t + 3F/t) (norm inputs, q/k/v/out, MLP gate/up/act)
     plus the attention scores (fp32) and probabilities: b*N*T^2*(4+a)/t. With remat only the
     L layer inputs (a*b*T*D each) stay, plus one layer's working set during its recompute.
-    The blocked log-probs add ~3 fp32 [b*T, Vb/t] buffers (`models.logprobs.vocab_block_size`),
-    and without log-prob remat the kept fp32 [b*T, V/t] logits. Prompt sharing within groups
-    (`Transformer.hidden_shared_prefix`) only lowers the real figure: this stays an upper bound.
+    The blocked log-probs add ~3 fp32 [b*T, Vb/t] buffers (`models.logprobs.vocab_block_size`).
+    Prompt sharing within groups (`Transformer.hidden_shared_prefix`) only lowers the real
+    figure: this stays an upper bound.
     """
     b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
     t, a, T = sizes["tensor"], cfg.dtype.itemsize, length
@@ -201,8 +196,6 @@ def activation_bytes(
         layers = cfg.num_layers * per_layer
     block = models.logprobs.vocab_block_size(b * T, cfg.vocab_size, logprob_chunk)
     logits = 3 * 4 * b * T * math.ceil(block / t)
-    if not logprob_remat:
-        logits += 4 * b * T * math.ceil(cfg.vocab_size / t)
     return int(layers + logits)
 
 
@@ -257,9 +250,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         opt_state=opt_bytes,
         reference=param_bytes if _needs_reference(c) else 0,
         gradients=grads,
-        activations=activation_bytes(
-            cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk, c.model.logprob_remat
-        ),
+        activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
         kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes),
         notes=tuple(notes),
     )
@@ -311,7 +302,6 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
         chunk_size=c.model.logprob_chunk,
         anchor=c.algo.anchor,
         loss_kwargs=kw,
-        logprob_remat=c.model.logprob_remat,
     )
     update = train_step.jit_update(
         loss_fn, tx, c.optim.micro_batches, mesh=mesh, state_shardings=shardings, rules=rules

@@ -121,7 +121,6 @@ def make_update_fns(run: Run, params, rng, total_rl_updates: int):
         chunk_size=c.model.logprob_chunk,
         anchor=c.algo.anchor,
         loss_kwargs=loss_kwargs(c),
-        logprob_remat=c.model.logprob_remat,
     )
     update = train_step.jit_update(
         loss_fn, tx, c.optim.micro_batches, lr_fn, mesh=run.mesh, state_shardings=shardings,
@@ -223,7 +222,6 @@ def sft_updater(
         graphdef=run.graphdef,
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
-        logprob_remat=c.model.logprob_remat,
     )
     sft_state = init_train_state(run, jax.tree.map(jnp.copy, state.params), tx, jnp.copy(state.rng))
     update = train_step.jit_update(

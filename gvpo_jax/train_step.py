@@ -100,7 +100,6 @@ def response_logprobs(
     prompt_len: int,
     chunk_size: int,
     group_size: int = 1,
-    logprob_remat: bool = True,
 ) -> jax.Array:
     """log pi(y_t | x, y_<t) of the response slots [prompt_len:] of a left-padded batch -> [B, N].
 
@@ -108,8 +107,6 @@ def response_logprobs(
     slot prompt_len-1 always holds the last prompt token and positions come from the mask.
     group_size > 1: rows come in groups of that many consecutive rows with the same prompt (a
     rollout batch), and each prompt is run once per group (`Transformer.hidden_shared_prefix`).
-    logprob_remat: see `models.chunked_logprobs` (False keeps the [B*N, V] logits for the
-    backward pass instead of recomputing them).
     """
     model = nnx.merge(graphdef, params)
     if group_size > 1:
@@ -124,7 +121,6 @@ def response_logprobs(
         model.unembed_matrix(),
         tokens_BxS[:, prompt_len:],
         chunk_size=chunk_size,
-        remat=logprob_remat,
     )
     return jnp.where(attn_mask_BxS[:, prompt_len:] > 0, logp_BxN, 0.0)
 
@@ -200,7 +196,6 @@ def rl_loss(
     chunk_size: int,
     anchor: str,
     loss_kwargs: dict,
-    logprob_remat: bool = True,
 ):
     """The configured preset loss on one micro-batch of whole groups -> (loss, aux).
 
@@ -215,7 +210,6 @@ def rl_loss(
         prompt_len=prompt_len,
         chunk_size=chunk_size,
         group_size=group_size,
-        logprob_remat=logprob_remat,
     )
     mask_BxN = batch["resp_mask"]
     anchor_logp = batch.get("ref_logp") if anchor == "ref" else None
@@ -238,9 +232,7 @@ def rl_loss(
     return loss, aux
 
 
-def sft_loss(
-    params, batch, *, graphdef, prompt_len: int, chunk_size: int, logprob_remat: bool = True
-):
+def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
     """Token-mean cross-entropy of the answer tokens (cold-start SFT) -> (loss, aux)."""
     logp_BxN = response_logprobs(
         graphdef,
@@ -249,7 +241,6 @@ def sft_loss(
         batch["attn_mask"],
         prompt_len=prompt_len,
         chunk_size=chunk_size,
-        logprob_remat=logprob_remat,
     )
     mask_BxN = batch["resp_mask"]
     ntok = jnp.maximum(jnp.sum(mask_BxN), 1.0)

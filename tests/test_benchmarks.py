@@ -64,9 +64,6 @@ def test_update_step_quick_prints_table_and_matches_pytorch(capsys):
         # Same weights, same batch, same formulas: the first-step losses must agree.
         assert ours["first_loss"] == pytest.approx(torch_row["first_loss"], rel=1e-3, abs=1e-6)
         assert ours["first_loss"] > 0
-    remat = rows[update_step.REMAT_ROW]  # the same update, log-prob logits recomputed
-    assert remat["recompiles"] == 0
-    assert remat["first_loss"] == pytest.approx(rows["gvpo_jax GVPO"]["first_loss"], rel=1e-5)
     assert summary["peak"] > 0 and summary["ratios"]["GVPO vs PyTorch"] > 0
     # Prompts once per group and logits on response positions only: fewer FLOPs than counted.
     assert 0 < summary["ratios"]["gvpo_jax GVPO executed-FLOP MFU"] < summary["ratios"]["GVPO MFU"]

@@ -392,9 +392,8 @@ def _naive_token_logprobs(model, tokens, mask):
     return jnp.pad(jnp.where(real[:, 1:] & real[:, :-1], logp, 0.0), ((0, 0), (1, 0)))
 
 
-@pytest.mark.parametrize("remat", [True, False])
 @pytest.mark.parametrize("tied", [True, False])
-def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied, remat, monkeypatch):
+def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied, monkeypatch):
     monkeypatch.setattr(models.logprobs, "_MIN_BLOCK", 1)  # small blocks and a tail block
     cfg = models.PRESETS["tiny"].replace(tie_word_embeddings=tied)
     model = models.Transformer(cfg, rngs=nnx.Rngs(1))
@@ -417,9 +416,7 @@ def test_chunked_token_logprobs_equal_naive_values_and_gradients(tied, remat, mo
     (_, naive), naive_grads = value_and_grads(lambda m: _naive_token_logprobs(m, tokens, mask))
     np.testing.assert_allclose(np.asarray(naive), ref, atol=1e-5)
     for chunk in (4, 64):  # 4: blocks of 37 rows + a tail of 34; 64: one block
-        fn = lambda m, chunk=chunk: models.token_logprobs(
-            m, tokens, mask, chunk_size=chunk, remat=remat
-        )
+        fn = lambda m, chunk=chunk: models.token_logprobs(m, tokens, mask, chunk_size=chunk)
         (_, logp), grads = value_and_grads(fn)
         assert logp.shape == (3, 10) and logp.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(logp), ref, atol=1e-5)
@@ -445,17 +442,6 @@ def test_chunked_logprobs_never_hold_full_logits():
     chunked = temp_bytes(lambda h, w, y: models.chunked_logprobs(h, w, y, chunk_size=16))
     assert temp_bytes(models.naive_logprobs) > 2 * full_logits
     assert chunked < 0.5 * full_logits
-
-
-def test_chunked_logprobs_without_remat_keep_the_logits_once():
-    """remat=False: the gradient holds the [B*T, V] logits (and their gradient), and no more;
-    remat=True stays far below one such buffer (the trade `chunked_logprobs` documents)."""
-    b, t, d, v = 4, 256, 32, 32768
-    full_logits = b * t * v * 4
-    kept = _grad_temp_bytes(models.chunked_logprobs, b, t, d, v, chunk_size=16, remat=False)
-    recomputed = _grad_temp_bytes(models.chunked_logprobs, b, t, d, v, chunk_size=16)
-    assert full_logits <= kept <= 2.25 * full_logits
-    assert recomputed < 0.5 * full_logits
 
 
 def _grad_temp_bytes(fn, b, t, d, v, dtype=jnp.float32, **kw):
@@ -486,8 +472,7 @@ def test_chunked_logprobs_bf16_gradient_has_no_fp32_vocab_matrix():
     assert temp < 0.75 * v * d * 4
 
 
-@pytest.mark.parametrize("remat", [True, False])
-def test_chunked_logprobs_bf16_match_naive(remat, monkeypatch):
+def test_chunked_logprobs_bf16_match_naive(monkeypatch):
     monkeypatch.setattr(models.logprobs, "_MIN_BLOCK", 1)
     rng = np.random.default_rng(3)
     h = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.bfloat16)
@@ -495,8 +480,7 @@ def test_chunked_logprobs_bf16_match_naive(remat, monkeypatch):
     y = jnp.asarray(rng.integers(0, 300, (2, 5)), jnp.int32)
     g = jnp.asarray(rng.normal(size=(2, 5)), jnp.float32)
     loss = lambda fn: lambda h, w: jnp.sum(g * fn(h, w, y))
-    # 6 blocks of 90 + tail
-    chunked = functools.partial(models.chunked_logprobs, chunk_size=3, remat=remat)
+    chunked = functools.partial(models.chunked_logprobs, chunk_size=3)  # 6 blocks of 90 + tail
     (va, ga) = jax.value_and_grad(loss(models.naive_logprobs), argnums=(0, 1))(h, w)
     (vb, gb) = jax.value_and_grad(loss(chunked), argnums=(0, 1))(h, w)
     np.testing.assert_allclose(float(va), float(vb), rtol=1e-5)

@@ -342,11 +342,6 @@ def test_planner_matches_the_bytes_of_the_initialised_state():
     # The reference copy appears exactly when the run needs one (GVPO anchor="ref").
     c.algo.anchor = "ref"
     assert plan.plan_memory(c, num_devices=8).reference == report.params
-    # Without log-prob remat a micro-batch's fp32 logits [b*T, V / tensor] are kept too.
-    c.model.logprob_remat = False
-    kept = plan.plan_memory(c, num_devices=8).activations - report.activations
-    row_logits = 4 * (c.data.max_prompt_len + c.rollout.max_new_tokens) * cfg.vocab_size // 2
-    assert kept > 0 and kept % row_logits == 0
 
 
 def test_planner_compiles_the_train_step_and_reports_fit():

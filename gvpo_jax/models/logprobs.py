@@ -44,29 +44,23 @@ def _slice_rows(unembed_bits_VxD, start, block):
     return rows
 
 
-def _over_blocks(visit, carry, unembed_VxD, block: int, saved=None):
-    """Fold `visit(carry, rows_BvxD, start, saved_block) -> (carry, out)` over the vocabulary in
-    blocks of `block` rows; returns (carry, outs).
+def _over_blocks(visit, carry, unembed_VxD, block: int):
+    """Fold `visit(carry, rows_BvxD, start) -> carry` over the vocabulary in blocks of `block` rows.
 
     The full blocks run in one `lax.scan` (rows sliced from the `_as_bits` view inside the loop);
-    a last partial block, if any, is visited once after it with a static slice. `outs` is the
-    pair (the full blocks' outs stacked, the tail block's out or None); `saved`, a pair of the
-    same structure (e.g. the forward's logits), is handed back to `visit` block by block.
+    a last partial block, if any, is visited once after it with a static slice.
     """
     full, tail = divmod(unembed_VxD.shape[0], block)
     bits_VxD = _as_bits(unembed_VxD)
-    saved_full, saved_tail = (None, None) if saved is None else saved
 
-    def step(carry, xs):
-        i, saved_block = xs
+    def step(carry, i):
         start = i * block
-        return visit(carry, _slice_rows(bits_VxD, start, block), start, saved_block)
+        return visit(carry, _slice_rows(bits_VxD, start, block), start), None
 
-    carry, outs = jax.lax.scan(step, carry, (jnp.arange(full), saved_full))
-    tail_out = None
+    carry, _ = jax.lax.scan(step, carry, jnp.arange(full))
     if tail:
-        carry, tail_out = visit(carry, unembed_VxD[full * block :], full * block, saved_tail)
-    return carry, (outs, tail_out)
+        carry = visit(carry, unembed_VxD[full * block :], full * block)
+    return carry
 
 
 def _block_logits(hidden_MxD, unembed_BvxD):
@@ -75,14 +69,11 @@ def _block_logits(hidden_MxD, unembed_BvxD):
     ).astype(jnp.float32)
 
 
-def _forward(hidden_MxD, unembed_VxD, targets_M, block, keep_logits=False):
-    """(logp_M, lse_M, kept): an online log-sum-exp over vocabulary blocks, fp32 throughout.
-
-    kept: the blocks' logits in `_over_blocks`' (stacked, tail) layout when keep_logits, else None.
-    """
+def _forward(hidden_MxD, unembed_VxD, targets_M, block):
+    """(logp_M, lse_M): an online log-sum-exp over vocabulary blocks, fp32 throughout."""
     m, _ = hidden_MxD.shape
 
-    def visit(carry, unembed_BvxD, start, _):
+    def visit(carry, unembed_BvxD, start):
         max_M, sum_M, target_M = carry
         logits_MxBv = _block_logits(hidden_MxD, unembed_BvxD)
         new_max_M = jnp.maximum(max_M, jnp.max(logits_MxBv, axis=-1))
@@ -94,44 +85,42 @@ def _forward(hidden_MxD, unembed_VxD, targets_M, block, keep_logits=False):
         picked_M = jnp.take_along_axis(
             logits_MxBv, jnp.clip(local_M, 0, unembed_BvxD.shape[0] - 1)[:, None], axis=-1
         )[:, 0]
-        carry = new_max_M, sum_M, target_M + jnp.where(hit_M, picked_M, 0.0)
-        return carry, (logits_MxBv if keep_logits else None)
+        return new_max_M, sum_M, target_M + jnp.where(hit_M, picked_M, 0.0)
 
     carry = (
         jnp.full((m,), -jnp.inf, jnp.float32),
         jnp.zeros((m,), jnp.float32),
         jnp.zeros((m,), jnp.float32),
     )
-    (max_M, sum_M, target_M), kept = _over_blocks(visit, carry, unembed_VxD, block)
+    max_M, sum_M, target_M = _over_blocks(visit, carry, unembed_VxD, block)
     lse_M = max_M + jnp.log(sum_M)
-    return target_M - lse_M, lse_M, (kept if keep_logits else None)
+    return target_M - lse_M, lse_M
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _blocked_logprobs(hidden_MxD, unembed_VxD, targets_M, block, keep_logits):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blocked_logprobs(hidden_MxD, unembed_VxD, targets_M, block):
     return _forward(hidden_MxD, unembed_VxD, targets_M, block)[0]
 
 
-def _blocked_fwd(hidden_MxD, unembed_VxD, targets_M, block, keep_logits):
-    logp_M, lse_M, kept = _forward(hidden_MxD, unembed_VxD, targets_M, block, keep_logits)
-    return logp_M, (hidden_MxD, unembed_VxD, targets_M, lse_M, kept)
+def _blocked_fwd(hidden_MxD, unembed_VxD, targets_M, block):
+    logp_M, lse_M = _forward(hidden_MxD, unembed_VxD, targets_M, block)
+    return logp_M, (hidden_MxD, unembed_VxD, targets_M, lse_M)
 
 
-def _blocked_bwd(block, keep_logits, residuals, g_M):
-    """d logp_m / d logits_mv = onehot(y_m)_v - softmax_mv, block by block, with each block's
-    logits recomputed (or, with keep_logits, the forward's).
+def _blocked_bwd(block, residuals, g_M):
+    """d logp_m / d logits_mv = onehot(y_m)_v - softmax_mv, recomputed block by block.
 
     The unembedding gradient of a block depends only on that block's logits, so each block's
     rows are written once into the output (in the parameter dtype): no [V, D] accumulator and no
     per-block [V, D] product, just the [M, Vb] logits of one block and the [M, D] hidden gradient.
     """
-    hidden_MxD, unembed_VxD, targets_M, lse_M, kept = residuals
+    hidden_MxD, unembed_VxD, targets_M, lse_M = residuals
     g_M = g_M.astype(jnp.float32)
     hidden32_MxD = hidden_MxD.astype(jnp.float32)
 
-    def visit(carry, unembed_BvxD, start, kept_MxBv):
+    def visit(carry, unembed_BvxD, start):
         dh_MxD, dw_bits_VxD = carry
-        logits_MxBv = _block_logits(hidden_MxD, unembed_BvxD) if kept_MxBv is None else kept_MxBv
+        logits_MxBv = _block_logits(hidden_MxD, unembed_BvxD)
         probs_MxBv = jnp.exp(logits_MxBv - lse_M[:, None])
         local_M = targets_M - start
         onehot_MxBv = local_M[:, None] == jnp.arange(unembed_BvxD.shape[0])[None, :]
@@ -141,12 +130,12 @@ def _blocked_bwd(block, keep_logits, residuals, g_M):
         dw_bits_VxD = jax.lax.dynamic_update_slice_in_dim(
             dw_bits_VxD, _as_bits(dw_BvxD), start, axis=0
         )
-        return (dh_MxD, dw_bits_VxD), None
+        return dh_MxD, dw_bits_VxD
 
     # The gradient is built in the `_as_bits` view too, for the same reason as the operand.
     dw_bits_VxD = jnp.zeros(unembed_VxD.shape, _as_bits(unembed_VxD).dtype)
     carry = (jnp.zeros(hidden_MxD.shape, jnp.float32), dw_bits_VxD)
-    (dh_MxD, dw_VxD), _ = _over_blocks(visit, carry, unembed_VxD, block, kept)
+    dh_MxD, dw_VxD = _over_blocks(visit, carry, unembed_VxD, block)
     if dw_VxD.dtype != unembed_VxD.dtype:
         dw_VxD = jax.lax.bitcast_convert_type(dw_VxD, unembed_VxD.dtype)
     return dh_MxD.astype(hidden_MxD.dtype), dw_VxD, None
@@ -156,12 +145,7 @@ _blocked_logprobs.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def chunked_logprobs(
-    hidden_BxTxD: jax.Array,
-    unembed_VxD: jax.Array,
-    targets_BxT: jax.Array,
-    *,
-    chunk_size: int,
-    remat: bool = True,
+    hidden_BxTxD: jax.Array, unembed_VxD: jax.Array, targets_BxT: jax.Array, *, chunk_size: int
 ) -> jax.Array:
     """fp32 [B, T]: log softmax(hidden[b, t] @ unembed.T)[targets[b, t]].
 
@@ -171,17 +155,12 @@ def chunked_logprobs(
     live at once, whatever B and T are; the unembedding gradient is written block by block in
     the parameter dtype, so there is no fp32 [V, D] accumulator either. Values and gradients
     equal `naive_logprobs` (fp32 rounding aside).
-
-    remat=False trades memory for a third less work: when differentiated, the forward keeps
-    every block's logits for the backward pass (B*T*V fp32, 4 bytes each), which then skips
-    recomputing the [B*T, D] x [D, V] product. Without differentiation (old / reference
-    log-probs) both are the same blocked forward.
     """
     b, t, d = hidden_BxTxD.shape
     vocab = unembed_VxD.shape[0]
     block = vocab_block_size(b * t, vocab, chunk_size)
     logp_M = _blocked_logprobs(
-        hidden_BxTxD.reshape(b * t, d), unembed_VxD, targets_BxT.reshape(b * t), block, not remat
+        hidden_BxTxD.reshape(b * t, d), unembed_VxD, targets_BxT.reshape(b * t), block
     )
     return logp_M.reshape(b, t)
 
@@ -203,22 +182,16 @@ def token_logprobs(
     mask_BxT: jax.Array | None = None,
     positions_BxT: jax.Array | None = None,
     chunk_size: int = 128,
-    remat: bool = True,
 ) -> jax.Array:
     """fp32 [B, T]: logp[b, t] = log p(tokens[b, t] | tokens[b, :t]) for t >= 1; logp[:, 0] = 0.
 
     Differentiable w.r.t. the model parameters, same values and gradients as gathering from
     `log_softmax(model(tokens))`. With a mask, logp[b, t] is 0 unless both tokens t-1 and t are
     real (a pad token predicts nothing and is never predicted); positions default as in the model.
-    chunk_size and remat: see `chunked_logprobs`.
     """
     hidden_BxTxD = model.hidden(tokens_BxT, positions_BxT, mask_BxT)
     logp_BxTm1 = chunked_logprobs(
-        hidden_BxTxD[:, :-1],
-        model.unembed_matrix(),
-        tokens_BxT[:, 1:],
-        chunk_size=chunk_size,
-        remat=remat,
+        hidden_BxTxD[:, :-1], model.unembed_matrix(), tokens_BxT[:, 1:], chunk_size=chunk_size
     )
     if mask_BxT is not None:
         real_BxT = mask_BxT.astype(bool)
