@@ -125,20 +125,10 @@ def response_logprobs(
     return jnp.where(attn_mask_BxS[:, prompt_len:] > 0, logp_BxN, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "chunk_size", "group_size"))
-def batch_logprobs(
-    graphdef, params, tokens_BxS, attn_mask_BxS, *, prompt_len, chunk_size, group_size=1
-):
-    """One jitted forward over a whole rollout batch (old / reference / anchor log-probs)."""
-    return response_logprobs(
-        graphdef,
-        params,
-        tokens_BxS,
-        attn_mask_BxS,
-        prompt_len=prompt_len,
-        chunk_size=chunk_size,
-        group_size=group_size,
-    )
+# One jitted forward over a whole rollout batch (old / reference / anchor log-probs).
+batch_logprobs = jax.jit(
+    response_logprobs, static_argnames=("graphdef", "prompt_len", "chunk_size", "group_size")
+)
 
 
 def jit_logprobs(
@@ -159,28 +149,15 @@ def jit_logprobs(
     out) and the model's activation constraints active; the same function serves the policy and
     the frozen reference, which share their shardings.
     """
+    kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, group_size=group_size)
     if mesh is None:
-        return functools.partial(
-            batch_logprobs,
-            graphdef,
-            prompt_len=prompt_len,
-            chunk_size=chunk_size,
-            group_size=group_size,
-        )
+        return functools.partial(batch_logprobs, graphdef, **kw)
     rules = sharding.LOGICAL_RULES if rules is None else rules
     rows = sharding.batch_sharding(mesh)
 
     def logprobs(params, tokens_BxS, attn_mask_BxS):
         with sharding.tracing_mesh(mesh, rules):
-            return response_logprobs(
-                graphdef,
-                params,
-                tokens_BxS,
-                attn_mask_BxS,
-                prompt_len=prompt_len,
-                chunk_size=chunk_size,
-                group_size=group_size,
-            )
+            return response_logprobs(graphdef, params, tokens_BxS, attn_mask_BxS, **kw)
 
     return jax.jit(logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows)
 
