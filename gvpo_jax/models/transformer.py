@@ -128,23 +128,12 @@ class Attention(nnx.Module):
         k_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3)
         v_BxKxTxH = v_BxTxKxH.transpose(0, 2, 1, 3)
 
-        if layer_cache is not None and "prefix_k" in layer_cache and t == 1:
+        if layer_cache is not None and "prefix_k" in layer_cache:
             out_BxTxNxH, layer_cache = self._attend_shared_prefix(
                 q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, layer_cache, cache_index
             )
             return self._out(out_BxTxNxH), layer_cache
-        if layer_cache is not None and "prefix_k" in layer_cache:
-            # Several new tokens per row (the trainer's responses after a shared prompt): each
-            # row attends to its prefix's keys, repeated per row, then its own new slots, so the
-            # attention core below, with its hand-written backward, serves this case too.
-            layer_cache = _write_new_slots(
-                layer_cache, k_BxKxTxH, v_BxKxTxH, valid_BxT, cache_index
-            )
-            k_BxKxSxH, v_BxKxSxH, valid_BxS = _prefix_and_new_keys(layer_cache)
-            j = layer_cache["prefix_k"].shape[2]
-            query_slot_T = j + jnp.asarray(cache_index, jnp.int32) + jnp.arange(t)
-            key_slot_S = jnp.arange(k_BxKxSxH.shape[2])
-        elif layer_cache is None:
+        if layer_cache is None:
             k_BxKxSxH, v_BxKxSxH, valid_BxS = k_BxKxTxH, v_BxKxTxH, valid_BxT
             query_slot_T = key_slot_S = jnp.arange(t)
         else:
@@ -196,8 +185,18 @@ class Attention(nnx.Module):
         p, kv, j = pk_PxKxJxH.shape[:3]
         r, g = b // p, n // kv
         i = jnp.asarray(index, jnp.int32)
-        cache = _write_new_slots(cache, k_BxKxTxH, v_BxKxTxH, valid_BxT, index)
-        k_PxKxRxSxH, v_PxKxRxSxH, valid_BxS = cache["k"], cache["v"], cache["valid"]
+        zero = jnp.zeros((), jnp.int32)
+
+        def write(buf_PxKxRxSxH, new_BxKxTxH):
+            new = new_BxKxTxH.reshape(p, r, kv, t, h).transpose(0, 2, 1, 3, 4)
+            return jax.lax.dynamic_update_slice(
+                buf_PxKxRxSxH, new.astype(buf_PxKxRxSxH.dtype), (zero, zero, zero, i, zero)
+            )
+
+        k_PxKxRxSxH = write(cache["k"], k_BxKxTxH)
+        v_PxKxRxSxH = write(cache["v"], v_BxKxTxH)
+        valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (zero, i))
+        cache = {**cache, "k": k_PxKxRxSxH, "v": v_PxKxRxSxH, "valid": valid_BxS}
         s = k_PxKxRxSxH.shape[3]
 
         q_PxKxRxQxH = (
@@ -250,46 +249,6 @@ class Attention(nnx.Module):
             out_PxKxRxQxH.reshape(p, kv, r, t, g, h).transpose(0, 2, 3, 1, 4, 5).reshape(b, t, n, h)
         )
         return out_BxTxNxH, cache
-
-
-def _write_new_slots(cache, k_BxKxTxH, v_BxKxTxH, valid_BxT, index):
-    """A shared-prefix cache (`Transformer.share_prefix_cache`) with T new keys / values per row
-    written at new-token slot `index` ([P, K, R, S, H] buffers, row p * R + r)."""
-    p, kv, r = cache["k"].shape[:3]
-    t, h = k_BxKxTxH.shape[2:]
-    i = jnp.asarray(index, jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
-
-    def write(buf_PxKxRxSxH, new_BxKxTxH):
-        new = new_BxKxTxH.reshape(p, r, kv, t, h).transpose(0, 2, 1, 3, 4)
-        return jax.lax.dynamic_update_slice(
-            buf_PxKxRxSxH, new.astype(buf_PxKxRxSxH.dtype), (zero, zero, zero, i, zero)
-        )
-
-    valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (zero, i))
-    return {
-        **cache,
-        "k": write(cache["k"], k_BxKxTxH),
-        "v": write(cache["v"], v_BxKxTxH),
-        "valid": valid_BxS,
-    }
-
-
-def _prefix_and_new_keys(cache):
-    """(k, v [B, K, J + S, H], valid [B, J + S]) of every row of a shared-prefix cache: its
-    prefix's J slots (repeated for the prefix's R rows) followed by its own S new slots."""
-    p, kv, r, s, h = cache["k"].shape
-
-    def rows(prefix_PxKxJxH, new_PxKxRxSxH):
-        new_BxKxSxH = new_PxKxRxSxH.transpose(0, 2, 1, 3, 4).reshape(p * r, kv, s, h)
-        return jnp.concatenate([jnp.repeat(prefix_PxKxJxH, r, axis=0), new_BxKxSxH], axis=2)
-
-    valid_BxJ = jnp.repeat(cache["prefix_valid"], r, axis=0)
-    return (
-        rows(cache["prefix_k"], cache["k"]),
-        rows(cache["prefix_v"], cache["v"]),
-        jnp.concatenate([valid_BxJ, cache["valid"]], axis=1),
-    )
 
 
 class MLP(nnx.Module):
