@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gvpo_jax import session, tasks, train
+from gvpo_jax import assemble, tasks, train
+from gvpo_jax.rl_step import TrainingError, collect_groups, rl_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDY_DIR = os.path.join(REPO, "docs", "study")
@@ -167,8 +168,8 @@ class NoisyTask:
         wrong = gold + off if (h >> 14) % 2 or gold - off < 0 else gold - off
         return dict(ex, solution=str(wrong))
 
-    def next_train(self, n: int) -> list[dict]:
-        return [self.corrupt(ex) for ex in self.task.next_train(n)]
+    def next_train(self, n: int, rows=None) -> list[dict]:
+        return [self.corrupt(ex) for ex in self.task.next_train(n, rows)]
 
 
 def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, extra: int = 0):
@@ -181,15 +182,14 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
     t0, cpu0 = time.perf_counter(), time.process_time()
     c = config.copy_and_resolve_references()
     c.mode = "sft"
-    run_, state = session.build(c, workdir)
+    run_, state = assemble.assemble(c, workdir)
     if noise:
-        run_.task = NoisyTask(run_.task, noise)
+        run_ = dataclasses.replace(run_, task=NoisyTask(run_.task, noise))
     try:
-        state, _, tx = train.make_update_fns(run_, state.params, state.rng, 1)
         curve = [(0, held_out(run_, state.params, step=0))]
         params, curve = _sft_phase(run_, state, steps, c.sft.lr, "cosine", eval_points, curve)
-        state = train.init_train_state(run_, params, tx, state.rng)  # fresh RL moments
-        session.save(run_, state, 0)
+        state = train.fresh_moments(run_, state.replace(params=params))  # fresh RL moments
+        train.save(run_, state, None, 0)
         run_.ckpt.wait()
         extra_curve = [(steps, curve[-1][1])]
         if extra:
@@ -241,7 +241,7 @@ def held_out(run_, params, *, step: int, n: int = 1) -> float:
     the config's own `train.eval_samples` (the demo config evaluates avg@16 by default)."""
     c = run_.config.copy_and_resolve_references()
     c.train.eval_samples = n
-    return session.evaluate(dataclasses.replace(run_, config=c), params, step=step)["accuracy"]
+    return train.evaluate(dataclasses.replace(run_, config=c), params, step=step)["accuracy"]
 
 
 def rl_run(
@@ -249,7 +249,7 @@ def rl_run(
 ):
     """RL from `start_dir` until `budget` responses are sampled; returns the run's record.
 
-    Composes the trainer's public pieces (session.build / restore, train.rl_step) so that the
+    Composes the trainer's public pieces (assemble, train.restore, rl_step) so that the
     loop can stop on a response budget and measure KL to the start policy at the end. With
     `eval_n` > 1 every evaluation also records held-out avg@eval_n at the rollout temperature
     (`curve_sampled`), next to the greedy `curve`.
@@ -260,24 +260,18 @@ def rl_run(
     P, G = c.rollout.prompts_per_step, c.rollout.group_size
     f = c.algo.replay_fraction
     c.train.steps = int(np.ceil(1 + (budget / (P * G) - 1) / (1 - f)))  # schedule length only
-    run_, state = session.build(c, workdir)
-    run_.replay = session.make_replay(c)
+    run_, state = assemble.assemble(c, workdir)
     rec = {"curve": [], "curve_sampled": [], "losses": [], "rewards": [], "skipped": 0,
            "error": None}  # fmt: skip
     try:
-        per_step = c.algo.num_epochs * c.algo.num_minibatches
-        state, update, _ = train.make_update_fns(
-            run_, state.params, state.rng, per_step * c.train.steps
-        )
-        if train.needs_reference(c):
-            run_.ref_params = state.params
-        state, _, _ = session.restore(run_, state)
+        state, ref, _, _ = train.restore(run_, state)
         # The checkpoint carries the SFT run's rng, data position and shuffle stream: reseed them
         # (and rebuild the task) so that seeds differ.
         state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))
-        run_.np_rng = np.random.default_rng(c.seed + 1)
         run_.task.close()
-        run_.task = tasks.build_task(c, run_.tokenizer)
+        run_ = dataclasses.replace(
+            run_, np_rng=np.random.default_rng(c.seed + 1), task=tasks.build_task(c, run_.tokenizer)
+        )
         start_params = jax.tree.map(jnp.copy, state.params)
         acc0 = start_acc
         if acc0 is None:
@@ -288,7 +282,7 @@ def rl_run(
         responses, step, next_eval = 0, 0, 1
         while responses < budget:
             step += 1
-            state, m, _, _ = train.rl_step(run_, state, update, step)
+            state, m, _, _ = rl_step(run_, state, ref)
             responses += int(m["rollout_rounds"]) * (P - int(m["replayed_groups"])) * G
             run_.writer.write_scalars(step, m | {"responses": responses})
             rec["losses"].append(m.get("loss", float("nan")))
@@ -303,7 +297,7 @@ def rl_run(
                 next_eval = int(responses * eval_points / budget) + 1
         rec["steps"] = step
         rec["kl_start"] = kl_to_start(run_, state.params, start_params, c.seed)
-    except train.TrainingError as e:
+    except TrainingError as e:
         rec["error"] = str(e)
         rec["kl_start"] = float("nan")
     finally:
@@ -323,7 +317,7 @@ def kl_to_start(run_, params, start_params, seed: int, batches: int = 2) -> floa
     for i in range(batches):
         key = jax.random.fold_in(jax.random.key(seed + 777), i)
         P = run_.config.rollout.prompts_per_step
-        batch, *_ = train.collect_rollout(run_, params, key, P)
+        batch, *_ = collect_groups(run_, params, key, P)
         tokens, attn, mask = batch["tokens"], batch["attn_mask"], batch["resp_mask"]
         final = np.asarray(run_.logprobs(params, tokens, attn), np.float64)
         start = np.asarray(run_.logprobs(start_params, tokens, attn), np.float64)

@@ -74,7 +74,7 @@ def bench_jax(model, prompt_ids, repeats: int) -> dict:
     """Trace and XLA-compile times (ahead of time), then best/median of timed generate calls."""
     lens = np.full((PROMPTS,), PROMPT_LEN, np.int32)
     settings = sampler.canonical_settings(
-        max_new_tokens=NEW_TOKENS, temperature=1.0, num_samples=SAMPLES
+        max_new_tokens=NEW_TOKENS, temperature=1.0, group_size=SAMPLES
     )
     graphdef, state = nnx.split(model)
     start = time.perf_counter()

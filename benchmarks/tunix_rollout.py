@@ -133,7 +133,7 @@ def ours_bench(model, prompt_ids, *, samples: int, new_tokens: int) -> common.Lo
     from gvpo_jax import sampler
 
     settings = sampler.canonical_settings(
-        max_new_tokens=new_tokens, temperature=1.0, num_samples=samples
+        max_new_tokens=new_tokens, temperature=1.0, group_size=samples
     )
     graphdef, state = nnx.split(model)
     lens = np.full((prompt_ids.shape[0],), prompt_ids.shape[1], np.int32)

@@ -4,8 +4,8 @@ Run from the repo root: `.venv/bin/python -m benchmarks.update_step [--repeats 3
 (about 8 minutes on 2 cores with tunix set up by `bash benchmarks/setup_tunix.sh`; each
 bench-45m update is ~1.5 TFLOP). One update = forward, token log-probs, loss, backward, global-norm
 clipping and AdamW on 32 sequences (8 prompts x 4 responses) of 64 left-padded prompt + 128
-response tokens. Ours is the project's real step: `train_step.jit_update(train_step.rl_loss ...)`
-bound as in `train.make_update_fns`, which runs each group's prompt once
+response tokens. Ours is the project's real step: the jitted update of `assemble.step_functions`
+(the trainer's own binding, on a one-device mesh), which runs each group's prompt once
 (`Transformer.hidden_shared_prefix`). The plain PyTorch update uses transformers'
 Qwen2ForCausalLM on the same weights, the same losses written in torch, torch.optim.AdamW and
 2 threads. Tunix runs its `grpo_loss_fn` inside its RL Trainer's jitted train step (worker in
@@ -24,7 +24,6 @@ implementation: it charges every row its prompt, which our step runs once per gr
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import tempfile
 
@@ -36,7 +35,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import common, tunix_rollout  # noqa: E402
-from gvpo_jax import losses, rollout, train_step  # noqa: E402
+from gvpo_jax import assemble, losses, rollout, sharding, train_step  # noqa: E402
+from gvpo_jax import config as config_lib  # noqa: E402
 
 LR, BETA, KL_COEF = 1e-6, 0.1, 0.04  # GVPO beta (official script); GRPO preset's k3 KL coef
 QUICK = dict(prompts=2, group=2, prompt_len=8, new_tokens=8)
@@ -68,10 +68,13 @@ def make_batch(model, *, prompts, group, prompt_len, new_tokens, chunk, seed=0) 
     )
     batch["rewards"] = rng.random(b).astype(np.float32)
     graphdef, params = nnx.split(model, nnx.Param)
-    old = train_step.batch_logprobs(
-        graphdef, params, batch["tokens"], batch["attn_mask"], prompt_len=prompt_len,
-        chunk_size=chunk,
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    rules = sharding.logical_rules(one, model.config)
+    logprobs = train_step.jit_logprobs(
+        graphdef, prompt_len=prompt_len, chunk_size=chunk, mesh=one,
+        param_shardings=sharding.param_shardings(params, one, rules), rules=rules,
     )  # fmt: skip
+    old = logprobs(params, batch["tokens"], batch["attn_mask"])
     noise = lambda scale: scale * rng.standard_normal((b, new_tokens)).astype(np.float32)
     batch["old_logp"] = (np.asarray(old) + noise(0.1)) * mask
     batch["ref_logp"] = (np.asarray(old) + noise(0.01)) * mask
@@ -100,28 +103,35 @@ def executed_flops(dims: dict, *, prompts, group, prompt_len, new_tokens) -> flo
     return 6.0 * body * layer_tokens + head + 12.0 * dims["layers"] * d * pairs
 
 
-def loss_setup(algo: str, batch: dict, new_tokens: int) -> tuple[dict, dict]:
-    """(loss_kwargs for rl_loss, the batch keys the loss reads), as train.make_update_fns."""
-    keys = ["tokens", "attn_mask", "resp_mask", "rewards", "old_logp"]
-    if algo == "gvpo":
-        return {"beta": BETA}, {k: batch[k] for k in keys}
-    kw = {"kl_coef": KL_COEF, "max_tokens": new_tokens}
-    return kw, {k: batch[k] for k in keys + ["ref_logp"]}
+def bench_config(algo: str, *, prompts, group, prompt_len, new_tokens, chunk):
+    """The trainer's config for this benchmark's update (AdamW at LR, clip 1, constant lr)."""
+    c = config_lib.base_config()
+    c.algo.name, c.algo.beta = algo, BETA
+    if algo != "gvpo":
+        c.algo.kl_coef = KL_COEF
+    c.rollout.prompts_per_step, c.rollout.group_size = prompts, group
+    c.rollout.max_new_tokens, c.data.max_prompt_len = new_tokens, prompt_len
+    c.model.logprob_chunk = chunk
+    c.optim.lr, c.optim.grad_clip = LR, 1.0
+    c.train.steps = 10**6  # a constant schedule: its length does not matter
+    return c
 
 
 def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> common.LocalBench:
-    """The real jitted update (state donated), repeated on the same batch."""
+    """The trainer's jitted update (state donated), repeated on the same batch."""
     graphdef, params = nnx.split(model, nnx.Param)
     params = jax.tree.map(jnp.copy, params)  # the update donates them; keep the model intact
-    tx, lr_fn = train_step.make_optimizer(lr=LR, total_updates=10**6, grad_clip=1.0)
-    loss_kwargs, data = loss_setup(algo, batch, new_tokens)
-    loss_fn = functools.partial(
-        train_step.rl_loss, graphdef=graphdef, algo=algo, group_size=group,
-        prompt_len=prompt_len, chunk_size=chunk, anchor="old", loss_kwargs=loss_kwargs,
-    )  # fmt: skip
-    update = train_step.jit_update(loss_fn, tx, 1, lr_fn)
-    data = jax.device_put(data)
-    state = [train_step.init_state(params, tx, jax.random.key(0))]
+    prompts = batch["rewards"].shape[0] // group
+    config = bench_config(algo, prompts=prompts, group=group, prompt_len=prompt_len,
+                          new_tokens=new_tokens, chunk=chunk)  # fmt: skip
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    rules = sharding.logical_rules(one, model.config)
+    rng = jax.random.key_data(jax.random.key(0))
+    tx, _, update, _ = assemble.step_functions(config, graphdef, params, rng, one, rules)
+    keys = ["tokens", "attn_mask", "resp_mask", "rewards", "old_logp"]
+    data = {k: batch[k] for k in keys + (["ref_logp"] if algo != "gvpo" else [])}
+    data = sharding.device_batch(data, one)
+    state = [train_step.init_state_sharded(params, tx, rng, one, rules)[0]]
     first_loss = []
 
     def call():

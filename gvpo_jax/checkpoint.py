@@ -16,11 +16,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
+from gvpo_jax.errors import BadInputError
+
 CHECKPOINT_SUBDIR = "checkpoints"  # checkpoints of a run live in <workdir>/checkpoints/<step>/
 _BYTES_TAG = "__bytes_b64__"  # JSON has no bytes; grain iterator states are bytes
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInputError):
     """A checkpoint cannot be written or read; the message names the path and the fix."""
 
 

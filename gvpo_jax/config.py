@@ -7,6 +7,8 @@ import os
 import ml_collections
 from ml_collections import config_dict
 
+from gvpo_jax.errors import BadInputError
+
 ALGOS = ("gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
 CLIPPED_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
 MODES = ("train", "sft", "eval", "export")
@@ -16,7 +18,7 @@ TASKS = ("arith", "gsm8k", "math", "math_gsm8k", "jsonl")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInputError):
     """An invalid configuration; the message is one sentence naming the field and the fix."""
 
 
@@ -129,11 +131,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.kl_ref_metric = True  # keep a frozen copy of the start policy to log KL to it (k3)
     c.train.export = True  # write the final policy as a Hugging Face directory
     c.train.plot = True  # write curves.png at the end
+    c.train.wandb_project = ""  # also log to this Weights & Biases project ("": off)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel axis (-1: all remaining devices)
     c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
     c.mesh.tensor = 1  # tensor-parallel axis
+    c.mesh.num_devices = -1  # devices in the mesh: -1 all (every process); n: the first n
     c.mesh.distributed = "auto"  # jax.distributed: auto (env / SLURM / pod) | on | off
     c.mesh.coordinator_address = ""  # "host:port" of process 0 (else JAX_COORDINATOR_ADDRESS)
     c.mesh.num_processes = -1  # -1: from the environment
@@ -287,6 +291,11 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(f"config.optim.grad_clip is {c.optim.grad_clip}; use 0 (off) or a positive norm.")
     if c.train.reward_timeout_s <= 0:
         _fail(f"config.train.reward_timeout_s is {c.train.reward_timeout_s}; use seconds > 0.")
+    if c.mesh.num_devices == 0 or c.mesh.num_devices < -1:
+        _fail(
+            f"config.mesh.num_devices is {c.mesh.num_devices!r}; use -1 (every device) or a "
+            "positive count."
+        )
     if c.mesh.distributed not in ("auto", "on", "off"):
         _fail(f"config.mesh.distributed is {c.mesh.distributed!r}; use auto, on or off.")
     for axis in ("data", "fsdp", "tensor"):

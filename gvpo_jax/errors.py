@@ -1,14 +1,7 @@
-"""Bad-input error types of every module: the CLI prints their one sentence and exits 2."""
+"""The base class of every bad-input error: the CLI prints its one sentence and exits with 2."""
 
 
-def bad_input_errors() -> tuple[type[BaseException], ...]:
-    from gvpo_jax import checkpoint, models, sharding, tasks
-    from gvpo_jax.config import ConfigError
-
-    return (
-        ConfigError,
-        models.CheckpointError,
-        checkpoint.CheckpointError,
-        tasks.DataError,
-        sharding.ShardingError,
-    )
+class BadInputError(ValueError):
+    """Input that cannot work (a config field, a file, a checkpoint, a dataset, a mesh); the
+    message is one sentence that names the input and the fix. Each module raises its own
+    subclass (`config.ConfigError`, `checkpoint.CheckpointError`, `tasks.DataError`, ...)."""

@@ -8,6 +8,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from gvpo_jax import errors
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/<name>.py file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<config name>).")
 
@@ -38,17 +40,9 @@ def main(argv):
             mode=m.distributed,
         )
         train.run(config, workdir)
-    except train_errors() as e:
+    except errors.BadInputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-
-
-def train_errors() -> tuple[type[BaseException], ...]:
-    """Bad-input error types of every module (imported lazily: validation must not compile)."""
-    from gvpo_jax import config as config_lib
-    from gvpo_jax import errors
-
-    return (config_lib.ConfigError, *errors.bad_input_errors())
 
 
 if __name__ == "__main__":

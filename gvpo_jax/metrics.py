@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+import tqdm
 
 DEFAULT_PLOT_KEYS = ("reward_mean", "eval/accuracy", "response_len_mean", "kl_ref")
+# Metrics shown on the progress line, in this order, when present.
+PROGRESS_KEYS = ("reward_mean", "accuracy", "response_len_mean", "loss", "kl_ref", "grad_norm")
 
 
 def to_python_scalar(value: Any) -> int | float:
@@ -33,13 +38,13 @@ def to_python_scalar(value: Any) -> int | float:
     return float(item)
 
 
-def _flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested dicts become '/'-joined names (TensorBoard groups tags by the prefix)."""
     out = {}
     for k, v in metrics.items():
         name = f"{prefix}{k}"
         if isinstance(v, Mapping):
-            out.update(_flatten(v, name + "/"))
+            out.update(flatten(v, name + "/"))
         else:
             out[name] = v
     return out
@@ -54,12 +59,24 @@ class MetricWriter:
     are resolved by `plot_curves`/`summary_table` (the last row written for a step wins).
     Each JSONL row is {"step": int, "time": unix seconds, name: value, ...} with non-finite
     values written as null (JSON has no NaN).
+
+    `wandb_project` (optional) also logs every row to Weights & Biases (`pip install wandb`;
+    `WANDB_MODE=offline` keeps it on disk). The W&B run id is kept in `<workdir>/wandb_id`, so a
+    resumed run continues the same W&B run. Rows carry their own `step` as the x-axis (the SFT
+    phase, evaluations and RL steps count steps differently).
     """
 
-    def __init__(self, workdir: str | os.PathLike, *, enabled: bool | None = None):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        enabled: bool | None = None,
+        wandb_project: str = "",
+        wandb_config: Mapping[str, Any] | None = None,
+    ):
         self.workdir = Path(workdir)
         self.enabled = jax.process_index() == 0 if enabled is None else bool(enabled)
-        self._jsonl = self._samples = self._tb = None
+        self._jsonl = self._samples = self._tb = self._wandb = None
         if not self.enabled:
             return
         from tensorboardX import SummaryWriter  # heavy import, only where it writes
@@ -68,17 +85,21 @@ class MetricWriter:
         # Line-buffered: every row reaches the OS at once, so a crash loses at most one line.
         self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self._tb = SummaryWriter(logdir=str(self.workdir / "tb"), flush_secs=30)
+        if wandb_project:
+            self._wandb = _wandb_run(self.workdir, wandb_project, dict(wandb_config or {}))
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
         """One JSONL row and one TensorBoard scalar per name (nested dicts joined with '/')."""
         if not self.enabled:
             return
-        values = {k: to_python_scalar(v) for k, v in _flatten(scalars).items()}
+        values = {k: to_python_scalar(v) for k, v in flatten(scalars).items()}
         row = {"step": int(step), "time": round(time.time(), 3)}
         row.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
         self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
         for k, v in values.items():
             self._tb.add_scalar(k, v, int(step))
+        if self._wandb is not None:
+            self._wandb.log({"step": int(step), **values})
 
     def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
         """Text (e.g. sampled completions) to TensorBoard and one row of `samples.jsonl`."""
@@ -86,10 +107,16 @@ class MetricWriter:
             return
         if self._samples is None:
             self._samples = open(self.workdir / "samples.jsonl", "a", buffering=1)  # noqa: SIM115
-        texts = {k: str(v) for k, v in _flatten(texts).items()}
+        texts = {k: str(v) for k, v in flatten(texts).items()}
         self._samples.write(json.dumps({"step": int(step), **texts}) + "\n")
         for k, v in texts.items():
             self._tb.add_text(k, v, int(step))
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log(
+                {"step": int(step), **{k: wandb.Html(f"<pre>{v}</pre>") for k, v in texts.items()}}
+            )
 
     def flush(self) -> None:
         if not self.enabled:
@@ -104,7 +131,9 @@ class MetricWriter:
         for f in (self._jsonl, self._samples, self._tb):
             if f is not None:
                 f.close()
-        self._jsonl = self._samples = self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._jsonl = self._samples = self._tb = self._wandb = None
         self.enabled = False  # further writes are no-ops rather than errors on closed files
 
     def __enter__(self) -> MetricWriter:
@@ -112,6 +141,27 @@ class MetricWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _wandb_run(workdir: Path, project: str, config: dict):
+    """A W&B run in `workdir`, resumed when the workdir already has one (same run id)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError(
+            "config.train.wandb_project is set but wandb is not installed; run "
+            "`pip install wandb==0.31.0` or leave train.wandb_project empty."
+        ) from e
+    id_file = workdir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id)
+    run = wandb.init(
+        project=project, dir=str(workdir), id=run_id, resume="allow", config=config,
+        name=workdir.name,
+    )  # fmt: skip
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return run
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -225,5 +275,40 @@ class LaggedFetch:
         if item is None:
             return None
         step, metrics = item
-        host = jax.device_get(_flatten(metrics))
+        host = jax.device_get(flatten(metrics))
         return step, {k: to_python_scalar(v) for k, v in host.items()}
+
+
+class Progress:
+    """A tqdm bar with the key metrics on a terminal; one plain line per log step otherwise."""
+
+    def __init__(self, total: int, initial: int, log_every: int):
+        self.tty = sys.stdout.isatty()
+        self.primary = jax.process_index() == 0
+        self.total, self.log_every = total, log_every
+        self.bar = tqdm.tqdm(total=total, initial=initial, desc="rl", dynamic_ncols=True,
+                             disable=not self.tty or not self.primary)  # fmt: skip
+
+    def update(self, step: int, m: Mapping[str, float]) -> None:
+        shown = {k.split("/")[-1]: f"{m[k]:.3f}" for k in PROGRESS_KEYS if k in m}
+        t = m.get("rollout_time_s", 0) + m.get("update_time_s", 0)
+        if self.tty:
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(1)
+        elif self.primary and (step % self.log_every == 0 or step == self.total):
+            text = "  ".join(f"{k} {v}" for k, v in shown.items())
+            print(f"[rl] step {step}/{self.total}  {text}  ({t:.2f}s)", flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def sample_texts(examples, completions, group_size: int, count: int = 4) -> dict[str, str]:
+    """A few prompts with the first completion of their group, as one text for the writer."""
+    lines = []
+    for i in range(min(count, len(examples))):
+        ex = examples[i]
+        lines.append(
+            f"prompt: {ex['prompt']!r} gold: {ex['answer']!r} -> {completions[i * group_size]!r}"
+        )
+    return {"samples": "\n".join(lines)}

@@ -15,7 +15,6 @@ XLA's own per-device memory analysis next to the estimate.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from gvpo_jax import models, sharding, train_step
+from gvpo_jax import assemble, models, sharding, train_step
 
 GiB = 2**30
 # Memory per device (GiB) as the accelerator reports it (one JAX device each).
@@ -199,12 +198,6 @@ def activation_bytes(
     return int(layers + logits)
 
 
-def _needs_reference(config) -> bool:
-    from gvpo_jax import train
-
-    return train.needs_reference(config)
-
-
 def resolve_mesh(config, num_devices: int) -> tuple[int, int, int]:
     m = config.mesh
     return sharding.mesh_shape(m.data, m.fsdp, m.tensor, num_devices=num_devices)
@@ -218,7 +211,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     sizes = sharding.mesh_sizes(mesh)
     rules = sharding.logical_rules(mesh, cfg)
     _, params = nnx.split(models.abstract_model(cfg), nnx.Param)
-    tx = _optimizer(config)
+    tx, _ = assemble.optimizer(config, assemble.rl_updates(config))
     state = jax.eval_shape(
         lambda p: train_step.init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params
     )
@@ -248,27 +241,12 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         mesh=sizes,
         params=param_bytes,
         opt_state=opt_bytes,
-        reference=param_bytes if _needs_reference(c) else 0,
+        reference=param_bytes if assemble.needs_reference(c) else 0,
         gradients=grads,
         activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
         kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes),
         notes=tuple(notes),
     )
-
-
-def _optimizer(config):
-    c = config.optim
-    tx, _ = train_step.make_optimizer(
-        lr=c.lr,
-        total_updates=max(config.train.steps, 1),
-        warmup_steps=c.warmup_steps,
-        schedule=c.schedule,
-        weight_decay=c.weight_decay,
-        b1=c.b1,
-        b2=c.b2,
-        grad_clip=c.grad_clip,
-    )
-    return tx
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,31 +259,14 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
     Raises whatever sharding error XLA or jax finds. Returns the `jax.stages.Compiled`; its
     `memory_analysis()` gives per-device argument / output / temporary bytes.
     """
-    from gvpo_jax import train
-
     cfg = model_config(config)
     rules = sharding.logical_rules(mesh, cfg)
     graphdef, params = nnx.split(models.abstract_model(cfg), nnx.Param)
-    tx = _optimizer(config)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    shardings = train_step.train_state_shardings(params, tx, rng, mesh, rules)
+    tx, shardings, update, _ = assemble.step_functions(config, graphdef, params, rng, mesh, rules)
     state = jax.eval_shape(lambda p, r: train_step.init_state(p, tx, r), params, rng)
     state = sharding.abstract_with_shardings(state, shardings)
     c = config
-    kw = train.loss_kwargs(c)
-    loss_fn = functools.partial(
-        train_step.rl_loss,
-        graphdef=graphdef,
-        algo=c.algo.name,
-        group_size=c.rollout.group_size,
-        prompt_len=c.data.max_prompt_len,
-        chunk_size=c.model.logprob_chunk,
-        anchor=c.algo.anchor,
-        loss_kwargs=kw,
-    )
-    update = train_step.jit_update(
-        loss_fn, tx, c.optim.micro_batches, mesh=mesh, state_shardings=shardings, rules=rules
-    )
     rows = c.rollout.prompts_per_step * c.rollout.group_size // c.algo.num_minibatches
     sharding.check_batch(rows, c.rollout.group_size, mesh, c.optim.micro_batches)
     S, N = c.data.max_prompt_len + c.rollout.max_new_tokens, c.rollout.max_new_tokens
@@ -317,7 +278,7 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
         "rewards": ((rows,), jnp.float32),
         "old_logp": ((rows, N), jnp.float32),
     }
-    if _needs_reference(c):
+    if assemble.needs_reference(c):
         spec["ref_logp"] = ((rows, N), jnp.float32)
     batch = {
         k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)

@@ -4,7 +4,7 @@
 one compiled XLA program (no host round-trip per token) and returns a `SampleOutput` whose rows
 are grouped contiguously: row `p * G + g` is sample `g` of prompt `p` (SPEC.md's batch layout).
 
-Compilation: the jitted function is keyed on the static settings (max_new_tokens, num_samples,
+Compilation: the jitted function is keyed on the static settings (max_new_tokens, group_size,
 temperature, top_k, top_p, min_p, eos_ids, pad_id), on the model's graph definition and on the
 array shapes. Pad prompts to a few bucket lengths with `pad_prompts` and keep P fixed; then every
 later call with the same bucket reuses the compiled program, also after the parameters change
@@ -14,6 +14,7 @@ splits the module into (graphdef, state) each call, which is cheap and does not 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -24,9 +25,38 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gvpo_jax import sharding
 from gvpo_jax.sampling_ops import select_tokens
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """Static settings of a group rollout (hashable: equal settings never retrace)."""
+
+    group_size: int  # G responses per prompt
+    max_new_tokens: int  # N
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS  # prompt-length buckets (one compile per bucket)
+
+    def generate_kwargs(self) -> dict:
+        """The static keywords of `generate` / `generate_sharded`."""
+        return dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            eos_ids=self.eos_ids,
+            group_size=self.group_size,
+            pad_id=self.pad_id,
+        )
 
 
 class SampleOutput(NamedTuple):
@@ -103,10 +133,10 @@ def generate(
     top_p: float = 1.0,
     min_p: float = 0.0,
     eos_ids: Sequence[int] = (),
-    num_samples: int = 1,
+    group_size: int = 1,
     pad_id: int = 0,
 ) -> SampleOutput:
-    """Sample `num_samples` responses per prompt, all in one compiled graph.
+    """Sample `group_size` responses per prompt, all in one compiled graph.
 
     Args:
       model: a `gvpo_jax.models.Transformer` (or any module with its `hidden`/`unembed`/
@@ -121,7 +151,7 @@ def generate(
       top_p: 1.0 = off. Nucleus on the tempered (and top-k) distribution.
       min_p: 0.0 = off. Keep tokens with p >= min_p * max p.
       eos_ids: a row stops after emitting any of these; () = run to max_new_tokens.
-      num_samples: G responses per prompt; the prompt is prefilled once and its keys/values
+      group_size: G responses per prompt; the prompt is prefilled once and its keys/values
         are stored once and shared by the G samples (`model.share_prefix_cache`).
       pad_id: token written after a row's first EOS.
 
@@ -137,7 +167,7 @@ def generate(
         top_p=top_p,
         min_p=min_p,
         eos_ids=eos_ids,
-        num_samples=num_samples,
+        group_size=group_size,
         pad_id=pad_id,
     )
     graphdef, state = nnx.split(model)
@@ -152,7 +182,7 @@ def canonical_settings(
     top_p: float = 1.0,
     min_p: float = 0.0,
     eos_ids: Sequence[int] | int = (),
-    num_samples: int = 1,
+    group_size: int = 1,
     pad_id: int = 0,
 ) -> dict:
     """Validated, canonical static settings for `generate_split` (same meaning as `generate`).
@@ -163,8 +193,8 @@ def canonical_settings(
     """
     if int(max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    if int(num_samples) < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
+    if int(group_size) < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}.")
     if float(temperature) < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
     if int(top_k) < 0:
@@ -179,7 +209,7 @@ def canonical_settings(
         top_k, top_p, min_p = 0, 1.0, 0.0  # irrelevant to argmax: one compiled program
     return dict(
         max_new_tokens=int(max_new_tokens),
-        num_samples=int(num_samples),
+        group_size=int(group_size),
         temperature=float(temperature),
         top_k=int(top_k),
         top_p=float(top_p),
@@ -221,7 +251,7 @@ def _grow_cache(cache: list[dict[str, jax.Array]], slots: int) -> list[dict[str,
     static_argnames=(
         "graphdef",
         "max_new_tokens",
-        "num_samples",
+        "group_size",
         "temperature",
         "top_k",
         "top_p",
@@ -238,7 +268,7 @@ def generate_split(
     rng: jax.Array,
     *,
     max_new_tokens: int,
-    num_samples: int,
+    group_size: int,
     temperature: float,
     top_k: int,
     top_p: float,
@@ -253,7 +283,7 @@ def generate_split(
     `**canonical_settings(...)`.
     """
     p, t = prompt_ids.shape
-    g, n = num_samples, max_new_tokens
+    g, n = group_size, max_new_tokens
     b = p * g
     model = nnx.merge(graphdef, state)
 
@@ -344,3 +374,87 @@ def generate_split(
         lengths_B=final.lengths_B,
         sample_logp_BxN=final.sample_logp_BxN,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# The sharded entry point: prompts split by rows over the mesh's data x fsdp shards.
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_generate(graphdef, mesh, rules, state_shardings, settings: tuple):
+    kw = dict(settings)
+    raw = generate_split.__wrapped__  # the undecorated function; jitted here with shardings
+    rows = sharding.batch_sharding(mesh)
+
+    def fn(state, prompt_ids, prompt_lens, rng):
+        with sharding.tracing_mesh(mesh, rules):
+            return raw(graphdef, state, prompt_ids, prompt_lens, rng, **kw)
+
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings.tree, rows, rows, sharding.replicated(mesh)),
+        out_shardings=rows,
+    )
+
+
+def generate_sharded(
+    model, prompt_ids, prompt_lens, *, mesh, rules=sharding.LOGICAL_RULES, rng, **settings
+) -> SampleOutput:
+    """`generate` jitted with explicit shardings: prompts and outputs split by rows.
+
+    `settings` are `generate`'s keywords (max_new_tokens, temperature, top_k, top_p, min_p,
+    eos_ids, group_size, pad_id). The model stays where it is (its shardings are the
+    in_shardings); the P prompts are split over data x fsdp, so P must be divisible by the
+    number of row shards, and the P*G output rows come back split the same way (prompt p's
+    samples on the shard that held prompt p). In multi-process runs pass global arrays
+    (`sharding.shard_batch`) and read results with `sharding.local_rows`.
+    """
+    canon = canonical_settings(**settings)
+    graphdef, state = nnx.split(model)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    if prompt_ids.shape[0] % sharding.batch_shards(mesh):
+        raise sharding.ShardingError(
+            f"{prompt_ids.shape[0]} prompts cannot be split over {sharding.batch_shards(mesh)} "
+            "data x fsdp shards; sample a multiple of that many prompts."
+        )
+    fn = _jitted_generate(graphdef, mesh, rules, _Hashable(shardings), tuple(canon.items()))
+    return fn(state, prompt_ids, prompt_lens, rng)
+
+
+class _Hashable:
+    """Wraps a sharding pytree for lru_cache (compared by its leaves and structure)."""
+
+    def __init__(self, tree):
+        self.tree = tree
+        leaves, self.treedef = jax.tree.flatten(tree)
+        self.leaves = tuple(leaves)
+
+    def __hash__(self):
+        return hash((self.treedef, self.leaves))
+
+    def __eq__(self, other):
+        return self.treedef == other.treedef and self.leaves == other.leaves
+
+
+def sample_groups(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    settings: SamplingSettings,
+    rng: jax.Array,
+    mesh,
+    rules=sharding.LOGICAL_RULES,
+) -> SampleOutput:
+    """G responses for each of this process's prompts (rows grouped contiguously), as numpy.
+
+    The prompts are padded to a bucket and split by rows over data x fsdp (P, summed over the
+    processes, must be a multiple of the row shards); the parameters stay in their shards. In a
+    multi-process run `prompts` are this process's rows and so are the returned rows.
+    """
+    prompt_ids, prompt_lens = pad_prompts(prompts, settings.buckets, settings.pad_id)
+    ids = sharding.shard_batch({"ids": prompt_ids, "lens": prompt_lens}, mesh)
+    out = generate_sharded(
+        model, ids["ids"], ids["lens"], mesh=mesh, rules=rules, rng=rng,
+        **settings.generate_kwargs(),
+    )  # fmt: skip
+    return SampleOutput(*(sharding.local_rows(x) for x in out))

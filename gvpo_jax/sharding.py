@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gvpo_jax import models
+from gvpo_jax.errors import BadInputError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # rows of a batch are split over these (whole groups per shard)
@@ -66,7 +67,7 @@ _AXIS_SIZE_FIELD = {
 }
 
 
-class ShardingError(ValueError):
+class ShardingError(BadInputError):
     """A mesh / batch / model combination that cannot be sharded; the message names the fix."""
 
 
@@ -140,15 +141,13 @@ def _mesh_size(sizes: Mapping[str, int], target) -> int:
     return math.prod(sizes.get(n, 1) for n in names)
 
 
-def logical_rules(mesh=None, model_cfg: models.ModelConfig | None = None) -> tuple:
+def logical_rules(mesh, model_cfg: models.ModelConfig) -> tuple:
     """LOGICAL_RULES, checked against (and adapted to) a mesh and a model's shapes.
 
     Raises ShardingError when a sharded parameter dimension is not divisible by its mesh axis
     (e.g. heads % tensor); kv_heads not divisible by tensor falls back to replicated K/V
     projections (the usual choice for GQA with fewer KV heads than tensor shards).
     """
-    if mesh is None or model_cfg is None:
-        return LOGICAL_RULES
     sizes = mesh_sizes(mesh)
     rules = []
     for name, target in LOGICAL_RULES:
@@ -181,9 +180,6 @@ def use_mesh(mesh: jax.sharding.Mesh, rules=LOGICAL_RULES):
 @contextlib.contextmanager
 def tracing_mesh(mesh, rules):
     """Inside a traced function: the abstract mesh and rules for `with_logical_constraint`."""
-    if mesh is None:
-        yield
-        return
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nnx.logical_axis_rules(rules):
         yield
 
@@ -388,6 +384,25 @@ def shard_batch(
     return out
 
 
+def device_batch(
+    batch: Mapping[str, np.ndarray],
+    mesh,
+    *,
+    group_size: int | None = None,
+    micro_batches: int = 1,
+    local: bool = False,
+) -> dict[str, jax.Array]:
+    """A host batch as the jitted functions' input: global arrays split by rows over the mesh.
+
+    `batch` is the global batch, identical on every process (each feeds its `process_rows`), or
+    with local=True this process's rows only. With `group_size`, checks whole groups per shard.
+    """
+    if not local:
+        rows = process_rows(len(next(iter(batch.values()))), mesh).rows
+        batch = {k: np.asarray(v)[rows] for k, v in batch.items()}
+    return shard_batch(batch, mesh, group_size=group_size, micro_batches=micro_batches)
+
+
 def local_rows(x: jax.Array) -> np.ndarray:
     """This process's rows of a row-sharded (or replicated) global array, as numpy, in order."""
     if jax.process_count() == 1 or x.ndim == 0:
@@ -505,65 +520,3 @@ def maybe_initialize_distributed(
         process_id=None if pid is None else int(pid),
     )
     return True
-
-
-# ----------------------------------------------------------------------------------------------
-# Sampling with explicit shardings
-
-
-@functools.lru_cache(maxsize=64)
-def _jitted_generate(graphdef, mesh, rules, state_shardings_, settings: tuple):
-    from gvpo_jax import sampler
-
-    kw = dict(settings)
-    raw = sampler.generate_split.__wrapped__  # the undecorated function; jitted here instead
-    rows = batch_sharding(mesh)
-
-    def fn(state, prompt_ids, prompt_lens, rng):
-        with tracing_mesh(mesh, rules):
-            return raw(graphdef, state, prompt_ids, prompt_lens, rng, **kw)
-
-    return jax.jit(
-        fn,
-        in_shardings=(state_shardings_.tree, rows, rows, replicated(mesh)),
-        out_shardings=rows,
-    )
-
-
-def generate(model, prompt_ids, prompt_lens, *, mesh, rules=LOGICAL_RULES, rng, **settings):
-    """`sampler.generate` jitted with explicit shardings: prompts and outputs split by rows.
-
-    `settings` are `sampler.generate`'s keywords (max_new_tokens, temperature, top_k, top_p,
-    min_p, eos_ids, num_samples, pad_id). The model stays where it is (its shardings are the
-    in_shardings); the P prompts are split over data x fsdp, so P must be divisible by the
-    number of row shards, and the P*G output rows come back split the same way (prompt p's
-    samples on the shard that held prompt p). In multi-process runs pass global arrays
-    (`shard_batch`) and read results with `local_rows`.
-    """
-    from gvpo_jax import sampler
-
-    canon = sampler.canonical_settings(**settings)
-    graphdef, state = nnx.split(model)
-    shardings = jax.tree.map(lambda x: x.sharding, state)
-    if prompt_ids.shape[0] % batch_shards(mesh):
-        raise ShardingError(
-            f"{prompt_ids.shape[0]} prompts cannot be split over {batch_shards(mesh)} data x "
-            "fsdp shards; sample a multiple of that many prompts."
-        )
-    fn = _jitted_generate(graphdef, mesh, rules, _Hashable(shardings), tuple(canon.items()))
-    return fn(state, prompt_ids, prompt_lens, rng)
-
-
-class _Hashable:
-    """Wraps a sharding pytree for lru_cache (compared by its leaves and structure)."""
-
-    def __init__(self, tree):
-        self.tree = tree
-        leaves, self.treedef = jax.tree.flatten(tree)
-        self.leaves = tuple(leaves)
-
-    def __hash__(self):
-        return hash((self.treedef, self.leaves))
-
-    def __eq__(self, other):
-        return self.treedef == other.treedef and self.leaves == other.leaves

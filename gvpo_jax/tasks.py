@@ -8,6 +8,7 @@ import numpy as np
 
 from gvpo_jax import data, rewards
 from gvpo_jax.data.pipeline import make_stream
+from gvpo_jax.errors import BadInputError
 
 # Reward of each task when config.data.rewards is empty.
 DEFAULT_REWARDS = {"arith": "exact_match:1", "gsm8k": "math:1", "math": "math:1",
@@ -17,7 +18,7 @@ EVAL_SPLIT = {"gsm8k": ("gsm8k", "test"), "math": ("math500", "test"),
               "math_gsm8k": ("math500", "test"), "jsonl": ("jsonl", "test")}  # fmt: skip
 
 
-class DataError(ValueError):
+class DataError(BadInputError):
     """Unusable data (empty dataset, unparsable file, nothing fits max_prompt_len)."""
 
 

@@ -66,15 +66,18 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, rng: jax.Arr
     )
 
 
-def train_state_shardings(params, tx: optax.GradientTransformation, rng, mesh, rules=None):
+def train_state_shardings(
+    params, tx: optax.GradientTransformation, rng, mesh, rules=sharding.LOGICAL_RULES
+):
     """NamedShardings of `init_state(params, tx, rng)` (params and Adam moments by their logical
     axes, scalars and the key replicated), from shapes only."""
-    rules = sharding.LOGICAL_RULES if rules is None else rules
     abstract = jax.eval_shape(lambda p, r: init_state(p, tx, r), params, rng)
     return sharding.state_shardings(abstract, mesh, rules)
 
 
-def init_state_sharded(params, tx: optax.GradientTransformation, rng, mesh, rules=None):
+def init_state_sharded(
+    params, tx: optax.GradientTransformation, rng, mesh, rules=sharding.LOGICAL_RULES
+):
     """`init_state` with the optimizer state created directly in its shards.
 
     Returns (state, shardings); `params` should already be sharded (e.g. `sharding.init_sharded`)
@@ -125,34 +128,24 @@ def response_logprobs(
     return jnp.where(attn_mask_BxS[:, prompt_len:] > 0, logp_BxN, 0.0)
 
 
-# One jitted forward over a whole rollout batch (old / reference / anchor log-probs).
-batch_logprobs = jax.jit(
-    response_logprobs, static_argnames=("graphdef", "prompt_len", "chunk_size", "group_size")
-)
-
-
 def jit_logprobs(
     graphdef,
     *,
     prompt_len: int,
     chunk_size: int,
     group_size: int = 1,
-    mesh=None,
-    param_shardings=None,
-    rules=None,
+    mesh,
+    param_shardings,
+    rules=sharding.LOGICAL_RULES,
 ):
-    """`batch_logprobs` as a function of (params, tokens_BxS, attn_mask_BxS) -> logp [B, N].
+    """`response_logprobs` as a jitted function of (params, tokens_BxS, attn_mask_BxS) -> [B, N].
 
     group_size > 1: batches of whole groups sharing their prompt (see `response_logprobs`).
-
-    With a mesh: jitted with explicit shardings (params as given, rows over data x fsdp in and
-    out) and the model's activation constraints active; the same function serves the policy and
-    the frozen reference, which share their shardings.
+    Explicit shardings: params as given, rows over data x fsdp in and out, with the model's
+    activation constraints active under `rules`; the same function serves the policy and the
+    frozen reference, which share their shardings.
     """
     kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, group_size=group_size)
-    if mesh is None:
-        return functools.partial(batch_logprobs, graphdef, **kw)
-    rules = sharding.LOGICAL_RULES if rules is None else rules
     rows = sharding.batch_sharding(mesh)
 
     def logprobs(params, tokens_BxS, attn_mask_BxS):
@@ -308,24 +301,15 @@ def update_step(
 
 
 def jit_update(
-    loss_fn, tx, micro_batches, lr_fn=None, *, mesh=None, state_shardings=None, rules=None
+    loss_fn, tx, micro_batches, lr_fn=None, *, mesh, state_shardings, rules=sharding.LOGICAL_RULES
 ):
     """The update step `(state, batch) -> (state, metrics)`, jitted with the state donated.
 
-    Without a mesh: shardings follow the inputs (one device). With a mesh: explicit shardings,
-    `state_shardings` (from `train_state_shardings` / `init_state_sharded`) for the state in and
-    out, rows over data x fsdp for every batch array, replicated metrics; the model's logical
-    activation constraints are active under `rules` (default `sharding.LOGICAL_RULES`; pass
+    Explicit shardings: `state_shardings` (from `train_state_shardings` / `init_state_sharded`)
+    for the state in and out, rows over data x fsdp for every batch array, replicated metrics;
+    the model's logical activation constraints are active under `rules` (pass
     `sharding.logical_rules(mesh, model_cfg)`). Call it positionally: update(state, batch).
     """
-    if mesh is None:
-        fn = functools.partial(
-            update_step, loss_fn=loss_fn, tx=tx, micro_batches=micro_batches, lr_fn=lr_fn
-        )
-        return jax.jit(fn, donate_argnames=("state",))
-    if state_shardings is None:
-        raise ValueError("jit_update with a mesh needs state_shardings (train_state_shardings).")
-    rules = sharding.LOGICAL_RULES if rules is None else rules
     step = functools.partial(
         update_step,
         loss_fn=loss_fn,

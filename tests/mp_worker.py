@@ -87,7 +87,7 @@ def reference_run(init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     import jax
     from flax import nnx
 
-    from gvpo_jax import models, sampler, train_step
+    from gvpo_jax import models, sampler, sharding, train_step
 
     cfg = models.PRESETS[MODEL].replace(num_layers=NUM_LAYERS)
     graphdef, abstract = nnx.split(models.abstract_model(cfg), nnx.Param)
@@ -97,9 +97,15 @@ def reference_run(init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     ]
     params = nnx.from_flat_state(flat)
     tx, loss_fn = gvpo_pieces(graphdef)
-    state = train_step.init_state(params, tx, jax.random.key_data(jax.random.key(SEED)))
-    update = train_step.jit_update(loss_fn, tx, 1)
-    logprobs = train_step.jit_logprobs(graphdef, prompt_len=PROMPT_LEN, chunk_size=4)
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    rules = sharding.logical_rules(one, cfg)
+    key = jax.random.key_data(jax.random.key(SEED))
+    state, shardings = train_step.init_state_sharded(params, tx, key, one, rules)
+    update = train_step.jit_update(loss_fn, tx, 1, mesh=one, state_shardings=shardings, rules=rules)
+    logprobs = train_step.jit_logprobs(
+        graphdef, prompt_len=PROMPT_LEN, chunk_size=4, mesh=one,
+        param_shardings=shardings.params, rules=rules,
+    )  # fmt: skip
     losses = []
     for step in range(STEPS):
         batch = global_batch(step, cfg.vocab_size)
@@ -114,7 +120,7 @@ def reference_run(init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         max_new_tokens=NEW,
         rng=jax.random.key(0),
         temperature=0.0,
-        num_samples=GROUP,
+        group_size=GROUP,
     )
     flat = {
         "/".join(map(str, k)): np.asarray(v.get_value())
@@ -127,7 +133,7 @@ def worker(out_dir: str) -> None:
     import jax
     from flax import nnx
 
-    from gvpo_jax import checkpoint, models, sharding, train_step
+    from gvpo_jax import checkpoint, models, sampler, sharding, train_step
 
     assert sharding.maybe_initialize_distributed(), "launch with JAX_COORDINATOR_ADDRESS set"
     # Devices [p0 d0, p1 d0, p0 d1, p1 d1]: fsdp rows of the mesh are one process each (the
@@ -173,7 +179,7 @@ def worker(out_dir: str) -> None:
     ids, lens = prompts(cfg.vocab_size)
     prompt_rows = sharding.process_rows(PROMPTS, mesh).rows
     dev = sharding.shard_batch({"ids": ids[prompt_rows], "lens": lens[prompt_rows]}, mesh)
-    out = sharding.generate(
+    out = sampler.generate_sharded(
         nnx.merge(graphdef, state.params),
         dev["ids"],
         dev["lens"],
@@ -182,7 +188,7 @@ def worker(out_dir: str) -> None:
         rng=jax.random.key(0),
         max_new_tokens=NEW,
         temperature=0.0,
-        num_samples=GROUP,
+        group_size=GROUP,
     )
     local_tokens = sharding.local_rows(out.tokens_BxN)
     assert local_tokens.shape[0] == len(prompt_rows) * GROUP

@@ -150,3 +150,31 @@ def test_to_python_scalar_types_and_rejects_vectors():
     assert type(to_python_scalar(jnp.bfloat16(1.5))) is float
     with pytest.raises(ValueError, match="not a scalar"):
         to_python_scalar(np.ones(2))
+
+
+def test_wandb_sink_logs_every_row_offline_and_a_resume_continues_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    w = MetricWriter(tmp_path, wandb_project="gvpo-test", wandb_config={"algo": {"beta": 0.125}})
+    w.write_scalars(3, {"reward_mean": 0.625, "eval": {"greedy": 0.4375}})
+    w.write_texts(3, {"samples": "prompt: '1+1=' -> '2'"})
+    w.close()
+    run_id = (tmp_path / "wandb_id").read_text()
+    w = MetricWriter(tmp_path, wandb_project="gvpo-test")  # a resumed run: same W&B run id
+    w.write_scalars(4, {"reward_mean": 0.8125})
+    w.close()
+    assert (tmp_path / "wandb_id").read_text() == run_id
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    # The offline run files hold the records W&B would upload (protobuf, strings verbatim).
+    data = b"".join(f.read_bytes() for r in runs for f in r.glob("run-*.wandb"))
+    for needle in (b"reward_mean", b"0.625", b"0.8125", b"eval/greedy", b"0.4375", b"0.125",
+                   b"gvpo-test", b"samples"):  # fmt: skip
+        assert needle in data, needle
+
+
+def test_wandb_sink_is_off_by_default(tmp_path):
+    w = MetricWriter(tmp_path)
+    w.write_scalars(1, {"loss": 1.0})
+    w.close()
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "wandb_id").exists()

@@ -79,7 +79,7 @@ def test_invalid_settings_raise_and_equal_settings_are_canonical():
         dict(max_new_tokens=4, top_k=-1),
         dict(max_new_tokens=4, top_p=0.0),
         dict(max_new_tokens=4, min_p=1.0),
-        dict(max_new_tokens=4, num_samples=0),
+        dict(max_new_tokens=4, group_size=0),
     ):
         with pytest.raises(ValueError, match=next(iter(bad.keys() - {"max_new_tokens"}), "max_")):
             sampler.canonical_settings(**bad)
@@ -166,7 +166,7 @@ def test_first_and_second_token_distributions(hf_and_model, settings):
     g = 6000
     ids, lens = sampler.pad_prompts([prompt], (8,))
     out = sampler.generate(
-        model, ids, lens, max_new_tokens=2, rng=jax.random.key(3), num_samples=g, **settings
+        model, ids, lens, max_new_tokens=2, rng=jax.random.key(3), group_size=g, **settings
     )
     tokens = np.asarray(out.tokens_BxN)
     ref = dict(settings, top_k=settings.get("top_k", 0), top_p=settings.get("top_p", 1.0))
@@ -229,13 +229,13 @@ def test_draw_never_picks_zero_weight_entries():
     assert picks[0] == 3 and picks[1] == 301
 
 
-def _recomputed_logp(model, ids, lens, out, num_samples):
+def _recomputed_logp(model, ids, lens, out, group_size):
     """log pi(response token) by a full forward (no cache) of prompt + response, per row."""
     b, n = out.tokens_BxN.shape
-    lens_B = np.repeat(lens, num_samples)
+    lens_B = np.repeat(lens, group_size)
     seqs = np.zeros((b, ids.shape[1] + n), np.int32)
     for row in range(b):
-        prompt = ids[row // num_samples, : lens_B[row]]
+        prompt = ids[row // group_size, : lens_B[row]]
         seqs[row, : lens_B[row] + n] = np.concatenate([prompt, np.asarray(out.tokens_BxN[row])])
     seqs = np.where(seqs < 0, 0, seqs)
     logits = np.asarray(model(jnp.asarray(seqs)), np.float64)
@@ -265,7 +265,7 @@ def test_returned_logps_equal_recomputed(hf_and_model):
         lens,
         max_new_tokens=36,  # two decode segments
         rng=jax.random.key(7),
-        num_samples=g,
+        group_size=g,
         eos_ids=(3, 4),
         **settings,
     )
@@ -315,11 +315,11 @@ def test_group_samples_share_the_prompt(hf_and_model):
     g, kw = 4, dict(max_new_tokens=8, rng=jax.random.key(5))
     greedy1 = np.asarray(sampler.generate(model, ids, lens, temperature=0.0, **kw).tokens_BxN)
     greedy = np.asarray(
-        sampler.generate(model, ids, lens, temperature=0.0, num_samples=g, **kw).tokens_BxN
+        sampler.generate(model, ids, lens, temperature=0.0, group_size=g, **kw).tokens_BxN
     )
     np.testing.assert_array_equal(greedy, np.repeat(greedy1, g, axis=0))
 
-    sampled = sampler.generate(model, ids, lens, num_samples=g, **kw)
+    sampled = sampler.generate(model, ids, lens, group_size=g, **kw)
     groups = np.asarray(sampled.tokens_BxN).reshape(len(PROMPTS), g, -1)
     for group in groups:
         assert len({tuple(r) for r in group}) == g
@@ -337,7 +337,7 @@ def test_no_recompilation_with_same_bucket(hf_and_model):
     def call(prompts, seed):
         ids, lens = sampler.pad_prompts(prompts, (8, 16))
         out = sampler.generate(
-            model, ids, lens, max_new_tokens=5, rng=jax.random.key(seed), top_k=7, num_samples=2
+            model, ids, lens, max_new_tokens=5, rng=jax.random.key(seed), top_k=7, group_size=2
         )
         return jax.block_until_ready(out)
 
@@ -365,7 +365,7 @@ def test_generate_on_a_mesh_matches_one_device(hf_and_model):
     """Prompts split over `data`, parameters over `model`: same greedy output as unsharded."""
     _, model = hf_and_model
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
-    kw = dict(max_new_tokens=6, rng=jax.random.key(0), temperature=0.0, num_samples=2)
+    kw = dict(max_new_tokens=6, rng=jax.random.key(0), temperature=0.0, group_size=2)
     ref = sampler.generate(model, ids, lens, **kw)
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from gvpo_jax import assemble, models, plan, sampler, sharding, train_step
 from gvpo_jax import config as config_lib
-from gvpo_jax import models, plan, sampler, sharding, train_step
 from tests import mp_worker
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]  # (data, fsdp, tensor)
@@ -201,18 +201,23 @@ def _rollout_batch(vocab: int) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def unsharded_step():
-    """Initial params, one GVPO step (2 micro-batches) and log-probs, all on one device."""
+    """Initial params, one GVPO step (2 micro-batches) and log-probs, on the one-device mesh."""
     cfg = CFG
     params = _jit_init(cfg, 0)
     graphdef = nnx.split(models.abstract_model(cfg), nnx.Param)[0]
     init = jax.device_get(params)
     tx, loss_fn = mp_worker.gvpo_pieces(graphdef, group_size=G, prompt_len=TP)
     batch = _rollout_batch(cfg.vocab_size)
-    logp = train_step.jit_logprobs(graphdef, prompt_len=TP, chunk_size=4)(
-        params, batch["tokens"], batch["attn_mask"]
-    )
-    state = train_step.init_state(params, tx, jax.random.key_data(jax.random.key(0)))
-    new, metrics = train_step.jit_update(loss_fn, tx, 2)(state, batch)
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    rules = sharding.logical_rules(one, cfg)
+    key = jax.random.key_data(jax.random.key(0))
+    state, shardings = train_step.init_state_sharded(params, tx, key, one, rules)
+    logp = train_step.jit_logprobs(
+        graphdef, prompt_len=TP, chunk_size=4, mesh=one, param_shardings=shardings.params,
+        rules=rules,
+    )(state.params, batch["tokens"], batch["attn_mask"])  # fmt: skip
+    update = train_step.jit_update(loss_fn, tx, 2, mesh=one, state_shardings=shardings, rules=rules)
+    new, metrics = update(state, batch)
     return init, batch, np.asarray(logp), _flat(new.params), jax.device_get(metrics)
 
 
@@ -280,7 +285,7 @@ def test_greedy_sampling_under_a_mesh_matches_one_device():
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, 256, n)) for n in (3, 5, 2, 7)]
     ids, lens = sampler.pad_prompts(prompts, (8,))
-    kw = dict(max_new_tokens=6, temperature=0.0, num_samples=2)
+    kw = dict(max_new_tokens=6, temperature=0.0, group_size=2)
     ref = sampler.generate(host, ids, lens, rng=jax.random.key(0), **kw)
     assert len(np.unique(np.asarray(ref.tokens_BxN))) > 6  # a non-trivial sequence to match
     rows = sharding.batch_sharding(mesh)
@@ -292,7 +297,7 @@ def test_greedy_sampling_under_a_mesh_matches_one_device():
             rng=jax.random.key(0),
             **kw,
         )
-    explicit = sharding.generate(
+    explicit = sampler.generate_sharded(
         model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(0), **kw
     )
     assert explicit.tokens_BxN.sharding.spec == P(("data", "fsdp"))
@@ -300,7 +305,7 @@ def test_greedy_sampling_under_a_mesh_matches_one_device():
         np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN))
         np.testing.assert_allclose(np.asarray(out.logp_BxN), np.asarray(ref.logp_BxN), atol=1e-4)
     with pytest.raises(sharding.ShardingError, match="3 prompts cannot be split over 4"):
-        sharding.generate(model, ids[:3], lens[:3], mesh=mesh, rules=rules, rng=None, **kw)
+        sampler.generate_sharded(model, ids[:3], lens[:3], mesh=mesh, rules=rules, rng=None, **kw)
 
 
 # ---------------------------------------------------------------------------------- planner
@@ -332,7 +337,7 @@ def test_planner_matches_the_bytes_of_the_initialised_state():
     mesh = sharding.make_mesh(2, 2, 2)
     rules = sharding.logical_rules(mesh, cfg)
     model = sharding.init_sharded(cfg, mesh, seed=0, rules=rules)
-    tx = plan._optimizer(c)
+    tx, _ = assemble.optimizer(c, assemble.rl_updates(c))
     key = jax.random.key_data(jax.random.key(0))
     state, _ = train_step.init_state_sharded(nnx.state(model, nnx.Param), tx, key, mesh, rules)
     assert report.params == _max_device_bytes(state.params) > 0

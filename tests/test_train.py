@@ -1,16 +1,18 @@
 """The RL loop end to end on a tiny model: every algorithm, learning, replay, the GVPO gradient."""
 
+import dataclasses
 import functools
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
+from gvpo_jax import assemble, losses, rollout, train, train_step
 from gvpo_jax import config as config_lib
-from gvpo_jax import data, losses, rollout, session, train, train_step
 from gvpo_jax.replay import ReplayBuffer
+from gvpo_jax.rl_step import collect_groups, rl_step
 
 TARGET = "7"
 
@@ -29,8 +31,9 @@ class ToyTask:
         ids = self.tokenizer.encode(text)
         return {"prompt": text, "answer": TARGET, "prompt_ids": ids}
 
-    def next_train(self, n):
-        return [self._example() for _ in range(n)]
+    def next_train(self, n, rows=None):
+        batch = [self._example() for _ in range(n)]
+        return batch if rows is None else [batch[int(r)] for r in rows]
 
     def score(self, completions, golds):
         self.calls += 1
@@ -38,6 +41,7 @@ class ToyTask:
         return np.asarray(r, np.float32), {"timeouts": 0, "errors": 0}
 
     eval_reward = staticmethod(lambda c, g: float(c.count(TARGET) / max(len(c), 1)))
+    timeout_s, num_workers = 5.0, 0
 
     def get_state(self):
         return {}
@@ -69,6 +73,7 @@ def toy_config(algo="gvpo", **changes):
     c.optim.lr = 3e-3
     c.optim.grad_clip = 0.0
     c.model.logprob_chunk = 8
+    c.mesh.num_devices = 1  # the 1 x 1 x 1 mesh: tiny shapes, no 8-way split of 4 prompts
     for path, value in changes.items():
         node = c
         *parents, leaf = path.split(".")
@@ -80,20 +85,12 @@ def toy_config(algo="gvpo", **changes):
 
 
 def make_run(config):
-    tok = data.build_char_tokenizer()
-    model, _, _ = session.build_model(config, tok)
-    graphdef, params = nnx.split(model, nnx.Param)
-    run = train.Run(
-        config=config, workdir="", graphdef=graphdef, tokenizer=tok, task=ToyTask(tok),
-        settings=session.rollout_settings(config, tok), writer=NullWriter(), ckpt=None,
-        replay=session.make_replay(config), np_rng=np.random.default_rng(0),
-    )  # fmt: skip
-    c = config
-    rng = jax.random.key_data(jax.random.key(c.seed))
-    state, update, _ = train.make_update_fns(run, params, rng, c.train.steps * 2)
-    if train.needs_reference(c):
-        session.freeze_reference(run, params)
-    return run, state, update
+    """The trainer's own assembly with the toy task and no writer: (run, state, ref)."""
+    run, state = assemble.assemble(config, tempfile.mkdtemp(prefix="gvpo_test_"))
+    run.task.close()
+    run = dataclasses.replace(run, task=ToyTask(run.tokenizer), writer=NullWriter())
+    ref = train.frozen_copy(state.params) if run.needs_reference else None
+    return run, state, ref
 
 
 def _flat(params):
@@ -103,10 +100,10 @@ def _flat(params):
 @pytest.mark.parametrize("algo", ["gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token"])
 def test_every_algorithm_runs_and_changes_the_policy(algo):
     c = toy_config(algo, **({"algo.num_minibatches": 2} if algo != "gvpo" else {}))
-    run, state, update = make_run(c)
+    run, state, ref = make_run(c)
     before = _flat(state.params)
-    for step in (1, 2):
-        state, metrics, _, _ = train.rl_step(run, state, update, step)
+    for _ in range(2):
+        state, metrics, _, _ = rl_step(run, state, ref)
     after = _flat(state.params)
     assert np.isfinite(after).all()
     assert np.abs(after - before).max() > 1e-5
@@ -127,10 +124,10 @@ def test_every_algorithm_runs_and_changes_the_policy(algo):
 @pytest.mark.parametrize("algo", ["gvpo", "grpo"])
 def test_reward_rises_on_toy_task(algo):
     c = toy_config(algo, **{"rollout.prompts_per_step": 8, "optim.lr": 1e-2})
-    run, state, update = make_run(c)
+    run, state, ref = make_run(c)
     rewards = []
-    for step in range(1, 31):
-        state, metrics, _, _ = train.rl_step(run, state, update, step)
+    for _ in range(30):
+        state, metrics, _, _ = rl_step(run, state, ref)
         rewards.append(metrics["reward_mean"])
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     # A random policy over the character vocabulary scores ~0.03; measured with this seed both
@@ -143,7 +140,7 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
     c = toy_config("gvpo")
     run, state, _ = make_run(c)
     G, P, beta = c.rollout.group_size, c.rollout.prompts_per_step, c.algo.beta
-    batch, _, _, _ = train.collect_rollout(run, state.params, jax.random.key(1), P)
+    batch, _, _, _ = collect_groups(run, state.params, jax.random.key(1), P)
     batch["rewards"] = np.random.default_rng(0).random(P * G).astype(np.float32)
     kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk)
     batch["old_logp"] = run.logprobs(state.params, batch["tokens"], batch["attn_mask"])
@@ -177,7 +174,7 @@ def test_replayed_groups_use_current_anchor_logprobs():
             "train.kl_ref_metric": False,
         },
     )
-    run, state, update = make_run(c)
+    run, state, ref = make_run(c)
     assert isinstance(run.replay, ReplayBuffer)
     seen = []
     real = run.logprobs
@@ -187,9 +184,9 @@ def test_replayed_groups_use_current_anchor_logprobs():
         seen.append((np.asarray(tokens), np.asarray(out), _flat(params)))
         return out
 
-    run.logprobs = spy
-    for step in (1, 2, 3):
-        state, metrics, _, _ = train.rl_step(run, state, update, step)
+    run = dataclasses.replace(run, logprobs=spy)
+    for _ in range(3):
+        state, metrics, _, _ = rl_step(run, state, ref)
     assert metrics["replayed_groups"] == 2.0
     tokens3, old3, params3 = seen[-1]
     assert tokens3.shape[0] == 4 * c.rollout.group_size  # 2 fresh + 2 replayed groups
@@ -221,12 +218,12 @@ def test_dynamic_sampling_keeps_informative_groups_and_stops_at_bound():
         return next(pattern).astype(np.float32), {"timeouts": 0, "errors": 0}
 
     task.score = score
-    batch, _, _, m = train.collect_rollout(run, state.params, jax.random.key(0), P)
+    batch, _, _, m = collect_groups(run, state.params, jax.random.key(0), P)
     assert m["rollout_rounds"] == 2.0  # round 1 all-equal, round 2 fills the batch
     assert losses.informative_groups(batch["task_rewards"], G).all()
     # Never informative: stops after 1 + max_extra_rounds rounds and fills with what it has.
     task.score = lambda comp, golds: (np.ones(len(comp), np.float32), {"timeouts": 0, "errors": 0})
-    batch, _, _, m = train.collect_rollout(run, state.params, jax.random.key(1), P)
+    batch, _, _, m = collect_groups(run, state.params, jax.random.key(1), P)
     assert m["rollout_rounds"] == 3.0
     assert batch["rewards"].shape[0] == P * G
     assert rollout.informative_mask(batch["task_rewards"], G).sum() == 0

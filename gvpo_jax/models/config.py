@@ -7,10 +7,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from gvpo_jax.errors import BadInputError
+
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInputError):
     """A checkpoint or its config is unusable; the message names the file/tensor/field and fix."""
 
 

@@ -1,0 +1,341 @@
+"""One assembly: a config becomes a frozen `Run` (model, tokenizer, task, mesh, jitted functions,
+checkpoints, writer) and its first `TrainState`.
+
+    run, state = assemble.assemble(config, workdir)
+
+The trainer, `plan --compile` (through `step_functions`), the learning study, the benchmarks and
+the tests all build their runs here; nothing assigns fields on a `Run` afterwards (use
+`dataclasses.replace` for a variant). The config is read here and in the trainer's loop only:
+the step (`rl_step.StepSettings`), the sampler (`sampler.SamplingSettings`) and the task take
+explicit settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from gvpo_jax import checkpoint, losses, metrics, models, sampler, sharding, tasks, train_step
+from gvpo_jax.replay import ReplayBuffer
+from gvpo_jax.rl_step import StepSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Everything of one run that is not a jax pytree; built once by `assemble`."""
+
+    config: ml_collections.ConfigDict  # read by the trainer's loop only
+    workdir: str
+    mesh: jax.sharding.Mesh  # always a mesh: 1 x 1 x 1 on one device
+    rules: tuple  # logical-axis rules of the model on the mesh
+    graphdef: nnx.GraphDef
+    tokenizer: object
+    task: tasks.Task
+    sampling: sampler.SamplingSettings  # the rollout's sampler settings
+    step: StepSettings  # what one RL step does
+    writer: metrics.MetricWriter
+    ckpt: checkpoint.Checkpointer
+    replay: ReplayBuffer | None  # GVPO's replay buffer (None: off)
+    np_rng: np.random.Generator  # minibatch shuffles (its state is checkpointed)
+    tx: optax.GradientTransformation  # the RL optimizer
+    state_shardings: train_step.TrainState  # NamedShardings of the train state
+    update: object  # jitted (state, batch) -> (state, metrics), state donated
+    logprobs: object  # jitted (params, tokens, attn_mask) -> response log-probs [B, N]
+    needs_reference: bool  # a frozen reference copy is kept (anchor "ref", KL penalty, metric)
+
+    def model(self, params) -> models.Transformer:
+        return nnx.merge(self.graphdef, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config -> settings (pure functions of the config; the planner uses them too)
+
+
+def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
+    """Preset overrides from the config (only the ones the user set), plus max_tokens."""
+    preset = losses.get_preset(config.algo.name)
+    kw = {}
+    if preset.kind == "gvpo":
+        kw["beta"] = config.algo.beta
+    else:
+        for name in ("eps_low", "eps_high"):
+            if config.algo[name] is not None:
+                kw[name] = config.algo[name]
+        if preset.kind == "clip":
+            if config.algo.kl_coef is not None:
+                kw["kl_coef"] = config.algo.kl_coef
+            kw["max_tokens"] = config.rollout.max_new_tokens
+    return kw
+
+
+def needs_reference(config: ml_collections.ConfigDict) -> bool:
+    """A frozen reference copy: GVPO's anchor="ref", a KL penalty, or the KL-to-start metric."""
+    preset = losses.get_preset(config.algo.name)
+    if config.train.kl_ref_metric:
+        return True
+    if preset.kind == "gvpo":
+        return config.algo.anchor == "ref"
+    kl = config.algo.kl_coef if config.algo.kl_coef is not None else preset.kwargs.get("kl_coef", 0)
+    return preset.kind == "clip" and kl > 0
+
+
+def uses_dynamic_sampling(config: ml_collections.ConfigDict) -> bool:
+    if config.algo.dynamic_sampling is not None:
+        return bool(config.algo.dynamic_sampling)
+    return losses.get_preset(config.algo.name).dynamic_sampling
+
+
+def rl_updates(config: ml_collections.ConfigDict) -> int:
+    """Optimizer updates of the whole RL phase (the learning-rate schedule's length)."""
+    return config.algo.num_epochs * config.algo.num_minibatches * max(config.train.steps, 1)
+
+
+def optimizer(config: ml_collections.ConfigDict, total_updates: int):
+    """(tx, lr_fn): the config's AdamW, schedule and clipping over `total_updates` updates."""
+    c = config.optim
+    return train_step.make_optimizer(
+        lr=c.lr,
+        total_updates=total_updates,
+        warmup_steps=c.warmup_steps,
+        schedule=c.schedule,
+        weight_decay=c.weight_decay,
+        b1=c.b1,
+        b2=c.b2,
+        grad_clip=c.grad_clip,
+    )
+
+
+def rl_loss_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
+    """`train_step.rl_loss` with the config's algorithm, anchor and loss settings bound."""
+    c = config
+    return functools.partial(
+        train_step.rl_loss,
+        graphdef=graphdef,
+        algo=c.algo.name,
+        group_size=c.rollout.group_size,
+        prompt_len=c.data.max_prompt_len,
+        chunk_size=c.model.logprob_chunk,
+        anchor=c.algo.anchor,
+        loss_kwargs=loss_kwargs(c),
+    )
+
+
+def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
+    c = config
+    overlong = None
+    if losses.get_preset(c.algo.name).overlong_penalty:
+        overlong = (c.rollout.max_new_tokens, c.algo.overlong_cache, c.algo.overlong_factor)
+    return StepSettings(
+        prompts_per_step=c.rollout.prompts_per_step,
+        group_size=c.rollout.group_size,
+        prompt_len=c.data.max_prompt_len,
+        num_epochs=c.algo.num_epochs,
+        num_minibatches=c.algo.num_minibatches,
+        micro_batches=c.optim.micro_batches,
+        replay_fraction=c.algo.replay_fraction,
+        dynamic_sampling=uses_dynamic_sampling(c),
+        max_extra_rounds=c.algo.max_extra_rounds,
+        overlong=overlong,
+        demo_slot=bool(c.algo.demo_slot),
+        max_bad_steps=c.train.max_bad_steps,
+    )
+
+
+def sampling_settings(config: ml_collections.ConfigDict, tokenizer) -> sampler.SamplingSettings:
+    eos = tasks.eos_ids(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    return sampler.SamplingSettings(
+        group_size=config.rollout.group_size,
+        max_new_tokens=config.rollout.max_new_tokens,
+        eos_ids=eos,
+        pad_id=int(pad),
+        temperature=config.rollout.temperature,
+        top_k=config.rollout.top_k,
+        top_p=config.rollout.top_p,
+        buckets=(config.data.max_prompt_len,),
+    )
+
+
+def make_replay(config: ml_collections.ConfigDict) -> ReplayBuffer | None:
+    if config.algo.name == "gvpo" and config.algo.replay_fraction > 0:
+        return ReplayBuffer(
+            config.algo.replay_capacity, mode=config.algo.replay_mode, seed=config.seed
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The pieces
+
+
+def build_tokenizer(config: ml_collections.ConfigDict, workdir: str):
+    """The run's tokenizer; the character tokenizer is saved as a normal HF directory in workdir."""
+    from gvpo_jax import data
+
+    kind = config.tokenizer.kind
+    if kind == "char":
+        tok = data.char_tokenizer.build_char_tokenizer()
+        if sharding.is_primary():  # one writer: the workdir may be shared by all processes
+            tok.save_pretrained(os.path.join(workdir, "tokenizer"))
+        return tok
+    import transformers
+
+    if kind == "hf":
+        return transformers.AutoTokenizer.from_pretrained(config.tokenizer.path)
+    if config.model.hf_dir:
+        return transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
+    return None  # kind == "model" with a GGUF: from_gguf returns its tokenizer
+
+
+def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
+    """The policy in its shards: HF directory > GGUF file > preset / overrides with random init.
+
+    Parameters are created or loaded straight into their shards under the logical axis rules.
+    Returns (model, tokenizer, rules).
+    """
+    c = config.model
+    if c.hf_dir:
+        cfg = sharding.hf_model_config(c.hf_dir, c.dtype).replace(remat=c.remat)
+        rules = sharding.logical_rules(mesh, cfg)
+        model = sharding.load_pretrained_sharded(
+            c.hf_dir, mesh, c.dtype, remat=c.remat, rules=rules
+        )
+        return model, tokenizer, rules
+    if c.gguf:
+        from gvpo_jax.config import resolve_gguf
+
+        model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), dtype=c.dtype)
+        rules = sharding.logical_rules(mesh, model.config)
+        return sharding.shard_model(model, mesh, rules), tokenizer or gguf_tok, rules
+    base = models.PRESETS[c.preset] if c.preset else None
+    fields = dict(c.overrides.to_dict())
+    if tokenizer is not None and "vocab_size" not in fields and base is None:
+        fields["vocab_size"] = len(tokenizer)
+    fields.setdefault("param_dtype", c.dtype)
+    fields.setdefault("remat", c.remat)
+    cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
+    rules = sharding.logical_rules(mesh, cfg)
+    return sharding.init_sharded(cfg, mesh, config.seed, rules), tokenizer, rules
+
+
+def check_mesh(config: ml_collections.ConfigDict, mesh) -> None:
+    """Batch shapes the mesh can split into whole groups (ShardingError otherwise)."""
+    c = config
+    P, G = c.rollout.prompts_per_step, c.rollout.group_size
+    sharding.check_batch((P // c.algo.num_minibatches) * G, G, mesh, c.optim.micro_batches)
+    shards = sharding.batch_shards(mesh)
+    fresh = P - int(round(c.algo.replay_fraction * P))
+    sizes = [("rollout.prompts_per_step", P), ("fresh groups per step", fresh)]
+    if c.sft.steps:
+        sizes.append(("sft.batch_size", c.sft.batch_size))
+    for name, n in sizes:
+        if n % shards:
+            raise sharding.ShardingError(
+                f"{name} = {n} is not a multiple of the {shards} data x fsdp shards of the "
+                "mesh; change prompts_per_step (or replay_fraction) or config.mesh."
+            )
+
+
+def step_functions(config: ml_collections.ConfigDict, graphdef, params, rng, mesh, rules):
+    """The jitted RL update and log-prob forward for `mesh`, with the state's shardings.
+
+    `params` and `rng` may be concrete or abstract (the planner compiles full-size configs from
+    shapes). Returns (tx, state_shardings, update, logprobs).
+    """
+    tx, lr_fn = optimizer(config, rl_updates(config))
+    shardings = train_step.train_state_shardings(params, tx, rng, mesh, rules)
+    update = train_step.jit_update(
+        rl_loss_fn(config, graphdef), tx, config.optim.micro_batches, lr_fn,
+        mesh=mesh, state_shardings=shardings, rules=rules,
+    )  # fmt: skip
+    logprobs = train_step.jit_logprobs(
+        graphdef, prompt_len=config.data.max_prompt_len, chunk_size=config.model.logprob_chunk,
+        group_size=config.rollout.group_size, mesh=mesh, param_shardings=shardings.params,
+        rules=rules,
+    )  # fmt: skip
+    return tx, shardings, update, logprobs
+
+
+def prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Fails early on an unusable workdir or restore path; writes config.json (process 0)."""
+    if config.restore_from:  # a bad explicit path fails before anything is written
+        checkpoint.resolve_restore(config.restore_from, workdir)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write_test.{jax.process_index()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise checkpoint.CheckpointError(
+            f"workdir {workdir!r} is not writable ({e.strerror}); choose another --workdir."
+        ) from e
+    if sharding.is_primary():
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+
+
+def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, train_step.TrainState]:
+    """Everything a run needs, before any step runs: returns (Run, the initial TrainState)."""
+    prepare_workdir(config, workdir)
+    m = config.mesh
+    devices = jax.devices() if m.num_devices == -1 else jax.devices()[: m.num_devices]
+    if m.num_devices > len(jax.devices()):
+        raise sharding.ShardingError(
+            f"config.mesh.num_devices is {m.num_devices} but {len(jax.devices())} devices are "
+            "available; use -1 (every device) or a smaller count."
+        )
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+    check_mesh(config, mesh)
+    tokenizer = build_tokenizer(config, workdir)
+    model, tokenizer, rules = build_model(config, tokenizer, mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = jax.random.key_data(jax.random.key(config.seed))
+    tx, shardings, update, logprobs = step_functions(config, graphdef, params, rng, mesh, rules)
+    state, _ = train_step.init_state_sharded(params, tx, rng, mesh, rules)
+    task = tasks.build_task(
+        config, tokenizer, shard=sharding.data_shard(mesh), allgather=sharding.host_allgather
+    )
+    run = Run(
+        config=config,
+        workdir=workdir,
+        mesh=mesh,
+        rules=rules,
+        graphdef=graphdef,
+        tokenizer=tokenizer,
+        task=task,
+        sampling=sampling_settings(config, tokenizer),
+        step=step_settings(config),
+        writer=metrics.MetricWriter(
+            workdir,
+            wandb_project=config.train.wandb_project,
+            wandb_config=json.loads(config.to_json_best_effort()),
+        ),
+        ckpt=checkpoint.Checkpointer(
+            checkpoint.checkpoint_dir(workdir),
+            save_every=config.train.checkpoint_every,
+            keep=config.train.keep_checkpoints,
+        ),
+        replay=make_replay(config),
+        np_rng=np.random.default_rng(config.seed + 1),
+        tx=tx,
+        state_shardings=shardings,
+        update=update,
+        logprobs=logprobs,
+        needs_reference=needs_reference(config),
+    )
+    if sharding.is_primary():
+        print(
+            f"model: {models.param_count(model) / 1e6:.2f}M parameters; "
+            f"{jax.device_count()} {jax.devices()[0].platform} devices; mesh "
+            + " x ".join(f"{k}={v}" for k, v in sharding.mesh_sizes(mesh).items())
+        )
+    return run, state

@@ -1,0 +1,239 @@
+"""One RL step on one page: rollout, rewards, filters, replay, log-probs, updates, metrics.
+
+`rl_step(run, state, ref_params)` is the whole step of `python -m gvpo_jax.main`; `run` is the
+frozen object of `gvpo_jax.assemble` (jitted functions, task, sampler settings, mesh), and every
+setting the step reads is in `run.step` (`StepSettings`), never in the config.
+
+Multi-process runs: each process samples and scores only the rows it feeds; the small host batch
+of a round (tokens, rewards, log-probs) is then all-gathered, so dynamic sampling, the replay
+buffer, minibatch shuffles and metrics see the same global numpy batch on every process, and each
+process hands only its rows back to the devices. With one process the gathers are the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from gvpo_jax import losses, rollout, sampler, sharding
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many consecutive non-finite steps); checkpoints are intact."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What one RL step does (from the config's rollout / algo / optim sections)."""
+
+    prompts_per_step: int  # P groups per update batch (fresh + replayed)
+    group_size: int  # G responses per prompt
+    prompt_len: int  # prompt slots of the update layout (data.max_prompt_len)
+    num_epochs: int  # passes over a rollout's groups
+    num_minibatches: int  # updates per pass (whole groups per minibatch)
+    micro_batches: int  # gradient accumulation inside one update
+    replay_fraction: float  # share of the P groups drawn from the replay buffer (GVPO)
+    dynamic_sampling: bool  # DAPO: replace groups whose rewards are all equal
+    max_extra_rounds: int  # rollout rounds at most beyond the first, with dynamic sampling
+    overlong: tuple[int, int, float] | None  # DAPO soft penalty (max_len, cache_len, factor)
+    demo_slot: bool  # the last response of every group is the demonstration answer
+    max_bad_steps: int  # consecutive non-finite updates before the run stops
+
+
+def rl_step(run, state, ref_params):
+    """One RL step from `state` (a `train_step.TrainState`); `ref_params` is the frozen reference
+    (None when the run needs none). Returns (state, metrics, completions, examples): completions
+    and examples are this process's rows of the first rollout round (for sample logging)."""
+    s = run.step
+    G, P = s.group_size, s.prompts_per_step
+    rng, roll_rng = jax.random.split(state.rng)
+    state = state.replace(rng=rng)
+
+    # 1. How many of the P groups come from the replay buffer (none until it holds enough).
+    n_replay = int(round(s.replay_fraction * P)) if run.replay is not None else 0
+    if run.replay is not None and len(run.replay) < n_replay:
+        n_replay = 0  # buffer still filling: a fresh-only batch (one extra compile at most)
+
+    # 2. Rollout and rewards: P - n_replay fresh groups (dynamic sampling may run more rounds).
+    fresh, completions, examples, metrics = collect_groups(
+        run, state.params, roll_rng, P - n_replay
+    )
+
+    # 3. Replay: the update batch is the fresh groups plus replayed ones; the fresh go in.
+    t0 = time.perf_counter()
+    batch = {k: fresh[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
+    if n_replay:
+        batch = rollout.concat_batches([batch, run.replay.sample(n_replay)])
+    if run.replay is not None:
+        run.replay.add(fresh, G)
+
+    # 4. Log-probs: pi_old (GVPO's anchor "old") and the reference for every row, replayed ones
+    #    included, one forward each with the parameters the rollout used.
+    dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
+    batch["old_logp"] = sharding.gather(run.logprobs(state.params, dev["tokens"], dev["attn_mask"]))
+    if ref_params is not None:
+        batch["ref_logp"] = sharding.gather(
+            run.logprobs(ref_params, dev["tokens"], dev["attn_mask"])
+        )
+
+    # 5. num_epochs x num_minibatches updates on shuffled whole groups.
+    update_metrics = []
+    for _ in range(s.num_epochs):
+        for groups in rollout.minibatch_groups(len(batch["rewards"]) // G, s.num_minibatches,
+                                               run.np_rng):  # fmt: skip
+            mb = batch
+            if s.num_minibatches > 1 or s.num_epochs > 1:
+                mb = rollout.select_groups(batch, groups, G)
+            mb = sharding.device_batch(mb, run.mesh, group_size=G, micro_batches=s.micro_batches)
+            state, m = run.update(state, mb)
+            update_metrics.append(m)
+    update_metrics = jax.device_get(update_metrics)
+    update_s = time.perf_counter() - t0
+
+    # 6. Metrics of the fresh groups and of the updates.
+    old = np.asarray(batch["old_logp"])[: fresh["sample_logp"].shape[0]]
+    mask, r = fresh["resp_mask"], fresh["task_rewards"]
+    ntok = float(mask.sum())
+    metrics.update(
+        {
+            "reward_mean": float(np.mean(fresh["rewards"])),
+            "reward_std": float(np.std(fresh["rewards"])),
+            "accuracy": float(np.mean(r >= 1.0)),
+            "equal_reward_group_frac": float(np.mean(~rollout.informative_mask(r, G))),
+            "response_len_mean": float(np.mean(fresh["lengths"])),
+            "response_len_max": float(np.max(fresh["lengths"])),
+            "entropy_mc": float(-np.sum(old * mask) / max(ntok, 1.0)),
+            "sampler_logp_gap_max": float((np.abs(old - fresh["sample_logp"]) * mask).max()),
+            "replayed_groups": float(n_replay),
+            "update_time_s": update_s,
+            "tokens_per_s": ntok / max(metrics["rollout_time_s"] + update_s, 1e-9),
+        }
+    )
+    for k in update_metrics[0]:
+        value = float(np.mean([x[k] for x in update_metrics]))
+        metrics[k if k not in metrics else f"loss/{k}"] = value
+    metrics["skipped_updates"] = float(np.sum([x["skipped"] for x in update_metrics]))
+    if int(state.bad_steps) >= s.max_bad_steps:
+        raise TrainingError(
+            f"{int(state.bad_steps)} consecutive non-finite updates (train.max_bad_steps="
+            f"{s.max_bad_steps}); the last good checkpoint in {run.workdir} is intact."
+        )
+    return state, metrics, completions, examples
+
+
+def next_examples(task, mesh, n: int) -> list[dict]:
+    """This process's rows of the next global batch of n training examples."""
+    return task.next_train(n, rows=sharding.process_rows(n, mesh).rows)
+
+
+def collect_groups(run, params, rng: jax.Array, num_prompts: int):
+    """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones.
+
+    Returns (batch, completions, examples, metrics): `batch` is the global batch (every row, on
+    every process); completions / examples are this process's rows of the first round.
+    """
+    s, G = run.step, run.step.group_size
+    model = run.model(params)
+    kept, info_acc, completions_all, examples_all = [], {}, [], []
+    num_kept, rounds_run = 0, 0
+    for r in range(1 + (s.max_extra_rounds if s.dynamic_sampling else 0)):
+        rounds_run += 1
+        examples = next_examples(run.task, run.mesh, num_prompts)
+        batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r))
+        batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
+        info["truncated"] = batch.pop("truncated")
+        batch["task_rewards"] = batch["rewards"].copy()
+        if s.overlong is not None:  # DAPO's soft overlong penalty on the response lengths
+            max_len, cache_len, factor = s.overlong
+            batch["rewards"] = batch["rewards"] + np.asarray(
+                losses.overlong_penalty(
+                    batch["lengths"], max_len=max_len, cache_len=cache_len, factor=factor
+                )
+            )
+        for k, v in info.items():
+            info_acc.setdefault(k, []).append(v)
+        if r == 0:
+            completions_all, examples_all, first_round = completions, examples, batch
+        if not s.dynamic_sampling:
+            kept.append(batch)
+            num_kept = num_prompts
+            break
+        good = np.flatnonzero(rollout.informative_mask(batch["task_rewards"], G))
+        take = good[: num_prompts - num_kept]
+        if len(take):
+            kept.append(rollout.select_groups(batch, take, G))
+            num_kept += len(take)
+        if num_kept == num_prompts:
+            break
+    if num_kept < num_prompts:  # bound reached: fill with uninformative groups (zero advantage)
+        good = rollout.informative_mask(first_round["task_rewards"], G)
+        fill = np.flatnonzero(~good)[: num_prompts - num_kept]
+        kept.append(rollout.select_groups(first_round, fill, G))
+    metrics = {
+        "rollout_time_s": float(np.sum(info_acc.pop("rollout_time_s"))),
+        "reward_time_s": float(np.sum(info_acc.pop("reward_time_s"))),
+        "truncated_frac": float(np.mean(np.concatenate(info_acc.pop("truncated")))),
+        "rollout_rounds": float(rounds_run),
+    }
+    for k, v in info_acc.items():  # counts (reward timeouts, errors) of this process's rows
+        metrics[k] = sharding.sum_over_shards(np.sum(v), run.mesh)
+    return rollout.concat_batches(kept), completions_all, examples_all, metrics
+
+
+def sample_round(run, model, examples: list[dict], rng: jax.Array):
+    """This process's rows of one round: sample G responses per prompt, optionally put the
+    demonstration in each group's last slot, score, and lay out the update rows.
+
+    Returns (batch, completions, info): `batch` holds tokens / attn_mask / resp_mask / rewards /
+    lengths / truncated and the sampler's own log-probs (`sample_logp`, only a consistency
+    metric: pi_old is recomputed in one forward).
+    """
+    settings, G = run.sampling, run.step.group_size
+    prompts = [ex["prompt_ids"] for ex in examples]
+    t0 = time.perf_counter()
+    out = sampler.sample_groups(
+        model, prompts, settings=settings, rng=rng, mesh=run.mesh, rules=run.rules
+    )
+    rollout_s = time.perf_counter() - t0
+    tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
+    sample_logp = np.asarray(out.logp_BxN, np.float32)
+    if run.step.demo_slot:
+        demo_tokens, demo_mask = rollout.encode_answers(
+            run.tokenizer,
+            [ex.get("solution") or ex["answer"] for ex in examples],
+            max_new_tokens=settings.max_new_tokens,
+            eos_id=settings.eos_ids[0],
+            pad_id=settings.pad_id,
+        )
+        rows = np.arange(len(prompts)) * G + (G - 1)
+        tokens, mask, lengths = tokens.copy(), mask.copy(), lengths.copy()
+        tokens[rows], mask[rows] = demo_tokens, demo_mask
+        lengths[rows] = demo_mask.sum(-1).astype(lengths.dtype)
+        sample_logp = sample_logp.copy()
+        sample_logp[rows] = 0.0
+    completions = rollout.decode(run.tokenizer, tokens, lengths)
+    golds = [str(examples[b // G]["answer"]) for b in range(len(completions))]
+    t1 = time.perf_counter()
+    rewards, reward_info = run.task.score(completions, golds)
+    reward_s = time.perf_counter() - t1
+    batch = rollout.layout_batch(
+        prompts, tokens, mask, group_size=G, prompt_len=run.step.prompt_len, pad_id=settings.pad_id
+    )
+    ended = np.zeros(len(lengths), bool)
+    for eos in settings.eos_ids:
+        ended |= (tokens == eos).any(-1)
+    batch.update(
+        rewards=np.asarray(rewards, np.float32),
+        sample_logp=sample_logp,
+        lengths=np.asarray(lengths, np.int32),
+        truncated=(~ended).astype(np.float32),
+    )
+    info = {
+        "rollout_time_s": rollout_s,
+        "reward_time_s": reward_s,
+        **{f"reward/{k}": float(v) for k, v in reward_info.items()},
+    }
+    return batch, completions, info
