@@ -344,6 +344,16 @@ def test_demonstration_fills_the_last_slot_of_every_group(gvpo_runs):
                 assert group_rewards[g, i] == 1.0
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="package bug: the demonstration rows (sample_logp = 0, never sampled) enter the "
+    "sampler-vs-recompute gap metric (and entropy_mc); it reads ~4 nats in every demo_slot run",
+)
+def test_sampler_consistency_metric_ignores_demonstrations(gvpo_runs):
+    for step, row in rl_rows(gvpo_runs["straight"]).items():
+        assert row["sampler_logp_gap_max"] < 1e-4, (step, row["sampler_logp_gap_max"])
+
+
 def test_sigterm_saves_the_step_it_lands_on_and_resumes_to_the_same_result(gvpo_runs):
     assert gvpo_runs["signalled"] == [PREEMPT_AT] and not gvpo_runs["unhandled"]
     assert gvpo_runs["preempted_summary"].get("preempted_at") == PREEMPT_AT
