@@ -189,7 +189,8 @@ def test_first_and_second_token_distributions(hf_and_model, settings):
 # On these logits the 64 most likely tokens hold 47% of the mass at T=1.3 (top-p 0.6 takes the
 # bisection branch of `_nucleus_threshold`) and 97% at T=0.5 (top-p 0.9 reads the top 64).
 OPS_LOGITS_V = np.random.default_rng(0).normal(size=1000).astype(np.float32) * 2.0
-OPS_CASES = [*SAMPLING_CASES, dict(temperature=0.5, top_p=0.9)]
+MIN_P_CASE = dict(temperature=1.0, min_p=0.1)  # min-p alone, cutting most of the vocabulary
+OPS_CASES = [*SAMPLING_CASES, dict(temperature=0.5, top_p=0.9), MIN_P_CASE]
 
 
 def test_ops_cases_cover_both_nucleus_branches():
@@ -198,6 +199,15 @@ def test_ops_cases_cover_both_nucleus_branches():
         return np.sort(q)[::-1][:64].sum()
 
     assert top64_mass(1.3) < 0.6 and top64_mass(0.5) > 0.9
+
+
+def test_min_p_case_cuts_tokens():
+    """In MIN_P_CASE min-p removes tokens holding much of the mass, so a sampler that ignored
+    min_p would draw outside the support in `test_select_tokens_distribution_and_logps`."""
+    kept = _reference_dist(OPS_LOGITS_V, 1.0, 0, 1.0, MIN_P_CASE["min_p"])
+    full = _reference_dist(OPS_LOGITS_V, 1.0, 0, 1.0, 0.0)
+    assert 0 < np.sum(kept > 0) < 100
+    assert full[kept == 0].sum() > 0.3  # 20000 draws hit the cut tokens thousands of times
 
 
 @pytest.mark.parametrize("settings", OPS_CASES, ids=lambda s: str(sorted(s.items())))
