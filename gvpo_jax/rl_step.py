@@ -97,6 +97,7 @@ def rl_step(run, state, ref_params):
     old = np.asarray(batch["old_logp"])[: fresh["sample_logp"].shape[0]]
     mask, r = fresh["resp_mask"], fresh["task_rewards"]
     ntok = float(mask.sum())
+    sampled = mask * fresh["sampled"][:, None]  # the sampler's tokens (not demonstrations)
     metrics.update(
         {
             "reward_mean": float(np.mean(fresh["rewards"])),
@@ -105,8 +106,8 @@ def rl_step(run, state, ref_params):
             "equal_reward_group_frac": float(np.mean(~rollout.informative_mask(r, G))),
             "response_len_mean": float(np.mean(fresh["lengths"])),
             "response_len_max": float(np.max(fresh["lengths"])),
-            "entropy_mc": float(-np.sum(old * mask) / max(ntok, 1.0)),
-            "sampler_logp_gap_max": float((np.abs(old - fresh["sample_logp"]) * mask).max()),
+            "entropy_mc": float(-np.sum(old * sampled) / max(float(sampled.sum()), 1.0)),
+            "sampler_logp_gap_max": float((np.abs(old - fresh["sample_logp"]) * sampled).max()),
             "replayed_groups": float(n_replay),
             "update_time_s": update_s,
             "tokens_per_s": ntok / max(metrics["rollout_time_s"] + update_s, 1e-9),
@@ -188,8 +189,8 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     demonstration in each group's last slot, score, and lay out the update rows.
 
     Returns (batch, completions, info): `batch` holds tokens / attn_mask / resp_mask / rewards /
-    lengths / truncated and the sampler's own log-probs (`sample_logp`, only a consistency
-    metric: pi_old is recomputed in one forward).
+    lengths / truncated, the sampler's own log-probs (`sample_logp`, only a consistency metric:
+    pi_old is recomputed in one forward) and `sampled` (0 on demonstration rows).
     """
     settings, G = run.sampling, run.step.group_size
     prompts = [ex["prompt_ids"] for ex in examples]
@@ -200,6 +201,7 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     rollout_s = time.perf_counter() - t0
     tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
     sample_logp = np.asarray(out.logp_BxN, np.float32)
+    sampled = np.ones(len(lengths), np.float32)  # 0: a demonstration, not the sampler's
     if run.step.demo_slot:
         demo_tokens, demo_mask = rollout.encode_answers(
             run.tokenizer,
@@ -214,6 +216,7 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
         lengths[rows] = demo_mask.sum(-1).astype(lengths.dtype)
         sample_logp = sample_logp.copy()
         sample_logp[rows] = 0.0
+        sampled[rows] = 0.0
     completions = rollout.decode(run.tokenizer, tokens, lengths)
     golds = [str(examples[b // G]["answer"]) for b in range(len(completions))]
     t1 = time.perf_counter()
@@ -228,6 +231,7 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     batch.update(
         rewards=np.asarray(rewards, np.float32),
         sample_logp=sample_logp,
+        sampled=sampled,
         lengths=np.asarray(lengths, np.int32),
         truncated=(~ended).astype(np.float32),
     )
