@@ -125,7 +125,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2  # checkpoints kept in the workdir
     c.train.max_bad_steps = 5  # stop after this many consecutive non-finite steps
     c.train.reward_timeout_s = 5.0  # per-sample reward timeout (seconds)
-    c.train.reward_workers = 0  # reward processes (0: score in this process)
+    # Processes scoring the sympy-based rewards (math) with a hard timeout: -1 = one per core, at
+    # most 8; 0 = in this process, for debugging only (an answer sympy cannot finish evaluating
+    # then stalls the run). Exact-match / format rewards never start processes.
+    c.train.reward_workers = -1
     c.train.kl_ref_metric = True  # keep a frozen copy of the start policy to log KL to it (k3)
     c.train.export = True  # write the final policy as a Hugging Face directory
     c.train.plot = True  # write curves.png at the end
@@ -287,6 +290,12 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(f"config.optim.grad_clip is {c.optim.grad_clip}; use 0 (off) or a positive norm.")
     if c.train.reward_timeout_s <= 0:
         _fail(f"config.train.reward_timeout_s is {c.train.reward_timeout_s}; use seconds > 0.")
+    workers = c.train.reward_workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < -1:
+        _fail(
+            f"config.train.reward_workers is {workers!r}; use -1 (one per core), 0 (in process, "
+            "debugging only) or a number of processes."
+        )
     if c.mesh.distributed not in ("auto", "on", "off"):
         _fail(f"config.mesh.distributed is {c.mesh.distributed!r}; use auto, on or off.")
     for axis in ("data", "fsdp", "tensor"):
