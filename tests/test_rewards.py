@@ -5,6 +5,7 @@ import functools
 import json
 import operator
 import os
+import signal
 import time
 
 import numpy as np
@@ -362,3 +363,23 @@ def test_extract_batch_gives_canonical_answer_keys(warm_pool):
     assert info == {"timeouts": 0, "errors": 0, "refused": 0}
     with pytest.raises(ValueError, match="no answer extractor"):
         rewards.extract_batch(completions, reward="format")
+
+
+def test_soft_deadline_shares_sigalrm_with_an_outer_alarm():
+    """pytest-timeout's signal method (the test command's per-test timeout) arms SIGALRM too: a
+    reward deadline inside a test must neither cancel nor swallow it."""
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(time.monotonic()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.6)
+        with pytest.raises(rewards.RewardTimeout):
+            with verifiers.soft_deadline(0.1):
+                time.sleep(5)
+        assert not fired and 0.3 < signal.getitimer(signal.ITIMER_REAL)[0] < 0.6  # re-armed
+        t0 = time.monotonic()
+        with verifiers.soft_deadline(5.0):  # the outer alarm comes first and runs its handler
+            time.sleep(1.0)
+        assert len(fired) == 1 and fired[0] - t0 < 0.8
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import re
 import signal
 import threading
+import time
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -44,21 +46,41 @@ class RewardRefused(ValueError):
 
 @contextlib.contextmanager
 def soft_deadline(timeout_s: float | None):
-    """Raises RewardTimeout in the body after `timeout_s` seconds (main thread only, else no-op)."""
+    """Raises RewardTimeout in the body after `timeout_s` seconds (main thread only, else no-op).
+
+    Shares SIGALRM with an alarm armed outside (pytest-timeout's signal method, a caller's own
+    deadline): the earlier deadline is armed; if the outer one comes first its handler runs, and
+    on exit the outer alarm is re-armed with the time it has left (not cancelled).
+    """
     if not timeout_s or threading.current_thread() is not threading.main_thread():
         yield
         return
+    start = time.monotonic()
+    outer_s, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_at = start + outer_s if outer_s > 0 else math.inf
+    previous = signal.getsignal(signal.SIGALRM)
+    outer_fired = False
 
     def _expire(signum, frame):
+        nonlocal outer_fired
+        now = time.monotonic()
+        if now >= outer_at and callable(previous) and not outer_fired:
+            outer_fired = True
+            previous(signum, frame)  # usually raises; if it returns, our own deadline still holds
+            signal.setitimer(signal.ITIMER_REAL, max(start + timeout_s - now, 1e-6))
+            return
         raise RewardTimeout(f"reward exceeded {timeout_s} s")
 
-    previous = signal.signal(signal.SIGALRM, _expire)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    signal.signal(signal.SIGALRM, _expire)
+    signal.setitimer(signal.ITIMER_REAL, min(timeout_s, outer_s) if outer_s > 0 else timeout_s)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_at < math.inf and not outer_fired:
+            left = max(outer_at - time.monotonic(), 1e-6)
+            signal.setitimer(signal.ITIMER_REAL, left, outer_interval)
 
 
 def normalize_completion(text: str) -> str:
