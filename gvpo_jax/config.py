@@ -1,10 +1,15 @@
-"""The base run configuration and its validation: one sentence and a fix per invalid field."""
+"""The base run configuration and its validation: one sentence and a fix per invalid field,
+including command-line overrides that do not parse (an unknown field gets its closest name)."""
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import os
+import re
 
 import ml_collections
+from absl import flags
 from ml_collections import config_dict
 
 from gvpo_jax.errors import BadInputError
@@ -127,7 +132,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2  # checkpoints kept in the workdir
     c.train.max_bad_steps = 5  # stop after this many consecutive non-finite steps
     c.train.reward_timeout_s = 5.0  # per-sample reward timeout (seconds)
-    c.train.reward_workers = 0  # reward processes (0: score in this process)
+    # Processes scoring the sympy-based rewards (math) with a hard timeout: -1 = one per core, at
+    # most 8; 0 = in this process, for debugging only (an answer sympy cannot finish evaluating
+    # then stalls the run). Exact-match / format rewards never start processes.
+    c.train.reward_workers = -1
     c.train.kl_ref_metric = True  # keep a frozen copy of the start policy to log KL to it (k3)
     c.train.export = True  # write the final policy as a Hugging Face directory
     c.train.plot = True  # write curves.png at the end
@@ -296,9 +304,103 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"config.mesh.num_devices is {c.mesh.num_devices!r}; use -1 (every device) or a "
             "positive count."
         )
+    workers = c.train.reward_workers
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < -1:
+        _fail(
+            f"config.train.reward_workers is {workers!r}; use -1 (one per core), 0 (in process, "
+            "debugging only) or a number of processes."
+        )
+    if c.data.rewards:
+        from gvpo_jax import rewards  # lazy: imports sympy
+
+        try:
+            rewards.parse_specs(c.data.rewards)
+        except ValueError as e:
+            _fail(f"config.data.rewards is {c.data.rewards!r}: {e}")
     if c.mesh.distributed not in ("auto", "on", "off"):
         _fail(f"config.mesh.distributed is {c.mesh.distributed!r}; use auto, on or off.")
     for axis in ("data", "fsdp", "tensor"):
         value = c.mesh[axis]
         if not isinstance(value, int) or (value < 1 and value != -1):
             _fail(f"config.mesh.{axis} is {value!r}; use a positive size or -1 to fill the rest.")
+
+
+def flag_error_sentence(argv: list[str], error: BaseException) -> str:
+    """One sentence for a command line that absl / ml_collections could not parse.
+
+    ml_collections reports an unknown `--config.` field as a KeyError traceback whose last line
+    holds its "Did you mean" hint; absl reports bad values in two sentences with exit status 1.
+    """
+    config_file = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            config_file = argv[i + 1]
+    config = _load_config_file(config_file) if config_file else None
+    if config is not None and isinstance(error, (KeyError, AttributeError)):
+        for path in _override_paths(argv):
+            sentence = _unknown_field_sentence(config, path)
+            if sentence:
+                return sentence
+    match = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", str(error), re.DOTALL)
+    if match:
+        path, value, reason = match.groups()
+        kind = _field_type(config, path)
+        fix = f"give a value of type {kind}" if kind else "give a valid value"
+        return f"config.{path} cannot be {value!r} ({reason.strip().rstrip('.')}); {fix}."
+    if isinstance(error, flags.UnrecognizedFlagError):
+        close = difflib.get_close_matches(error.flagname, list(flags.FLAGS), n=1)
+        hint = f"did you mean --{close[0]}?" if close else "see --helpshort for the flags."
+        return f"unknown flag --{error.flagname}; {hint}"
+    last = str(error).strip().strip("'\"").replace("\\n", "\n").splitlines()[-1].rstrip(".")
+    return f"bad command line: {last}; see --helpshort for the flags."
+
+
+def _load_config_file(path: str) -> ml_collections.ConfigDict | None:
+    spec = importlib.util.spec_from_file_location("_gvpo_config_file", path.split(":", 1)[0])
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception:  # noqa: BLE001 - only used to phrase an error; the caller has a fallback
+        return None
+
+
+def _field_type(config: ml_collections.ConfigDict | None, path: str) -> str | None:
+    try:
+        value = config
+        for part in path.split("."):
+            value = value[part]
+    except (KeyError, TypeError):
+        return None
+    return type(value).__name__ if value is not None else None
+
+
+def _override_paths(argv: list[str]) -> list[str]:
+    """Field paths of the `--config.<path>=value` / `--noconfig.<path>` arguments, in order."""
+    paths = []
+    for arg in argv:
+        name = arg.split("=", 1)[0].lstrip("-")
+        for prefix in ("config.", "noconfig."):
+            if name.startswith(prefix):
+                paths.append(name[len(prefix) :])
+    return paths
+
+
+def _unknown_field_sentence(config: ml_collections.ConfigDict, path: str) -> str | None:
+    """None if `path` names a field of `config`, else the sentence with the closest name."""
+    node, parents = config, []
+    for part in path.split("."):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"config.{'.'.join(parents)} is a value, not a group of fields; drop '.{part}'."
+        if part not in node:
+            prefix = "".join(f"{p}." for p in parents)
+            close = difflib.get_close_matches(part, list(node.keys()), n=1, cutoff=0.5)
+            if close:
+                return f"unknown config field '{path}'; did you mean '{prefix}{close[0]}'?"
+            group = f"config.{prefix[:-1]}" if parents else "config"
+            return f"unknown config field '{path}'; {group} has {', '.join(node.keys())}."
+        node = node[part]
+        parents.append(part)
+    return None

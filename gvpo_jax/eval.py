@@ -117,7 +117,7 @@ def evaluate(
     ks: Sequence[int] = (1,),
     answer_fn: Callable[[str], str | None] | None = None,
     timeout_s: float = 5.0,
-    num_workers: int = 0,
+    num_workers: int = rewards_lib.AUTO_WORKERS,
     return_details: bool = False,
 ):
     """Samples n completions per example and scores them against `example["answer"]`.
@@ -125,8 +125,9 @@ def evaluate(
     Args:
       generate_fn: `(examples, n) -> completions`, one list of n strings per example.
       examples: dicts with `answer` (and `dataset`, default "eval", for the per-dataset split).
-      reward_fn: a name in `rewards.REWARDS` (scored in the worker pool with timeouts when
-        `num_workers > 0`) or a callable `(completion, gold) -> float`.
+      reward_fn: a name in `rewards.REWARDS` (sympy-based ones are scored in the worker pool
+        with hard timeouts; `num_workers` as in `rewards.score_batch`, default one per core) or
+        a callable `(completion, gold) -> float`.
       n: samples per problem; ks: the k of pass@k and maj@k (k > n is skipped).
       answer_fn: answer key for maj@k; default the reward's extractor, else the stripped text.
 
@@ -184,7 +185,7 @@ def evaluate_policy(
     chunk: int,
     seed: int,
     timeout_s: float = 5.0,
-    num_workers: int = 0,
+    num_workers: int = rewards_lib.AUTO_WORKERS,
 ) -> dict:
     """Held-out metrics of a policy: greedy always, avg@n / pass@k / maj@k of n samples at the
     rollout temperature when n > 1.

@@ -17,6 +17,23 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<co
 EXIT_BAD_INPUT = 2
 
 
+def bad_input(sentence: str):
+    """Ends the process the way every bad input ends: `error: <one sentence>`, exit status 2."""
+    print(f"error: {sentence}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, except that a bad flag or `--config.` field is one sentence and exit
+    status 2 (absl exits 1 after two sentences; ml_collections raises a KeyError traceback)."""
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, KeyError, AttributeError, OSError, TypeError, ValueError) as e:
+        from gvpo_jax import config as config_lib
+
+        bad_input(config_lib.flag_error_sentence(argv, e))
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
@@ -24,7 +41,12 @@ def main(argv):
 
     config = _CONFIG.value
     if config is None:
-        raise app.UsageError("--config is required, e.g. --config=configs/arith_tiny.py")
+        bad_input("--config is required; pass one such as --config=configs/arith_tiny.py.")
+    try:
+        _ = config.mode  # ml_collections reports a config file that failed to load only here
+    except OSError as e:
+        reason = str(e).strip().splitlines()[-1].strip()
+        bad_input(f"the config file could not be loaded ({reason}); pass an existing file.")
     workdir = _WORKDIR.value or os.path.join(
         "runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0]
     )
@@ -41,9 +63,8 @@ def main(argv):
         )
         train.run(config, workdir)
     except errors.BadInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        bad_input(str(e))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -35,12 +35,8 @@ def eos_ids(tokenizer) -> tuple[int, ...]:
 
 
 def parse_reward_specs(text: str) -> list[tuple[str, float]]:
-    """ "math:1,format:0.1" -> [("math", 1.0), ("format", 0.1)]."""
-    specs = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, weight = part.partition(":")
-        specs.append((name, float(weight or 1.0)))
-    return specs
+    """ "math:1,format:0.1" -> [("math", 1.0), ("format", 0.1)] (`rewards.parse_specs`)."""
+    return rewards.parse_specs(text)
 
 
 class _Concat:
@@ -182,7 +178,7 @@ class Task:
             timeout_s=self.timeout_s,
             num_workers=self.num_workers,
         )
-        return scores, {"timeouts": info["timeouts"], "errors": info["errors"]}
+        return scores, {k: info[k] for k in ("timeouts", "errors", "refused")}
 
     @property
     def eval_reward(self):

@@ -44,6 +44,10 @@ INVALID = [
     ("tokenizer.kind", "bpe", "config.tokenizer.kind is 'bpe'"),
     ("algo.overlong_cache", 50, "config.algo.overlong_cache is 50"),
     ("train.max_bad_steps", 0, "config.train.max_bad_steps is 0"),
+    ("train.reward_workers", -2, "config.train.reward_workers is -2"),
+    ("data.rewards", "nosuch:1", "unknown reward 'nosuch'; registered rewards: math, format"),
+    ("data.rewards", "math:abc", "config.data.rewards is 'math:abc': the weight 'abc' of math"),
+    ("data.rewards", "math:1,,:2", "unknown reward ''"),
 ]
 
 # Settings that are only invalid together with another one.
@@ -114,3 +118,33 @@ def test_cli_exits_2_before_compiling(tmp_path, override, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert not workdir.exists(), "nothing may be written before validation passes"
+
+
+def test_reward_settings_that_validate():
+    for rewards, workers in [("math:1,format:0.1", -1), ("exact_match", 0), ("", 4)]:
+        c = _arith()
+        c.data.rewards, c.train.reward_workers = rewards, workers
+        config_lib.validate(c)
+
+
+@pytest.mark.parametrize(
+    "override,sentence",
+    [
+        ("--config.algo.betta=0.2", "unknown config field 'algo.betta'; did you mean 'algo.beta'?"),
+        (
+            "--noconfig.train.plott",
+            "unknown config field 'train.plott'; did you mean 'train.plot'?",
+        ),
+        ("--config.algoo.beta=1", "unknown config field 'algoo.beta'; did you mean 'algo'?"),
+        (
+            "--config.mesh.zzz=1",
+            "unknown config field 'mesh.zzz'; config.mesh has coordinator_address, data,",
+        ),
+        ("--config.algo.beta.x=1", "config.algo.beta is a value, not a group of fields"),
+    ],
+)
+def test_unknown_override_field_gets_the_closest_name(override, sentence):
+    argv = ["main.py", "--config=configs/arith_tiny.py", override]
+    text = config_lib.flag_error_sentence([a.replace("configs/", REPO + "/configs/") for a in argv],
+                                          KeyError("from ml_collections"))  # fmt: skip
+    assert text.startswith(sentence) and text.count(". ") == 0, text

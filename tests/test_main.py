@@ -80,6 +80,44 @@ def test_demo_export_loads_in_transformers(demo_run):
     np.testing.assert_allclose(got, ref, atol=1e-4)
 
 
+# Bad command lines from a new user's battery: each is one sentence on stderr and exit status 2.
+BAD_OVERRIDES = [
+    ("--config.data.rewards=nosuch:1", "error: config.data.rewards is 'nosuch:1': unknown reward "
+     "'nosuch'; registered rewards: math, format, think_format, exact_match."),
+    ("--config.data.rewards=math:abc", "error: config.data.rewards is 'math:abc': the weight "
+     "'abc' of math is not a finite number;"),
+    ("--config.algo.betta=0.2", "error: unknown config field 'algo.betta'; did you mean "
+     "'algo.beta'?"),
+    ("--config.train.reward_workers=auto", "error: config.train.reward_workers cannot be 'auto'"),
+]  # fmt: skip
+
+
+def test_bad_overrides_exit_2_with_one_sentence(tmp_path):
+    procs = [  # in parallel: each spends its ~2 s importing
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gvpo_jax.main",
+                "--config=configs/arith_tiny.py",
+                f"--workdir={tmp_path / str(i)}",
+                override,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i, (override, _) in enumerate(BAD_OVERRIDES)
+    ]
+    for proc, (override, sentence) in zip(procs, BAD_OVERRIDES, strict=True):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (override, err[-3000:])
+        assert err.strip().startswith(sentence) and "\n" not in err.strip(), (override, err)
+        assert err.strip()[len("error: ") :].count(". ") == 0, err
+    assert not any(tmp_path.iterdir()), "nothing may be written before the command line is valid"
+
+
 def test_qwen_math_validates_and_has_7b_shapes():
     from configs import qwen_math
 

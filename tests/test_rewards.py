@@ -1,17 +1,22 @@
-"""Rewards: the math-verify verdict table, format and exact-match rewards, the timeout pool."""
+"""Rewards: the math-verify verdict table, format and exact-match rewards, the guard against
+explosive answers, the timeout pool, reward specs."""
 
+import functools
+import json
 import operator
 import os
+import signal
 import time
 
 import numpy as np
 import pytest
 
 from gvpo_jax import rewards
+from gvpo_jax.rewards import guard, registry, verifiers
 from gvpo_jax.rewards import pool as pool_lib
-from gvpo_jax.rewards import registry
 
 HUGE_POWER = r"The answer is \boxed{9^{9^{9^{9}}}}."  # sympy would evaluate this for ages
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 # (model output, gold answer, expected verdict)
 MATH_CASES = [
@@ -165,7 +170,7 @@ def test_score_batch_weights_components_and_overlong_inline():
     lens = [5, 7, 8, 12]
     scores, info = rewards.score_batch(
         completions, golds, reward_specs=[("math", 1.0), ("format", 0.5)],
-        response_lens=lens, overlong=(10, 4, 2.0),
+        response_lens=lens, overlong=(10, 4, 2.0), num_workers=0,
     )  # fmt: skip
     math_ = np.array([1, 1, 0, 0], np.float64)
     fmt = np.array([1, 0, 1, 0], np.float64)
@@ -178,20 +183,126 @@ def test_score_batch_weights_components_and_overlong_inline():
     assert info["timeouts"] == 0 and info["errors"] == 0
 
 
-def test_inline_soft_timeout_scores_zero_and_counts():
+def test_inline_soft_deadline_stops_a_python_level_reward(slow_reward):
     t0 = time.perf_counter()
-    scores, info = rewards.score_batch([HUGE_POWER, r"\boxed{3}"], ["5", "3"], timeout_s=0.5)
-    assert time.perf_counter() - t0 < 5.0
-    np.testing.assert_array_equal(scores, [0.0, 1.0])
-    assert info["timeouts"] == 1
+    scores, info = rewards.score_batch(
+        ["1", "2"], ["1", "2"], reward_specs=[(slow_reward, 1.0)], timeout_s=0.3, num_workers=0
+    )
+    assert time.perf_counter() - t0 < 2.0
+    np.testing.assert_array_equal(scores, [0.0, 0.0])
+    assert info["timeouts"] == 2 and info["errors"] == 0
+
+
+@pytest.fixture
+def slow_reward():
+    def slow(completion, gold, timeout_s=None):
+        time.sleep(30)  # interruptible by the soft deadline's signal, unlike a C-level pow
+        return 1.0
+
+    rewards.register(rewards.Reward("test_slow", slow))
+    yield "test_slow"
+    rewards.REWARDS.pop("test_slow")
+
+
+# Answers whose exact evaluation explodes, from sympy's `pow` / factorial / expansion loops.
+EXPLOSIVE = [
+    HUGE_POWER,
+    r"\boxed{9^{9^9}}",
+    r"\boxed{2^{2^{2^{2^{2^{2}}}}}}",
+    r"\boxed{1000000000^{1000000000}}",
+    r"\boxed{10^{-9^{9^9}}}",
+    r"\boxed{\frac{9^{9^9}}{9^{9^9}}}",
+    r"\boxed{\sqrt{9^{9^9}}}",
+    r"\boxed{\left(9^{9}\right)^{9^{9}}}",
+    r"\boxed{99999999999!}",
+    r"\boxed{(10^{10})!}",
+    r"\boxed{9!!!!}",
+    r"\boxed{\binom{1000000000}{500000000}}",  # latex2sympy evaluates binomials while parsing
+    r"\boxed{\prod_{i=1}^{1000000000} i}",
+    r"\boxed{\sum_{i=1}^{100000} \sin(i)}",
+    r"\boxed{(x+1)^{100000}}",
+    r"\boxed{(x+y+z)^{30}}",
+    r"\boxed{x = 9^{9^9}}",
+    r"\boxed{\{1, 9^{9^9}\}}",
+    r"\boxed{\begin{pmatrix} 9^{9^9} \\ 1 \end{pmatrix}}",
+    "so the answer is 9^9^9^9",
+]
+
+
+@pytest.mark.parametrize("completion", EXPLOSIVE)
+def test_guard_refuses_explosive_answers_from_the_parsed_expression(completion):
+    parsed = verifiers.parse_prediction(completion)  # evaluation off: returns at once
+    assert any(not isinstance(p, str) for p in parsed), parsed
+    assert guard.refusal(parsed) is not None, parsed
+    with pytest.raises(rewards.RewardRefused, match="refused unevaluated"):
+        rewards.math_score(completion, "5")
+
+
+def test_guard_passes_every_graded_answer_of_the_tests():
+    """The held-out grading cases: the verdict table and the dataset fixtures' own solutions."""
+    texts = [c for c, _, _ in MATH_CASES] + [rf"\boxed{{{g}}}" for _, g, _ in MATH_CASES]
+    for name in ("math500/test.jsonl", "gsm8k/train.jsonl", "gsm8k/test.jsonl"):
+        for line in open(os.path.join(FIXTURES, name)):
+            ex = json.loads(line)
+            texts += [ex.get("solution") or ex["answer"], rf"\boxed{{{ex.get('answer')}}}"]
+    assert len(texts) > 150
+    refused = [(t, guard.refusal(verifiers.parse_prediction(t))) for t in texts]
+    assert [r for r in refused if r[1] is not None] == []
+
+
+def test_guard_limits_sit_above_real_answers_and_below_slow_ones():
+    ok = [r"\boxed{2^{2023}}", r"\boxed{100!}", r"\boxed{(x+1)^{10}}", r"\boxed{\binom{100}{50}}",
+          r"\boxed{\sum_{k=1}^{100} k}", r"\boxed{10^{-30}}", r"\boxed{x^{2016}}"]  # fmt: skip
+    for text in ok:
+        assert guard.refusal(verifiers.parse_prediction(text)) is None, text
+    assert rewards.math_reward(r"\boxed{2^{2023}}", r"2^{2023}") == 1.0
+
+
+def test_explosive_answers_score_zero_counted_as_refused_by_default(warm_pool):
+    # Every answer came back refused (counted as a timeout too) well before its 1 s deadline.
+    scores, info = rewards.score_batch(EXPLOSIVE + [r"\boxed{3}"], ["5"] * len(EXPLOSIVE) + ["3"],
+                                       timeout_s=1.0)  # fmt: skip
+    assert scores.tolist() == [0.0] * len(EXPLOSIVE) + [1.0]
+    assert info["refused"] == info["timeouts"] == len(EXPLOSIVE) and info["errors"] == 0
+    answers, info = rewards.extract_batch([HUGE_POWER, r"\boxed{3}"], reward="math")
+    assert answers == [None, "3"] and info["refused"] == info["timeouts"] == 1
+
+
+def test_tower_scored_200_times_in_a_warm_process_returns_within_2x_timeout(warm_pool):
+    timeout_s, worst = 1.0, 0.0
+    for _ in range(200):
+        t0 = time.perf_counter()
+        scores, info = rewards.score_batch([HUGE_POWER], ["5"], timeout_s=timeout_s)
+        worst = max(worst, time.perf_counter() - t0)
+        assert scores.tolist() == [0.0]
+        assert info["timeouts"] == 1 and info["errors"] == 0, info
+    assert worst < 2 * timeout_s, worst
+
+
+def test_default_worker_count_follows_the_machine():
+    assert 1 <= rewards.default_workers() <= registry.MAX_AUTO_WORKERS
+    assert rewards.default_workers() <= (os.cpu_count() or 1)
+    assert registry.resolve_workers(rewards.AUTO_WORKERS) == rewards.default_workers()
+    assert registry.resolve_workers(0) == 0
+
+
+def test_parse_specs_names_the_registered_rewards():
+    assert rewards.parse_specs("math:1, format:0.1,exact_match") == [
+        ("math", 1.0), ("format", 0.1), ("exact_match", 1.0)]  # fmt: skip
+    for text, message in [("nosuch:1", "unknown reward 'nosuch'"), ("math:abc", "'abc' of math"),
+                          ("math:inf", "not a finite number"), (",", "no reward")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message) as err:
+            rewards.parse_specs(text)
+        assert "registered rewards: math, format" in str(err.value)
 
 
 @pytest.fixture(scope="module")
 def warm_pool():
-    pool = pool_lib.WorkerPool(2)
+    """The process-wide pool that score_batch's default settings use, started and waited for."""
+    pool = pool_lib.get_pool(registry.default_workers())
     assert pool.map(operator.add, [(1, 2)], timeout_s=60.0) == [("ok", 3)]  # waits for start-up
     yield pool
-    pool.close()
+    pool_lib.close_pools()
 
 
 def test_pool_runs_tasks_in_order_and_reports_errors_and_crashes(warm_pool):
@@ -226,29 +337,49 @@ def test_pool_reports_workers_that_cannot_start():
         broken.close()
 
 
-def test_huge_power_hits_pool_timeout_and_scores_zero_quickly(monkeypatch, warm_pool):
-    monkeypatch.setattr(registry, "get_pool", lambda n: warm_pool)
-    t0 = time.perf_counter()
-    scores, info = rewards.score_batch(
-        [HUGE_POWER, r"\boxed{\frac{1}{2}}", "no answer"], ["5", "0.5", "1"],
-        timeout_s=1.0, num_workers=2,
-    )  # fmt: skip
-    elapsed = time.perf_counter() - t0
-    np.testing.assert_array_equal(scores, [0.0, 1.0, 0.0])
-    assert info["timeouts"] == 1 and info["errors"] == 0
-    assert elapsed < 4.0, elapsed
-    # The replacement worker scores the next batch normally.
-    scores, info = rewards.score_batch([r"\boxed{7}"] * 4, ["7"] * 4, timeout_s=30.0, num_workers=2)
-    np.testing.assert_array_equal(scores, [1.0] * 4)
+def test_pool_kills_workers_stuck_in_sympy_and_each_call_returns_within_2x_timeout(warm_pool):
+    """Without the guard the tower reaches sympy's C-level pow, which no signal interrupts: the
+    pool kills the worker at the deadline and swaps in its started spare, call after call."""
+    unguarded = functools.partial(rewards.math_score, guarded=False)
+    restarts, timeout_s = warm_pool.restarts, 0.5
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = warm_pool.map(unguarded, [(r"\boxed{7}", "7", None), (HUGE_POWER, "5", None)],
+                            timeout_s=timeout_s)  # fmt: skip
+        assert time.perf_counter() - t0 < 2 * timeout_s
+        assert out == [("ok", 1.0), ("timeout", None)]
+    assert warm_pool.restarts == restarts + 3
+    # The replacements score the next batch normally.
+    scores, info = rewards.score_batch([r"\boxed{7}"] * 4, ["7"] * 4, timeout_s=30.0)
+    assert scores.tolist() == [1.0] * 4 and info["timeouts"] == 0
 
 
-def test_extract_batch_gives_canonical_answer_keys(monkeypatch, warm_pool):
-    monkeypatch.setattr(registry, "get_pool", lambda n: warm_pool)
+def test_extract_batch_gives_canonical_answer_keys(warm_pool):
     completions = [r"\boxed{0.5}", r"\boxed{\frac{1}{2}}", "nothing here", r"\boxed{3}"]
-    pooled, info = rewards.extract_batch(completions, reward="math", num_workers=2)
-    inline, _ = rewards.extract_batch(completions, reward="math")
+    pooled, info = rewards.extract_batch(completions, reward="math")
+    inline, _ = rewards.extract_batch(completions, reward="math", num_workers=0)
     assert pooled == inline
     assert pooled[0] == pooled[1] and pooled[2] is None and pooled[3] == "3"
-    assert info == {"timeouts": 0, "errors": 0}
+    assert info == {"timeouts": 0, "errors": 0, "refused": 0}
     with pytest.raises(ValueError, match="no answer extractor"):
         rewards.extract_batch(completions, reward="format")
+
+
+def test_soft_deadline_shares_sigalrm_with_an_outer_alarm():
+    """pytest-timeout's signal method (the test command's per-test timeout) arms SIGALRM too: a
+    reward deadline inside a test must neither cancel nor swallow it."""
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(time.monotonic()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.6)
+        with pytest.raises(rewards.RewardTimeout):
+            with verifiers.soft_deadline(0.1):
+                time.sleep(5)
+        assert not fired and 0.3 < signal.getitimer(signal.ITIMER_REAL)[0] < 0.6  # re-armed
+        t0 = time.monotonic()
+        with verifiers.soft_deadline(5.0):  # the outer alarm comes first and runs its handler
+            time.sleep(1.0)
+        assert len(fired) == 1 and fired[0] - t0 < 0.8
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,9 +1,11 @@
 """Verifiable rewards on text: math correctness (math-verify), boxed / think format, exact match.
 
 Every function here has the reward signature `fn(completion, gold, timeout_s) -> float` and may
-raise; `RewardTimeout` means the soft (signal) deadline expired. `timeout_s` is honoured only in a
-main thread (SIGALRM), and cannot interrupt a long C call (e.g. a huge big-integer power): the
-worker pool of `gvpo_jax.rewards.pool` is the hard guarantee and calls these with `timeout_s=None`.
+raise; `RewardTimeout` means the soft (signal) deadline expired, `RewardRefused` that the answer
+was refused unevaluated by `rewards.guard` (its exact evaluation could explode). `timeout_s` is
+honoured only in a main thread (SIGALRM), and cannot interrupt a long C call (e.g. a huge
+big-integer power): the worker pool of `gvpo_jax.rewards.pool` is the hard guarantee and calls
+these with `timeout_s=None`.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import re
 import signal
 import threading
+import time
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from gvpo_jax.rewards import guard
 from gvpo_jax.rewards.extract import boxed_spans, gsm8k_final_answer
 
 # math-verify warns once per process that its own timeouts are off; ours replace them.
@@ -35,23 +40,47 @@ class RewardTimeout(BaseException):
     """A reward overran its deadline (BaseException, so math-verify cannot swallow it)."""
 
 
+class RewardRefused(ValueError):
+    """The answer was not evaluated: `rewards.guard` found that its evaluation could explode."""
+
+
 @contextlib.contextmanager
 def soft_deadline(timeout_s: float | None):
-    """Raises RewardTimeout in the body after `timeout_s` seconds (main thread only, else no-op)."""
+    """Raises RewardTimeout in the body after `timeout_s` seconds (main thread only, else no-op).
+
+    Shares SIGALRM with an alarm armed outside (pytest-timeout's signal method, a caller's own
+    deadline): the earlier deadline is armed; if the outer one comes first its handler runs, and
+    on exit the outer alarm is re-armed with the time it has left (not cancelled).
+    """
     if not timeout_s or threading.current_thread() is not threading.main_thread():
         yield
         return
+    start = time.monotonic()
+    outer_s, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    outer_at = start + outer_s if outer_s > 0 else math.inf
+    previous = signal.getsignal(signal.SIGALRM)
+    outer_fired = False
 
     def _expire(signum, frame):
+        nonlocal outer_fired
+        now = time.monotonic()
+        if now >= outer_at and callable(previous) and not outer_fired:
+            outer_fired = True
+            previous(signum, frame)  # usually raises; if it returns, our own deadline still holds
+            signal.setitimer(signal.ITIMER_REAL, max(start + timeout_s - now, 1e-6))
+            return
         raise RewardTimeout(f"reward exceeded {timeout_s} s")
 
-    previous = signal.signal(signal.SIGALRM, _expire)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    signal.signal(signal.SIGALRM, _expire)
+    signal.setitimer(signal.ITIMER_REAL, min(timeout_s, outer_s) if outer_s > 0 else timeout_s)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_at < math.inf and not outer_fired:
+            left = max(outer_at - time.monotonic(), 1e-6)
+            signal.setitimer(signal.ITIMER_REAL, left, outer_interval)
 
 
 def normalize_completion(text: str) -> str:
@@ -79,21 +108,40 @@ def parse_gold(gold: str) -> tuple:
 
 
 def parse_prediction(completion: str) -> list:
-    """The model's final answer as math-verify objects (empty list: no answer found)."""
-    return parse(
-        normalize_completion(completion), extraction_config=_PRED_CONFIG, parsing_timeout=None
-    )
+    """The model's final answer as math-verify objects (empty list: no answer found).
+
+    Parsed with sympy's evaluation off: latex2sympy evaluates some nodes as it builds them (a
+    `\\binom` of huge numbers would be computed right here), and the guard must see the
+    expression before anything is computed. Verdicts on the test tables are unchanged.
+    """
+    with sympy.evaluate(False):
+        return parse(
+            normalize_completion(completion), extraction_config=_PRED_CONFIG, parsing_timeout=None
+        )
 
 
-def math_score(completion: str, gold: str, timeout_s: float | None = None) -> float:
+def guarded_prediction(completion: str) -> list:
+    """`parse_prediction`, refused (RewardRefused) when evaluating the answer could explode."""
+    parsed = parse_prediction(completion)
+    reason = guard.refusal(parsed)
+    if reason is not None:
+        raise RewardRefused(f"answer refused unevaluated: {reason}")
+    return parsed
+
+
+def math_score(
+    completion: str, gold: str, timeout_s: float | None = None, *, guarded: bool = True
+) -> float:
     """1.0 iff the final answer of `completion` equals `gold` mathematically, else 0.0.
 
     Several boxed answers are read together as one set (math-verify's rule), so hedging with
-    multiple candidates scores 0 unless the gold answer is that set. May raise RewardTimeout.
+    multiple candidates scores 0 unless the gold answer is that set. May raise RewardTimeout
+    and RewardRefused (gold answers come from the dataset and are not guarded). `guarded=False`
+    evaluates any answer, explosive or not: only for tests of the pool's hard timeout.
     """
     with soft_deadline(timeout_s):
         gold_parsed = parse_gold(gold)
-        pred_parsed = parse_prediction(completion)
+        pred_parsed = guarded_prediction(completion) if guarded else parse_prediction(completion)
         if not gold_parsed or not pred_parsed:
             return 0.0
         return 1.0 if verify(list(gold_parsed), pred_parsed, timeout_seconds=None) else 0.0
@@ -102,7 +150,7 @@ def math_score(completion: str, gold: str, timeout_s: float | None = None) -> fl
 def math_answer(completion: str, timeout_s: float | None = None) -> str | None:
     """A canonical string of the final answer (for majority voting), or None if there is none."""
     with soft_deadline(timeout_s):
-        parsed = parse_prediction(completion)
+        parsed = guarded_prediction(completion)
         if not parsed:
             return None
         expr = parsed[0]
