@@ -75,38 +75,52 @@ def _load(config, split: str):
 class Task:
     """Training examples with their prompt ids, held-out examples, and batch scoring."""
 
-    def __init__(self, config, tokenizer, *, shard_index: int = 0, shard_count: int = 1,
-                 allgather=None):  # fmt: skip
-        """shard_index / shard_count: this process's data shard (`sharding.data_shard`), used to
+    def __init__(
+        self,
+        tokenizer,
+        train_source: Sequence[dict],
+        held_out: Sequence[dict],
+        *,
+        name: str,
+        seed: int,
+        template: str,
+        max_prompt_len: int,
+        use_chat_template: bool,
+        on_too_long: str,
+        reward_specs: Sequence[tuple[str, float]],
+        reward_timeout_s: float,
+        reward_workers: int,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        allgather=None,
+    ):
+        """train_source: random-access training examples (shuffled by a seeded stream);
+        held_out: the evaluation examples; name: the task's name in error messages.
+        reward_specs: [(reward name, weight)] of `gvpo_jax.rewards`, scored with
+        `reward_timeout_s` per sample in `reward_workers` processes (`rewards.score_batch`).
+        shard_index / shard_count: this process's data shard (`sharding.data_shard`), used to
         split the prompt-length checks of a batch; allgather: `sharding.host_allgather` (a
         collective over the processes; only called when shard_count > 1)."""
-        c = config.data
         self.shard_index, self.shard_count = shard_index, shard_count
         self._allgather = allgather
         self.tokenizer = tokenizer
         self.encode_kw = dict(
-            template=c.template,
-            max_prompt_len=c.max_prompt_len,
-            use_chat_template=c.use_chat_template,
-            on_too_long=c.on_too_long,
+            template=template,
+            max_prompt_len=max_prompt_len,
+            use_chat_template=use_chat_template,
+            on_too_long=on_too_long,
         )
-        self.reward_specs = parse_reward_specs(c.get("rewards", "") or DEFAULT_REWARDS[c.task])
-        self.timeout_s = config.train.reward_timeout_s
-        self.num_workers = config.train.reward_workers
-        source = _load(config, "train")
-        if len(source) == 0:
-            raise DataError(f"the training set of data.task={c.task!r} is empty; check data.path.")
-        self._stream = make_stream(source, seed=config.seed)
+        self.reward_specs = list(reward_specs)
+        self.timeout_s = reward_timeout_s
+        self.num_workers = reward_workers
+        if len(train_source) == 0:
+            raise DataError(f"the training set of data.task={name!r} is empty; check data.path.")
+        self._stream = make_stream(train_source, seed=seed)
         self.position = 0  # global stream position of the next unread example
         self.dropped = 0  # examples skipped for not fitting max_prompt_len (all processes)
-        if c.task == "arith":
-            held_out = list(_load(config, "eval"))
-        else:
-            task, split = EVAL_SPLIT[c.task]
-            held_out = list(data.load_task(task, split, path=c.path))[: c.eval_size]
-        self.eval_examples = self._encode(held_out)
+        self.eval_examples = self._encode(list(held_out))
         if not self.eval_examples:
-            raise DataError(f"no held-out example of {c.task!r} fits data.max_prompt_len.")
+            raise DataError(f"no held-out example of {name!r} fits data.max_prompt_len.")
 
     def _encode(self, examples: Sequence[dict]) -> list[dict]:
         """The examples that fit, with their prompt ids (drops counted)."""
@@ -199,5 +213,27 @@ class Task:
 
 
 def build_task(config, tokenizer, *, shard=(0, 1), allgather=None) -> Task:
-    """The run's Task; `shard` = (index, count) of this process's data shard."""
-    return Task(config, tokenizer, shard_index=shard[0], shard_count=shard[1], allgather=allgather)
+    """The run's Task from its config; `shard` = (index, count) of this process's data shard."""
+    c = config.data
+    if c.task == "arith":
+        held_out = _load(config, "eval")
+    else:
+        task, split = EVAL_SPLIT[c.task]
+        held_out = list(data.load_task(task, split, path=c.path))[: c.eval_size]
+    return Task(
+        tokenizer,
+        _load(config, "train"),
+        held_out,
+        name=c.task,
+        seed=config.seed,
+        template=c.template,
+        max_prompt_len=c.max_prompt_len,
+        use_chat_template=c.use_chat_template,
+        on_too_long=c.on_too_long,
+        reward_specs=parse_reward_specs(c.get("rewards", "") or DEFAULT_REWARDS[c.task]),
+        reward_timeout_s=config.train.reward_timeout_s,
+        reward_workers=config.train.reward_workers,
+        shard_index=shard[0],
+        shard_count=shard[1],
+        allgather=allgather,
+    )

@@ -343,7 +343,7 @@ def test_task_stream_is_the_one_process_grain_stream():
     runs are unchanged), minus the prompts that do not fit; the position resumes exactly."""
     c = _task_config(max_prompt_len=5)
     tok = data.build_char_tokenizer()
-    task = tasks.Task(c, tok)
+    task = tasks.build_task(c, tok)
     held_out_drops = task.dropped  # the held-out set's own drops, counted at construction
     got = [ex["id"] for ex in task.next_train(6) + task.next_train(10)]
     it = data.make_iterator(tasks._load(c, "train"), seed=c.seed, batch_size=1, shard_index=0,
@@ -353,7 +353,7 @@ def test_task_stream_is_the_one_process_grain_stream():
     assert got == fits and task.dropped - held_out_drops == len(stream) - len(fits) > 0
     state = task.get_state()
     after = [ex["id"] for ex in task.next_train(7)]
-    resumed = tasks.Task(c, tok)
+    resumed = tasks.build_task(c, tok)
     resumed.set_state(json.loads(json.dumps(state)))
     assert [ex["id"] for ex in resumed.next_train(7)] == after
 
@@ -366,10 +366,10 @@ def test_task_stream_is_the_one_process_grain_stream():
 def test_two_data_shards_compose_the_one_process_batch(rows_of):
     c = _task_config(max_prompt_len=5)
     tok = data.build_char_tokenizer()
-    single = tasks.Task(c, tok)
+    single = tasks.build_task(c, tok)
     held_out_drops = single.dropped
     exchange = _Exchange(2)
-    shards = [tasks.Task(c, tok, shard_index=i, shard_count=2, allgather=exchange.allgather(i))
+    shards = [tasks.build_task(c, tok, shard=(i, 2), allgather=exchange.allgather(i))
               for i in range(2)]  # fmt: skip
     for n in (8, 16, 4, 8):
         want = single.next_train(n)
