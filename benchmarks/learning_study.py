@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gvpo_jax import assemble, tasks, train
+from gvpo_jax import config as config_lib
 from gvpo_jax.rl_step import TrainingError, collect_groups, rl_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,13 +134,7 @@ def base_config(quick: bool):
 
 
 def with_overrides(c, overrides, seed: int):
-    c = c.copy_and_resolve_references()
-    for k, v in overrides:
-        *sects, name = k.split(".")
-        node = c
-        for sect in sects:
-            node = node[sect]
-        node[name] = v
+    c = config_lib.set_fields(c.copy_and_resolve_references(), overrides)
     c.seed = seed
     return c
 

@@ -153,6 +153,18 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def set_fields(c: ml_collections.ConfigDict, changes) -> ml_collections.ConfigDict:
+    """Sets dotted fields in place, `{"rollout.group_size": 4, ...}` (or (path, value) pairs), as
+    `--config.<path>=value` does on the command line; returns `c`."""
+    for path, value in dict(changes).items():
+        *parents, leaf = path.split(".")
+        node = c
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return c
+
+
 def _fail(msg: str):
     raise ConfigError(msg)
 

@@ -215,6 +215,7 @@ class Task:
 def build_task(config, tokenizer, *, shard=(0, 1), allgather=None) -> Task:
     """The run's Task from its config; `shard` = (index, count) of this process's data shard."""
     c = config.data
+    train_source = _load(config, "train")  # first: its load errors are the ones reported
     if c.task == "arith":
         held_out = _load(config, "eval")
     else:
@@ -222,7 +223,7 @@ def build_task(config, tokenizer, *, shard=(0, 1), allgather=None) -> Task:
         held_out = list(data.load_task(task, split, path=c.path))[: c.eval_size]
     return Task(
         tokenizer,
-        _load(config, "train"),
+        train_source,
         held_out,
         name=c.task,
         seed=config.seed,

@@ -29,12 +29,7 @@ def _math_config(**changes):
     c.rollout.max_new_tokens = 4
     c.algo.overlong_cache = 2
     c.train.reward_timeout_s = TIMEOUT_S
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config_lib.set_fields(c, changes)
     config_lib.validate(c)
     return c
 

@@ -74,12 +74,7 @@ def toy_config(algo="gvpo", **changes):
     c.optim.grad_clip = 0.0
     c.model.logprob_chunk = 8
     c.mesh.num_devices = 1  # the 1 x 1 x 1 mesh: tiny shapes, no 8-way split of 4 prompts
-    for path, value in changes.items():
-        node = c
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config_lib.set_fields(c, changes)
     config_lib.validate(c)
     return c
 

@@ -211,12 +211,7 @@ def wiring_config(algo="gvpo", **changes):
     c.train.sample_log_every = 0
     c.train.export = False
     c.train.plot = False
-    for path, value in changes.items():
-        *parents, leaf = path.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config_lib.set_fields(c, changes)
     config_lib.validate(c)
     return c
 
