@@ -541,7 +541,11 @@ def main(argv=None) -> dict:
     p.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--budget", type=int, default=0, help="sampled responses per run")
     p.add_argument("--eval-points", type=int, default=0, help="evaluations along the budget")
-    p.add_argument("--jax-cache", default="", help="compile cache (default <workdir>/jax_cache)")
+    p.add_argument(
+        "--jax-cache",
+        default="",
+        help="compile cache (default $JAX_COMPILATION_CACHE_DIR, else <workdir>/jax_cache)",
+    )
     p.add_argument(
         "--report-only",
         action="store_true",
@@ -573,7 +577,8 @@ def main(argv=None) -> dict:
         todo = [c for c in todo if c.name in keep]
     os.makedirs(args.out, exist_ok=True)
     # Every run re-traces the same functions; the persistent cache skips their XLA compiles.
-    cache = args.jax_cache or os.path.join(args.workdir, "jax_cache")
+    cache = (args.jax_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+             or os.path.join(args.workdir, "jax_cache"))  # fmt: skip
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     t_start = time.perf_counter()

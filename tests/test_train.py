@@ -145,7 +145,7 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
         train_step.rl_loss, graphdef=run.graphdef, algo="gvpo", group_size=G,
         anchor="old", loss_kwargs={"beta": beta}, **kw,
     )  # fmt: skip
-    g_loss = jax.grad(lambda p: loss_fn(p, ub)[0])(state.params)
+    g_loss = jax.jit(jax.grad(lambda p: loss_fn(p, ub)[0]))(state.params)
     r = batch["rewards"].reshape(P, G)
     a = (r - r.mean(1, keepdims=True)).reshape(-1)
     w = -beta * a / (G - 1) / P
@@ -154,7 +154,7 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
         logp = train_step.response_logprobs(run.graphdef, p, ub["tokens"], ub["attn_mask"], **kw)
         return jnp.sum(w * jnp.sum(logp * ub["resp_mask"], -1))
 
-    g_ref = jax.grad(surrogate)(state.params)
+    g_ref = jax.jit(jax.grad(surrogate))(state.params)
     for x, y in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-7)
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_ref)) > 1e-4
