@@ -20,6 +20,8 @@ RUN_ARGS = [
     "--config.rollout.prompts_per_step=8", "--config.rollout.group_size=4",
     "--config.algo.replay_fraction=0.5",
     "--config.algo.replay_capacity=6", "--config.train.plot=False",
+    "--config.train.eval_samples=1",  # greedy only: one sampler program less to compile
+    "--config.model.overrides.num_layers=1",  # compile time grows with the layer count
 ]  # fmt: skip
 
 
