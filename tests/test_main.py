@@ -26,7 +26,10 @@ def demo_run(tmp_path_factory):
         "--config.train.checkpoint_every=2", "--config.train.sample_log_every=2",
         "--config.algo.beta=0.2",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # One CPU device, as `make demo` runs (the suite's 8 fake devices split 128 prompts 8 ways
+    # on 2 cores; the trainer on a mesh is tested in test_wiring / test_multiprocess).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return workdir, proc
 
 
