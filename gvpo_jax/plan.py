@@ -4,8 +4,10 @@
     python -m gvpo_jax.plan --config=configs/arith_tiny.py --num_devices=8 \
         --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2 --compile
 
-Parameters, Adam moments and the reference copy are exact (the shapes `jax.eval_shape` gives,
-split as `sharding.logical_rules` says, counted per device with padding to whole shards).
+Parameters, Adam moments, the reference copy and the compute-dtype copy of the parameters are
+exact (the shapes `jax.eval_shape` gives, split as `sharding.logical_rules` says, counted per
+device with padding to whole shards). Masters and moments are in `model.param_dtype`; the
+reference, activations and the KV cache in `model.compute_dtype`.
 Gradients, the rollout's KV cache and activations are estimates (formulas in
 `activation_bytes` / `kv_cache_bytes`). `--compile` lowers and compiles the real train step for
 the mesh on fake CPU devices (small presets: compile time grows with the layer count) and prints
@@ -48,6 +50,7 @@ class MemoryPlan:
     params: int
     opt_state: int
     reference: int
+    compute_copy: int
     gradients: int
     activations: int
     kv_cache: int
@@ -55,13 +58,20 @@ class MemoryPlan:
 
     @property
     def update_peak(self) -> int:
-        """During an update: state + reference + gradients + activations."""
-        return self.params + self.opt_state + self.reference + self.gradients + self.activations
+        """During an update: state + reference + compute copy + gradients + activations."""
+        return (
+            self.params
+            + self.opt_state
+            + self.reference
+            + self.compute_copy
+            + self.gradients
+            + self.activations
+        )
 
     @property
     def rollout_peak(self) -> int:
-        """During the rollout: state + reference + KV cache of the whole rollout batch."""
-        return self.params + self.opt_state + self.reference + self.kv_cache
+        """During the rollout: state + reference + compute copy + KV cache of the rollout batch."""
+        return self.params + self.opt_state + self.reference + self.compute_copy + self.kv_cache
 
     @property
     def peak(self) -> int:
@@ -74,7 +84,8 @@ class MemoryPlan:
         rows = [
             ("parameters", self.params, "exact"),
             ("optimizer state (AdamW)", self.opt_state, "exact"),
-            ("reference / frozen anchor", self.reference, "exact"),
+            ("reference / frozen anchor (compute dtype)", self.reference, "exact"),
+            ("compute-dtype copy of the parameters", self.compute_copy, "exact"),
             ("gradients (accumulator + micro-batch)", self.gradients, "estimate"),
             ("activations of one micro-batch", self.activations, "estimate"),
             ("KV cache of the rollout batch", self.kv_cache, "estimate"),
@@ -95,13 +106,13 @@ class MemoryPlan:
 def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
     """The run's ModelConfig without loading weights: hf_dir/config.json > preset > overrides."""
     c = config.model
-    dtype = c.dtype
+    dtypes = {"param_dtype": c.param_dtype, "compute_dtype": c.compute_dtype}
     if c.hf_dir and os.path.isfile(os.path.join(c.hf_dir, "config.json")):
-        cfg = sharding.hf_model_config(c.hf_dir, dtype)
-    elif c.preset:
-        cfg = models.PRESETS[c.preset].replace(param_dtype=dtype)
+        cfg = sharding.hf_model_config(c.hf_dir, **dtypes)
+    elif c.preset:  # overrides apply on top of a preset, as in `assemble.build_model`
+        cfg = models.PRESETS[c.preset].replace(**{**c.overrides.to_dict(), **dtypes})
     elif c.gguf == "smollm2":
-        cfg = models.PRESETS["smollm2-135m"].replace(param_dtype=dtype)
+        cfg = models.PRESETS["smollm2-135m"].replace(**dtypes)
     else:
         fields = dict(c.overrides.to_dict())
         if "vocab_size" not in fields:
@@ -113,7 +124,7 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
             from gvpo_jax.data import char_tokenizer
 
             fields["vocab_size"] = len(char_tokenizer.SPECIAL_TOKENS) + len(char_tokenizer.CHARS)
-        fields["param_dtype"] = dtype
+        fields.update(dtypes)
         cfg = models.ModelConfig(**fields)
     return cfg.replace(remat=bool(c.remat))
 
@@ -163,7 +174,7 @@ def kv_cache_bytes(
     k = cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads
     slots = math.ceil(prompts / shards) * prompt_len
     slots += math.ceil(prompts * group / shards) * max(new_tokens - 1, 1)
-    return cfg.num_layers * slots * (2 * k * cfg.head_dim * cfg.dtype.itemsize + 1)
+    return cfg.num_layers * slots * (2 * k * cfg.head_dim * cfg.activation_dtype.itemsize + 1)
 
 
 def activation_bytes(
@@ -171,16 +182,17 @@ def activation_bytes(
 ) -> int:
     """Estimated live activations of one micro-batch's forward + backward on one device.
 
-    b rows per device, T tokens, a = bytes per activation, t = tensor shards. Per layer kept for
-    the backward pass: a*b*T*(4D + 2(N+K)H/t + 3F/t) (norm inputs, q/k/v/out, MLP gate/up/act)
-    plus the attention scores (fp32) and probabilities: b*N*T^2*(4+a)/t. With remat only the
+    b rows per device, T tokens, a = bytes per activation (compute dtype), t = tensor shards.
+    Per layer kept for the backward pass: a*b*T*(4D + 2(N+K)H/t + 3F/t) (norm inputs,
+    q/k/v/out, MLP gate/up/act) plus the attention scores (fp32) and probabilities:
+    b*N*T^2*(4+a)/t. With remat only the
     L layer inputs (a*b*T*D each) stay, plus one layer's working set during its recompute.
     The blocked log-probs add ~3 fp32 [b*T, Vb/t] buffers (`models.logprobs.vocab_block_size`).
     Prompt sharing within groups (`Transformer.hidden_shared_prefix`) only lowers the real
     figure: this stays an upper bound.
     """
     b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
-    t, a, T = sizes["tensor"], cfg.dtype.itemsize, length
+    t, a, T = sizes["tensor"], cfg.activation_dtype.itemsize, length
     d, f, n, k, h = (
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -217,6 +229,11 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     )
     param_bytes = tree_bytes(state.params, mesh, rules)
     opt_bytes = tree_bytes(state.opt_state, mesh, rules)
+    # The sampler casts the masters to the compute dtype once per rollout (a materialised copy,
+    # in the parameters' shards); the update casts each weight where it is used, which XLA may
+    # keep alive from the forward to the backward pass: counted once for both (an upper bound).
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.activation_dtype), params)
+    compute_bytes = tree_bytes(compute, mesh, rules) if cfg.compute_dtype != cfg.param_dtype else 0
     c = config
     P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
     Tp = c.data.max_prompt_len
@@ -241,7 +258,8 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         mesh=sizes,
         params=param_bytes,
         opt_state=opt_bytes,
-        reference=param_bytes if assemble.needs_reference(c) else 0,
+        reference=tree_bytes(compute, mesh, rules) if assemble.needs_reference(c) else 0,
+        compute_copy=compute_bytes,
         gradients=grads,
         activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
         kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes),
@@ -298,7 +316,7 @@ def report(config, num_devices: int, device: str | None = None, memory_gib: floa
     lines = [
         f"model: {cfg.num_layers} layers, D={cfg.hidden_size}, vocab={cfg.vocab_size}, "
         f"{models.param_count(models.abstract_model(cfg)) / 1e9:.3f}B parameters "
-        f"({cfg.param_dtype}, remat={cfg.remat})",
+        f"(masters {cfg.param_dtype}, compute {cfg.compute_dtype}, remat={cfg.remat})",
         f"mesh: data={plan.mesh['data']} fsdp={plan.mesh['fsdp']} tensor={plan.mesh['tensor']} "
         f"({num_devices} devices)",
         "per-device memory (most loaded device):",

@@ -285,6 +285,13 @@ def generate_split(
     p, t = prompt_ids.shape
     g, n = group_size, max_new_tokens
     b = p * g
+    # Decoding runs in the model's compute dtype: cast the (master) parameters once here, in
+    # their shards, rather than at every decode step; the KV cache is in that dtype too. Logits,
+    # sampling and the returned log-probs stay fp32.
+    dtype = nnx.merge(graphdef, state).config.activation_dtype
+    state = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state
+    )
     model = nnx.merge(graphdef, state)
 
     # Prefill the P prompts once: slots [0, T), pads invalid; keep the last real token's logits.

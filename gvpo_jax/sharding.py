@@ -238,24 +238,39 @@ def init_sharded(
     return nnx.merge(graphdef, init())
 
 
-def hf_model_config(hf_dir, dtype: str = "float32") -> models.ModelConfig:
+def hf_model_config(
+    hf_dir, param_dtype: str = "float32", compute_dtype: str = "float32"
+) -> models.ModelConfig:
     """The ModelConfig of a Hugging Face directory (reads only config.json)."""
     path = Path(hf_dir) / "config.json"
-    return models.config_from_hf(json.loads(path.read_text()), dtype=dtype, source=str(path))
+    return models.config_from_hf(
+        json.loads(path.read_text()),
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+        source=str(path),
+    )
 
 
 def load_pretrained_sharded(
-    hf_dir, mesh: jax.sharding.Mesh, dtype: str = "float32", *, remat: bool = False, rules=None
+    hf_dir,
+    mesh: jax.sharding.Mesh,
+    param_dtype: str = "float32",
+    compute_dtype: str = "float32",
+    *,
+    remat: bool = False,
+    rules=None,
 ) -> models.Transformer:
     """`models.from_pretrained` with every tensor placed straight into its shards.
 
     Multi-host: every process reads the same files (shared or copied disk) and keeps only its
     addressable shards.
     """
-    cfg = hf_model_config(hf_dir, dtype)
+    cfg = hf_model_config(hf_dir, param_dtype, compute_dtype)
     rules = logical_rules(mesh, cfg) if rules is None else rules
     shardings = param_shardings(models.abstract_model(cfg), mesh, rules)
-    return models.from_pretrained(hf_dir, dtype=dtype, remat=remat, shardings=shardings)
+    return models.from_pretrained(
+        hf_dir, param_dtype, compute_dtype, remat=remat, shardings=shardings
+    )
 
 
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules=None) -> nnx.Module:

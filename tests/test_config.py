@@ -31,7 +31,9 @@ INVALID = [
     ("algo.beta", 0.0, "config.algo.beta is 0.0"),
     ("algo.anchor", "new", "config.algo.anchor is 'new'"),
     ("algo.replay_fraction", 1.0, "config.algo.replay_fraction is 1.0"),
-    ("model.dtype", "float16", "config.model.dtype is 'float16'"),
+    ("model.param_dtype", "float16", "config.model.param_dtype is 'float16'"),
+    ("model.compute_dtype", "float16", "config.model.compute_dtype is 'float16'"),
+    ("train.export_dtype", "fp8", "config.train.export_dtype is 'fp8'"),
     ("model.preset", "gpt5", "config.model.preset is 'gpt5'"),
     ("model.hf_dir", "/nonexistent/dir", "config.model.hf_dir '/nonexistent/dir' has no config"),
     ("data.task", "chess", "config.data.task is 'chess'"),
@@ -57,6 +59,13 @@ INCONSISTENT = [
     ({"data.task": "gsm8k", "data.path": ""}, "config.data.path is empty"),
     ({"mode": "sft", "sft.steps": 0}, "config.sft.steps is 0 but config.mode is 'sft'"),
     ({"train.steps": 0, "sft.steps": 0}, "are both 0"),
+    ({"model.dtype": "bfloat16"}, r"config.model.dtype no longer exists; set model.param_dtype"),
+    ({"algo.betta": 0.2}, "unknown config field 'algo.betta'; did you mean 'algo.beta'"),
+    ({"model.param_dtype": "bfloat16"}, "config.model.param_dtype is bfloat16 for training"),
+    (
+        {"model.param_dtype": "bfloat16", "mode": "sft", "sft.steps": 2},
+        "set model.allow_bf16_params=True",
+    ),
 ]
 
 
@@ -141,6 +150,7 @@ def test_reward_settings_that_validate():
             "unknown config field 'mesh.zzz'; config.mesh has coordinator_address, data,",
         ),
         ("--config.algo.beta.x=1", "config.algo.beta is a value, not a group of fields"),
+        ("--config.model.dtype=bfloat16", "config.model.dtype no longer exists; set model.para"),
     ],
 )
 def test_unknown_override_field_gets_the_closest_name(override, sentence):
@@ -148,3 +158,15 @@ def test_unknown_override_field_gets_the_closest_name(override, sentence):
     text = config_lib.flag_error_sentence([a.replace("configs/", REPO + "/configs/") for a in argv],
                                           KeyError("from ml_collections"))  # fmt: skip
     assert text.startswith(sentence) and text.count(". ") == 0, text
+
+
+def test_bf16_parameters_validate_with_the_opt_in_or_outside_training():
+    c = _arith()
+    c.model.param_dtype, c.model.allow_bf16_params = "bfloat16", True
+    config_lib.validate(c)
+    c = _arith()
+    c.model.param_dtype, c.mode = "bfloat16", "eval"  # no updates: bf16 storage is just storage
+    config_lib.validate(c)
+    c = _arith()
+    c.model.compute_dtype = "bfloat16"  # fp32 masters + bf16 compute: the recommended setting
+    config_lib.validate(c)

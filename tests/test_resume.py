@@ -7,7 +7,10 @@ import subprocess
 import sys
 import time
 
+import jax
+import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file
 
@@ -63,6 +66,18 @@ def _rl_rows(workdir):
     return rows
 
 
+def _state_dtypes(workdir, step):
+    """{"params" | "opt_state" | "ref": set of dtype names} of a checkpoint, from its metadata."""
+    meta = ocp.StandardCheckpointer().metadata(workdir / "checkpoints" / str(step) / "state")
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+    floats = lambda t: {str(x.dtype) for x in jax.tree.leaves(t) if "float" in str(x.dtype)}
+    return {
+        "params": floats(tree["state"]["params"]),
+        "opt_state": floats(tree["state"]["opt_state"]),
+        "ref": floats(tree.get("ref")),
+    }
+
+
 def _wait_for(predicate, proc, timeout=240):
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -76,24 +91,31 @@ def _wait_for(predicate, proc, timeout=240):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    """With mixed precision (fp32 masters, bf16 compute): resume is bit-exact, the checkpoint
+    holds the fp32 masters and moments, and the export is in the compute dtype."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    code, out, err = _run(straight, "--config.train.steps=4")
+    mixed = "--config.model.compute_dtype=bfloat16"
+    code, out, err = _run(straight, "--config.train.steps=4", mixed)
     assert code == 0, err[-3000:]
 
-    proc = _start(killed, "--config.train.steps=4")
+    proc = _start(killed, "--config.train.steps=4", mixed)
     assert _wait_for(lambda: 2 in _committed(killed), proc), "no checkpoint appeared"
     proc.kill()  # SIGKILL: no handler runs, whatever was being written is abandoned
     proc.wait()
     assert 4 not in _committed(killed)
     resume_from = max(_committed(killed))
-    code, out, err = _run(killed, "--config.train.steps=4")
+    code, out, err = _run(killed, "--config.train.steps=4", mixed)
     assert code == 0, err[-3000:]
     assert "Resumed from" in out and f"at step {resume_from}" in out
+    saved = _state_dtypes(killed, 4)
+    assert saved["params"] == {"float32"} and saved["opt_state"] == {"float32"}, saved
+    assert saved["ref"] == {"bfloat16"}, saved  # the frozen reference, stored for compute
 
     a = load_file(str(straight / "export" / "model.safetensors"))
     b = load_file(str(killed / "export" / "model.safetensors"))
     assert sorted(a) == sorted(b)
     for name in a:
+        assert a[name].dtype == ml_dtypes.bfloat16, name  # train.export_dtype "" = compute
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     rows_a, rows_b = _rl_rows(straight), _rl_rows(killed)
     assert sorted(rows_a) == sorted(rows_b) == [1, 2, 3, 4]

@@ -116,6 +116,42 @@ def test_greedy_matches_transformers_generate(hf_and_model):
         assert np.all(got[len(ref) :] == 0)
 
 
+def test_bf16_greedy_matches_transformers_in_bf16(hf_and_model):
+    """bf16 compute (fp32 masters cast in the graph, bf16 KV cache): greedy tokens equal
+    transformers' bf16 greedy where no step is a near tie, and the log-probs stay fp32."""
+    hf, model = hf_and_model
+    model16 = models.with_compute_dtype(model, jnp.bfloat16)
+    n = 12
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    out = sampler.generate(
+        model16, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0
+    )
+    assert out.logp_BxN.dtype == jnp.float32
+    hf16 = hf.to(torch.bfloat16)
+    try:
+        expected = [_hf_greedy(hf16, p, n, None) for p in PROMPTS]
+    finally:
+        hf.to(torch.float32)
+    # Greedy paths may part at a near tie, where bf16 rounding (ours or torch's) decides. Each
+    # row is compared up to its first step whose best-vs-second logit gap is under twice that
+    # step's largest bf16-vs-fp32 logit difference; most of the tokens must be compared.
+    got, compared = np.asarray(out.tokens_BxN), 0
+    for row, prompt in enumerate(PROMPTS):
+        seq = jnp.asarray([prompt + expected[row]])
+        path = slice(len(prompt) - 1, -1)
+        logits = np.asarray(model(seq))[0, path]
+        noise = np.abs(np.asarray(model16(seq))[0, path] - logits).max(-1)
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * noise
+        k = n if clear.all() else int(np.argmin(clear))
+        np.testing.assert_array_equal(got[row, :k], expected[row][:k], err_msg=f"row {row}")
+        compared += k
+    assert compared >= n * len(PROMPTS) // 2, compared
+    # The bf16 cache really is bf16 (half the memory of the fp32 one).
+    cache = model16.init_cache(1, 4)
+    assert cache[0]["k"].dtype == jnp.bfloat16
+
+
 def _reference_dist(logits_V, temperature, top_k, top_p, min_p):
     """float64 numpy: temperature -> top-k -> top-p -> min-p, each renormalised (HF order)."""
     z = logits_V.astype(np.float64) / temperature

@@ -374,5 +374,14 @@ def test_planner_compiles_the_train_step_and_reports_fit():
     assert re.search(r"v5p\s+95 GiB: FITS", text) and re.search(r"v5e\s+16 GiB: FITS", text)
     # 8 chips hold 4x the rows and the state each: the KV cache alone no longer fits a v5e.
     assert re.search(r"v5e\s+16 GiB: DOES NOT FIT", plan.report(q, num_devices=8))
-    params = plan.plan_memory(q, num_devices=32).params
-    assert params == pytest.approx(7.616e9 * 2 / 32, rel=0.01)  # bf16, split 32 ways
+    mixed = plan.plan_memory(q, num_devices=32)
+    # fp32 masters and moments split 32 ways; bf16 compute: the cast copy is half the masters.
+    assert mixed.params == pytest.approx(7.616e9 * 4 / 32, rel=0.01)
+    assert mixed.opt_state == pytest.approx(2 * mixed.params, rel=0.01)
+    assert mixed.compute_copy == pytest.approx(mixed.params / 2, rel=0.01)
+    assert mixed.reference == 0  # anchor "old", no KL metric: no frozen copy
+    q.algo.anchor = "ref"  # a frozen reference is stored in the compute dtype
+    assert plan.plan_memory(q, num_devices=32).reference == mixed.compute_copy
+    q.model.compute_dtype = "float32"  # fp32 compute: no cast copy, activations twice as big
+    fp32 = plan.plan_memory(q, num_devices=32)
+    assert fp32.compute_copy == 0 and fp32.kv_cache > 1.9 * mixed.kv_cache

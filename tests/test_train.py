@@ -84,7 +84,7 @@ def make_run(config):
     run, state = assemble.assemble(config, tempfile.mkdtemp(prefix="gvpo_test_"))
     run.task.close()
     run = dataclasses.replace(run, task=ToyTask(run.tokenizer), writer=NullWriter())
-    ref = train.frozen_copy(state.params) if run.needs_reference else None
+    ref = train.reference_copy(run, state.params) if run.needs_reference else None
     return run, state, ref
 
 
@@ -222,3 +222,39 @@ def test_dynamic_sampling_keeps_informative_groups_and_stops_at_bound():
     assert m["rollout_rounds"] == 3.0
     assert batch["rewards"].shape[0] == P * G
     assert rollout.informative_mask(batch["task_rewards"], G).sum() == 0
+
+
+def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
+    """The regression test of pure-bf16 storage: at lr 1e-6 an Adam step (~1e-6 per entry) is
+    below the bf16 spacing of most weights, so bf16-stored parameters barely move. With fp32
+    masters and bf16 compute one trainer update changes (almost) every master entry, in the
+    direction of the fp32-compute update."""
+    c32 = toy_config("gvpo", **{"optim.lr": 1e-6})
+    run32, state32, _ = make_run(c32)
+    P, G = c32.rollout.prompts_per_step, c32.rollout.group_size
+    batch, _, _, _ = collect_groups(run32, state32.params, jax.random.key(1), P)
+    batch["rewards"] = np.random.default_rng(0).random(P * G).astype(np.float32)
+    deltas = {}
+    pure = {"model.param_dtype": "bfloat16", "model.allow_bf16_params": True}
+    for name, changes in [
+        ("float32", {}),
+        ("bfloat16", {"model.compute_dtype": "bfloat16"}),
+        ("pure_bf16", {"model.compute_dtype": "bfloat16", **pure}),
+    ]:
+        c = toy_config("gvpo", **{"optim.lr": 1e-6, **changes})
+        run, state, _ = make_run(c)
+        master = jnp.bfloat16 if name == "pure_bf16" else jnp.float32
+        assert all(x.dtype == master for x in jax.tree.leaves(state.params))
+        ub = {k: batch[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
+        ub["old_logp"] = np.asarray(run.logprobs(state.params, ub["tokens"], ub["attn_mask"]))
+        new, metrics = run.update(state, {k: jnp.asarray(v) for k, v in ub.items()})
+        assert not bool(metrics["skipped"])
+        assert all(x.dtype == master for x in jax.tree.leaves(new.params))
+        deltas[name] = _flat(new.params).astype(np.float32) - _flat(state.params).astype(np.float32)
+    d16, d32 = deltas["bfloat16"], deltas["float32"]
+    changed = np.mean(d16 != 0)
+    cosine = d16 @ d32 / (np.linalg.norm(d16) * np.linalg.norm(d32))
+    assert changed >= 0.99, changed
+    assert cosine >= 0.99, cosine
+    # Pure bf16 storage (the opt-in) loses most of the same update.
+    assert np.mean(deltas["pure_bf16"] != 0) < 0.1, np.mean(deltas["pure_bf16"] != 0)

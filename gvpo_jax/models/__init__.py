@@ -20,6 +20,7 @@ from gvpo_jax.models.transformer import (
     attention_mask,
     default_positions,
     param_count,
+    with_compute_dtype,
 )
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "save_pretrained",
     "tensor_maps",
     "token_logprobs",
+    "with_compute_dtype",
 ]

@@ -21,7 +21,10 @@ class ModelConfig:
     """Shapes and numerics of a decoder-only transformer (pre-norm, GQA, RoPE, SwiGLU).
 
     `head_dim` may differ from hidden_size // num_heads (explicit in Llama configs).
-    `param_dtype` is the storage and activation dtype; logits and log-softmax are always fp32.
+    `param_dtype` stores the parameters (the fp32 masters a trainer updates); `compute_dtype` is
+    what the forward pass runs in: each weight is cast to it where it is used (inside the compiled
+    graph, so gradients flow back to the masters in `param_dtype`), and activations and the KV
+    cache are kept in it. Logits, log-softmax and the losses are always fp32.
     `remat=True` recomputes each layer in the backward pass (activation memory O(layers * B*T*D)).
     """
 
@@ -38,6 +41,7 @@ class ModelConfig:
     attention_bias: bool = True
     architecture: str = "qwen2"
     param_dtype: str = "float32"
+    compute_dtype: str = "float32"
     remat: bool = False
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
@@ -57,15 +61,21 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE.")
-        if self.param_dtype not in ("float32", "bfloat16"):
-            raise ValueError(
-                f"ModelConfig.param_dtype={self.param_dtype!r}; use 'float32' or 'bfloat16'."
-            )
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r}; use 'float32' or 'bfloat16'."
+                )
 
     @property
-    def dtype(self) -> jnp.dtype:
-        """Parameter and activation dtype."""
+    def storage_dtype(self) -> jnp.dtype:
+        """Parameter storage dtype (`param_dtype` as a jnp dtype)."""
         return jnp.dtype(self.param_dtype)
+
+    @property
+    def activation_dtype(self) -> jnp.dtype:
+        """Compute dtype of weights in use, activations and the KV cache (`compute_dtype`)."""
+        return jnp.dtype(self.compute_dtype)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -171,7 +181,13 @@ def _rope_theta(hf: dict, source: str) -> float:
     return 10000.0  # transformers' default when neither layout gives a base
 
 
-def config_from_hf(hf: dict, *, dtype: str = "float32", source: str = "config.json") -> ModelConfig:
+def config_from_hf(
+    hf: dict,
+    *,
+    param_dtype: str = "float32",
+    compute_dtype: str = "float32",
+    source: str = "config.json",
+) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face config.json dict (Qwen2 or Llama family).
 
     Raises CheckpointError naming the field for unsupported architectures or options.
@@ -215,7 +231,8 @@ def config_from_hf(hf: dict, *, dtype: str = "float32", source: str = "config.js
             # Qwen2 always has q/k/v biases in transformers; Llama reads `attention_bias`.
             attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
             architecture=model_type,
-            param_dtype=str(jnp.dtype(dtype)),
+            param_dtype=str(jnp.dtype(param_dtype)),
+            compute_dtype=str(jnp.dtype(compute_dtype)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
@@ -225,8 +242,11 @@ def config_from_hf(hf: dict, *, dtype: str = "float32", source: str = "config.js
         raise CheckpointError(f"{source}: {e}") from e
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """The config.json dict that transformers 5 loads as Qwen2ForCausalLM / LlamaForCausalLM."""
+def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
+    """The config.json dict that transformers 5 loads as Qwen2ForCausalLM / LlamaForCausalLM.
+
+    `dtype` is the dtype the tensors are written in (default: `cfg.param_dtype`).
+    """
     if cfg.architecture == "qwen2" and not cfg.attention_bias:
         raise CheckpointError(
             "ModelConfig: a qwen2 model without attention_bias has no transformers equivalent; "
@@ -253,7 +273,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         if isinstance(cfg.eos_token_id, tuple)
         else cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
-        "dtype": cfg.param_dtype,
+        "dtype": dtype or cfg.param_dtype,
         "use_cache": True,
     }
     if cfg.architecture == "llama":

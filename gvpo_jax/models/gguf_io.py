@@ -74,7 +74,9 @@ def _decimal(x) -> float:
     return float(str(np.float32(x)))
 
 
-def config_from_gguf(fields: dict, tensor_shapes: dict, *, dtype: str, source: str):
+def config_from_gguf(
+    fields: dict, tensor_shapes: dict, *, param_dtype: str, compute_dtype: str, source: str
+):
     """ModelConfig from GGUF metadata and tensor shapes (GGUF order, innermost first).
 
     Raises CheckpointError naming the missing or unsupported key.
@@ -114,7 +116,8 @@ def config_from_gguf(fields: dict, tensor_shapes: dict, *, dtype: str, source: s
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
         architecture=arch,
-        param_dtype=dtype,
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
         max_position_embeddings=int(get("context_length", 32768)),
         bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
         eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
@@ -122,12 +125,13 @@ def config_from_gguf(fields: dict, tensor_shapes: dict, *, dtype: str, source: s
     )
 
 
-def from_gguf(path, dtype="float32", *, load_tokenizer: bool = True):
+def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_tokenizer: bool = True):
     """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama or Qwen2 layout).
 
     Tensors are dequantised one at a time with `gguf.quants.dequantize` (numpy, fp32) and cast
-    to `dtype`. Llama q/k weights are un-permuted back to the transformers layout. The tokenizer
-    is transformers' own GGUF conversion (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
+    to `param_dtype`; the model computes in `compute_dtype` (see `ModelConfig`). Llama q/k
+    weights are un-permuted back to the transformers layout. The tokenizer is transformers' own
+    GGUF conversion (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
     """
     path = Path(path)
     if not path.is_file():
@@ -138,7 +142,13 @@ def from_gguf(path, dtype="float32", *, load_tokenizer: bool = True):
         raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: tuple(int(x) for x in t.shape) for name, t in tensors.items()}
-    cfg = config_from_gguf(_fields(reader), shapes, dtype=str(jnp.dtype(dtype)), source=str(path))
+    cfg = config_from_gguf(
+        _fields(reader),
+        shapes,
+        param_dtype=str(jnp.dtype(param_dtype)),
+        compute_dtype=str(jnp.dtype(compute_dtype)),
+        source=str(path),
+    )
 
     def read(t, name):
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)

@@ -177,7 +177,7 @@ def load_tensors(
                 f"{source}: tensor '{m.hf_name}' has shape {tuple(arr.shape)} but config.json "
                 f"implies {m.hf_shape}; the config does not match the weights."
             )
-        value = np.asarray(m.to_model(arr)).astype(cfg.dtype)
+        value = np.asarray(m.to_model(arr)).astype(cfg.storage_dtype)
         if target is None:
             placed = jnp.asarray(value)
         else:
@@ -188,10 +188,18 @@ def load_tensors(
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
 
 
-def from_pretrained(hf_dir, dtype="float32", *, remat: bool = False, shardings=None):
+def from_pretrained(
+    hf_dir,
+    param_dtype="float32",
+    compute_dtype="float32",
+    *,
+    remat: bool = False,
+    shardings=None,
+):
     """Loads a Qwen2/Qwen2.5/Llama HF checkpoint directory (config.json + *.safetensors).
 
-    dtype: parameter dtype ('float32' or 'bfloat16'); tensors are cast on load.
+    param_dtype: storage dtype ('float32' or 'bfloat16'); tensors are cast to it on load.
+    compute_dtype: dtype the forward pass runs in (see `ModelConfig`).
     Reads safetensors lazily, tensor by tensor, single-file or sharded with an index.
     Raises CheckpointError naming the file/tensor/field on any mismatch.
     """
@@ -206,7 +214,9 @@ def from_pretrained(hf_dir, dtype="float32", *, remat: bool = False, shardings=N
         hf_config = json.loads(config_path.read_text())
     except ValueError as e:
         raise CheckpointError(f"{config_path} is not valid JSON ({e}); fix the file.") from e
-    cfg = config_from_hf(hf_config, dtype=str(jnp.dtype(dtype)), source=str(config_path))
+    cfg = config_from_hf(
+        hf_config, param_dtype=param_dtype, compute_dtype=compute_dtype, source=str(config_path)
+    )
     cfg = cfg.replace(remat=remat)
     files = _open_checkpoint(hf_dir)
     read = {name: (lambda name=name, f=f: f.read(name)) for name, f in files.items()}
@@ -214,11 +224,17 @@ def from_pretrained(hf_dir, dtype="float32", *, remat: bool = False, shardings=N
 
 
 def save_pretrained(
-    model: Transformer, out_dir, *, max_shard_bytes: int = 4 * 2**30, tokenizer=None
+    model: Transformer,
+    out_dir,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 4 * 2**30,
+    tokenizer=None,
 ) -> Path:
     """Writes config.json + model.safetensors (or shards + index) that transformers loads.
 
-    Tensors are fetched and converted one at a time; dtype is the model's param dtype.
+    Tensors are fetched and converted one at a time to `dtype` ('float32' or 'bfloat16'; default
+    the model's param dtype), which config.json records as the checkpoint's dtype.
     Models larger than max_shard_bytes are split into model-0000i-of-0000n.safetensors files
     with model.safetensors.index.json, as transformers does. Optionally saves a tokenizer.
     """
@@ -226,7 +242,10 @@ def save_pretrained(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    dtype = np.dtype(cfg.dtype)
+    dtype_name = str(jnp.dtype(dtype or cfg.param_dtype))
+    if dtype_name not in ("float32", "bfloat16"):
+        raise ValueError(f"save_pretrained: dtype={dtype!r}; use 'float32' or 'bfloat16'.")
+    dtype = np.dtype(jnp.dtype(dtype_name))
     sources = []
     for m in tensor_maps(cfg):
         produce = lambda m=m: m.to_hf(np.asarray(jax.device_get(flat[m.path].get_value())))
@@ -242,7 +261,7 @@ def save_pretrained(
     shards.append(current)
     for stale in [*out_dir.glob("model*.safetensors"), out_dir / INDEX_FILE]:
         stale.unlink(missing_ok=True)  # never leave shards of an older export behind
-    (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name), indent=2) + "\n")
     if len(shards) == 1:
         safetensors_io.write_file(out_dir / SINGLE_FILE, shards[0])
     else:

@@ -30,6 +30,12 @@ _zeros = lambda key, shape, dtype: jnp.zeros(shape, dtype)
 _ones = lambda key, shape, dtype: jnp.ones(shape, dtype)
 
 
+def weight(param: nnx.Param, dtype) -> jax.Array:
+    """A parameter's value in the compute dtype: the cast is part of the graph, so the forward
+    pass runs in `dtype` and the gradient reaches the master copy in its own (storage) dtype."""
+    return param[...].astype(dtype)
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical axis names (no-op without axis rules and a mesh)."""
     return with_logical_constraint(x, axes)
@@ -70,21 +76,24 @@ def rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Ar
 class RMSNorm(nnx.Module):
     """x / sqrt(mean(x^2) + eps) * scale, normalised in fp32 as transformers does."""
 
-    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, eps: float, cfg: ModelConfig, rngs: nnx.Rngs):
         self.eps = eps
-        self.scale = _param(rngs, _ones, (dim,), dtype, ("norm",))
+        self.compute_dtype = cfg.compute_dtype
+        self.scale = _param(rngs, _ones, (dim,), cfg.storage_dtype, ("norm",))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         x = x_BxTxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * x.astype(x_BxTxD.dtype)
+        return weight(self.scale, self.compute_dtype) * x.astype(x_BxTxD.dtype)
 
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE; K key/value heads shared by N/K query heads each."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, n, k, h, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        dt = cfg.storage_dtype
+        self.compute_dtype = cfg.compute_dtype
         self.num_kv_heads = k
         self.rope_theta = cfg.rope_theta
         self.q_kernel = _param(rngs, _normal, (d, n, h), dt, ("embed", "heads", "head_dim"))
@@ -105,10 +114,10 @@ class Attention(nnx.Module):
         and t) about 2x slower than the same 2-D dot (measured, see BENCHMARKS.md).
         """
         b, t, d = x_BxTxD.shape
-        w = kernel[...]
+        w = weight(kernel, self.compute_dtype)
         y = (x_BxTxD.reshape(b * t, d) @ w.reshape(d, -1)).reshape(b, t, *w.shape[1:])
         if bias is not None:
-            y = y + bias[...]
+            y = y + weight(bias, self.compute_dtype)
         return constrain(y, axes)
 
     def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
@@ -166,7 +175,8 @@ class Attention(nnx.Module):
         """Output projection [B, T, N, H] -> [B, T, D] (one 2-D matmul)."""
         b, t, n, h = out_BxTxNxH.shape
         d = self.o_kernel.shape[-1]
-        out_BxTxD = out_BxTxNxH.reshape(b * t, n * h) @ self.o_kernel[...].reshape(n * h, d)
+        o_NHxD = weight(self.o_kernel, self.compute_dtype).reshape(n * h, d)
+        out_BxTxD = out_BxTxNxH.reshape(b * t, n * h) @ o_NHxD
         return constrain(out_BxTxD.reshape(b, t, d), ("batch", "length", "embed"))
 
     def _attend_shared_prefix(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, cache, index):
@@ -255,7 +265,8 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.dtype
+        d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.storage_dtype
+        self.compute_dtype = cfg.compute_dtype
         self.gate_kernel = _param(rngs, _normal, (d, f), dt, ("embed", "mlp"))
         self.up_kernel = _param(rngs, _normal, (d, f), dt, ("embed", "mlp"))
         self.down_kernel = _param(rngs, _normal, (f, d), dt, ("mlp", "embed"))
@@ -264,20 +275,21 @@ class MLP(nnx.Module):
         # 2-D matmuls on [B*T, D]: see Attention._project for why not 3-D einsums.
         b, t, d = x_BxTxD.shape
         x_BTxD = x_BxTxD.reshape(b * t, d)
-        gate_BTxF = x_BTxD @ self.gate_kernel[...]
-        up_BTxF = x_BTxD @ self.up_kernel[...]
+        gate_BTxF = x_BTxD @ weight(self.gate_kernel, self.compute_dtype)
+        up_BTxF = x_BTxD @ weight(self.up_kernel, self.compute_dtype)
         hidden_BxTxF = fused.swiglu(gate_BTxF, up_BTxF).reshape(b, t, -1)
         hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "mlp"))
-        return (hidden_BxTxF.reshape(b * t, -1) @ self.down_kernel[...]).reshape(b, t, d)
+        down_FxD = weight(self.down_kernel, self.compute_dtype)
+        return (hidden_BxTxF.reshape(b * t, -1) @ down_FxD).reshape(b, t, d)
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, rngs)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
         self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
@@ -306,25 +318,29 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embedding = _param(
-            rngs, _normal, (cfg.vocab_size, cfg.hidden_size), cfg.dtype, ("vocab", "embed")
+            rngs, _normal, (cfg.vocab_size, cfg.hidden_size), cfg.storage_dtype, ("vocab", "embed")
         )
         self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, rngs)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = _param(
-                rngs, _normal, (cfg.vocab_size, cfg.hidden_size), cfg.dtype, ("vocab", "embed")
+                rngs,
+                _normal,
+                (cfg.vocab_size, cfg.hidden_size),
+                cfg.storage_dtype,
+                ("vocab", "embed"),
             )
 
     def init_cache(self, batch_size: int, max_len: int) -> list[dict[str, jax.Array]]:
-        """Empty KV cache: per layer {'k','v': [B, K, S, H] param dtype, 'valid': bool [B, S]}."""
+        """Empty KV cache: per layer {'k','v': [B, K, S, H] compute dtype, 'valid': bool [B, S]}."""
         cfg = self.config
         shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
         return [
             {
-                "k": jnp.zeros(shape, cfg.dtype),
-                "v": jnp.zeros(shape, cfg.dtype),
+                "k": jnp.zeros(shape, cfg.activation_dtype),
+                "v": jnp.zeros(shape, cfg.activation_dtype),
                 "valid": jnp.zeros((batch_size, max_len), jnp.bool_),
             }
             for _ in range(cfg.num_layers)
@@ -352,8 +368,8 @@ class Transformer(nnx.Module):
                 "prefix_k": c["k"],
                 "prefix_v": c["v"],
                 "prefix_valid": c["valid"],
-                "k": jnp.zeros(shape, cfg.dtype),
-                "v": jnp.zeros(shape, cfg.dtype),
+                "k": jnp.zeros(shape, cfg.activation_dtype),
+                "v": jnp.zeros(shape, cfg.activation_dtype),
                 "valid": jnp.zeros((p * num_samples, max_len), jnp.bool_),
             }
             for c in prefix_cache
@@ -362,7 +378,7 @@ class Transformer(nnx.Module):
     def hidden(
         self, tokens_BxT, positions_BxT=None, mask_BxT=None, *, cache=None, cache_index=None
     ):
-        """Final-norm hidden states [B, T, D] (param dtype); with a cache returns (hidden, cache).
+        """Final-norm hidden states [B, T, D] (compute dtype); with a cache returns (hidden, cache).
 
         mask_BxT: 1/True for real tokens, 0 for padding (default all real).
         positions_BxT: RoPE positions, default cumsum(mask)-1 clipped at 0; required with a cache.
@@ -382,9 +398,11 @@ class Transformer(nnx.Module):
         # value at a masked key would still poison the attention output through 0 * NaN.
         # Gather from a table whole along embed: an FSDP-sharded table would otherwise force XLA
         # into a full rematerialisation of the lookup ("involuntary full rematerialization").
+        # Rows are gathered from the stored table, then cast: the gradient is a scatter-add
+        # straight into the master table, and no compute-dtype copy of [V, D] is made.
         table_VxD = constrain(self.embedding[...], ("vocab", None))
         x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0, mode="clip")
-        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
+        x_BxTxD = constrain(x_BxTxD.astype(cfg.activation_dtype), ("batch", "length", "embed"))
         # remat only matters under differentiation (training); decoding runs the same ops.
         forward = _block_forward_remat if cfg.remat else _block_forward
         new_cache = []
@@ -432,11 +450,12 @@ class Transformer(nnx.Module):
         return jnp.concatenate([jnp.repeat(prefix_PxJxD, g, axis=0), new_BxNxD], axis=1)
 
     def unembed_matrix(self) -> jax.Array:
-        """[V, D] output projection (the embedding when tied)."""
-        return (self.embedding if self.lm_head is None else self.lm_head)[...]
+        """[V, D] output projection (the embedding when tied), in the compute dtype."""
+        table = self.embedding if self.lm_head is None else self.lm_head
+        return weight(table, self.config.compute_dtype)
 
     def unembed(self, hidden_xD: jax.Array) -> jax.Array:
-        """Hidden states [..., D] -> fp32 logits [..., V] (fp32 accumulation for bf16 params)."""
+        """Hidden states [..., D] -> fp32 logits [..., V] (fp32 accumulation in bf16 compute)."""
         logits = jnp.einsum(
             "...d,vd->...v",
             hidden_xD,
@@ -469,3 +488,11 @@ def param_count(model: nnx.Module) -> int:
 def abstract_model(cfg: ModelConfig) -> Transformer:
     """The model with ShapeDtypeStruct parameters (no memory): for shape checks and loading."""
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def with_compute_dtype(model: Transformer, dtype) -> Transformer:
+    """The same parameters (shared, not copied) computing in `dtype`: e.g. a bf16-compute view of
+    fp32 masters, for evaluation or for comparing precisions."""
+    cfg = model.config.replace(compute_dtype=str(jnp.dtype(dtype)))
+    graphdef, _ = nnx.split(abstract_model(cfg))
+    return nnx.merge(graphdef, nnx.state(model))
