@@ -1,5 +1,6 @@
 """Model tests: logit parity with transformers, KV cache, export round trip, errors, presets."""
 
+import copy
 import functools
 import json
 import shutil
@@ -266,15 +267,33 @@ def test_bf16_compute_logits_against_fp32_and_transformers_bf16(checkpoints, kin
     ours32 = np.asarray(model(jnp.asarray(tokens)))
     ours16 = np.asarray(jax.jit(lambda m, x: m(x))(model16, jnp.asarray(tokens)))
     assert ours16.dtype == np.float32
-    hf16 = hf_model.to(torch.bfloat16)
-    try:
-        ref16 = _hf_logits(hf16, tokens).astype(np.float32)
-    finally:
-        hf_model.to(torch.float32)
+    hf16 = copy.deepcopy(hf_model).to(torch.bfloat16)  # the fixture's fp32 model stays intact
+    ref16 = _hf_logits(hf16, tokens).astype(np.float32)
     scale = np.abs(ours32).max()
     assert np.abs(ours16 - ours32).max() < 0.03 * scale
     assert np.abs(ours16 - ref16).max() < 0.03 * scale
-    assert np.abs(ours16 - ours32).max() > 1e-4 * scale  # computed in bf16, not in fp32
+    # Computed in bf16, not in fp32: every matmul of the forward (and of its gradient) takes
+    # bf16 operands; only the masters are fp32.
+    forward = jax.make_jaxpr(lambda m, x: m(x))(model16, jnp.asarray(tokens))
+    assert _matmul_operand_dtypes(forward.jaxpr) == {jnp.dtype(jnp.bfloat16)}
+    grad = jax.make_jaxpr(
+        nnx.grad(lambda m, x: models.token_logprobs(m, x).sum())
+    )(model16, jnp.asarray(tokens))  # fmt: skip
+    assert _matmul_operand_dtypes(grad.jaxpr) == {jnp.dtype(jnp.bfloat16)}
+
+
+def _matmul_operand_dtypes(jaxpr) -> set:
+    """dtypes of the operands of every dot_general in a jaxpr, nested jaxprs included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.update(v.aval.dtype for v in eqn.invars)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _matmul_operand_dtypes(inner)
+    return found
 
 
 def test_bfloat16_load_and_export(checkpoints, tmp_path):

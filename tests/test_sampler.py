@@ -1,5 +1,7 @@
 """Sampler tests: HF greedy parity, exact sampling distributions, log-probs, EOS, no recompiles."""
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,11 +129,8 @@ def test_bf16_greedy_matches_transformers_in_bf16(hf_and_model):
         model16, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0
     )
     assert out.logp_BxN.dtype == jnp.float32
-    hf16 = hf.to(torch.bfloat16)
-    try:
-        expected = [_hf_greedy(hf16, p, n, None) for p in PROMPTS]
-    finally:
-        hf.to(torch.float32)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)  # the fixture's fp32 model stays intact
+    expected = [_hf_greedy(hf16, p, n, None) for p in PROMPTS]
     # Greedy paths may part at a near tie, where bf16 rounding (ours or torch's) decides. Each
     # row is compared up to its first step whose best-vs-second logit gap is under twice that
     # step's largest bf16-vs-fp32 logit difference; most of the tokens must be compared.

@@ -247,10 +247,11 @@ def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
         assert all(x.dtype == master for x in jax.tree.leaves(state.params))
         ub = {k: batch[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
         ub["old_logp"] = np.asarray(run.logprobs(state.params, ub["tokens"], ub["attn_mask"]))
+        before = _flat(state.params).astype(np.float32)  # the update donates `state`
         new, metrics = run.update(state, {k: jnp.asarray(v) for k, v in ub.items()})
         assert not bool(metrics["skipped"])
         assert all(x.dtype == master for x in jax.tree.leaves(new.params))
-        deltas[name] = _flat(new.params).astype(np.float32) - _flat(state.params).astype(np.float32)
+        deltas[name] = _flat(new.params).astype(np.float32) - before
     d16, d32 = deltas["bfloat16"], deltas["float32"]
     changed = np.mean(d16 != 0)
     cosine = d16 @ d32 / (np.linalg.norm(d16) * np.linalg.norm(d32))

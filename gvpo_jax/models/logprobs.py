@@ -116,7 +116,10 @@ def _blocked_bwd(block, residuals, g_M):
     """
     hidden_MxD, unembed_VxD, targets_M, lse_M = residuals
     g_M = g_M.astype(jnp.float32)
-    hidden32_MxD = hidden_MxD.astype(jnp.float32)
+    # The two gradient products run in the compute dtype (the hidden states'), accumulating in
+    # fp32 at least, like the forward's logits: with bf16 compute both stay bf16 matmuls.
+    compute = jnp.promote_types(hidden_MxD.dtype, unembed_VxD.dtype)
+    acc = jnp.promote_types(compute, jnp.float32)
 
     def visit(carry, unembed_BvxD, start):
         dh_MxD, dw_bits_VxD = carry
@@ -124,9 +127,15 @@ def _blocked_bwd(block, residuals, g_M):
         probs_MxBv = jnp.exp(logits_MxBv - lse_M[:, None])
         local_M = targets_M - start
         onehot_MxBv = local_M[:, None] == jnp.arange(unembed_BvxD.shape[0])[None, :]
-        dlogits_MxBv = g_M[:, None] * (onehot_MxBv.astype(jnp.float32) - probs_MxBv)
-        dh_MxD = dh_MxD + dlogits_MxBv @ unembed_BvxD.astype(jnp.float32)
-        dw_BvxD = (dlogits_MxBv.T @ hidden32_MxD).astype(unembed_VxD.dtype)
+        dlogits_MxBv = (g_M[:, None] * (onehot_MxBv.astype(jnp.float32) - probs_MxBv)).astype(
+            compute
+        )
+        dh_MxD = dh_MxD + jnp.matmul(
+            dlogits_MxBv, unembed_BvxD.astype(compute), preferred_element_type=acc
+        )
+        dw_BvxD = jnp.matmul(
+            dlogits_MxBv.T, hidden_MxD.astype(compute), preferred_element_type=acc
+        ).astype(unembed_VxD.dtype)
         dw_bits_VxD = jax.lax.dynamic_update_slice_in_dim(
             dw_bits_VxD, _as_bits(dw_BvxD), start, axis=0
         )
@@ -134,7 +143,7 @@ def _blocked_bwd(block, residuals, g_M):
 
     # The gradient is built in the `_as_bits` view too, for the same reason as the operand.
     dw_bits_VxD = jnp.zeros(unembed_VxD.shape, _as_bits(unembed_VxD).dtype)
-    carry = (jnp.zeros(hidden_MxD.shape, jnp.float32), dw_bits_VxD)
+    carry = (jnp.zeros(hidden_MxD.shape, acc), dw_bits_VxD)
     dh_MxD, dw_VxD = _over_blocks(visit, carry, unembed_VxD, block)
     if dw_VxD.dtype != unembed_VxD.dtype:
         dw_VxD = jax.lax.bitcast_convert_type(dw_VxD, unembed_VxD.dtype)
