@@ -130,7 +130,8 @@ def memory(args) -> None:
         xla = mem.argument_size_in_bytes + mem.temp_size_in_bytes
         rows.append([
             dtype, f"{estimate.params / GiB:.3f}", f"{estimate.opt_state / GiB:.3f}",
-            f"{estimate.compute_copy / GiB:.3f}", f"{estimate.gradients / GiB:.3f}",
+            f"{estimate.compute_copy / GiB:.3f}", f"{estimate.gathered / GiB:.3f}",
+            f"{estimate.gradients / GiB:.3f}",
             f"{estimate.activations / GiB:.3f}", f"{estimate.update_peak / GiB:.3f}",
             f"{mem.argument_size_in_bytes / GiB:.3f}", f"{mem.temp_size_in_bytes / GiB:.3f}",
             f"{xla / GiB:.3f}", f"{estimate.update_peak / xla:.2f}",
@@ -148,6 +149,7 @@ def memory(args) -> None:
                 "masters",
                 "Adam",
                 "cast copy",
+                "gathered layer",
                 "grads",
                 "activations",
                 "planner peak",

@@ -51,6 +51,7 @@ class MemoryPlan:
     opt_state: int
     reference: int
     compute_copy: int
+    gathered: int
     gradients: int
     activations: int
     kv_cache: int
@@ -64,14 +65,22 @@ class MemoryPlan:
             + self.opt_state
             + self.reference
             + self.compute_copy
+            + self.gathered
             + self.gradients
             + self.activations
         )
 
     @property
     def rollout_peak(self) -> int:
-        """During the rollout: state + reference + compute copy + KV cache of the rollout batch."""
-        return self.params + self.opt_state + self.reference + self.compute_copy + self.kv_cache
+        """During the rollout: state + reference + compute copy + gathered layer + KV cache."""
+        return (
+            self.params
+            + self.opt_state
+            + self.reference
+            + self.compute_copy
+            + self.gathered
+            + self.kv_cache
+        )
 
     @property
     def peak(self) -> int:
@@ -86,6 +95,7 @@ class MemoryPlan:
             ("optimizer state (AdamW)", self.opt_state, "exact"),
             ("reference / frozen anchor (compute dtype)", self.reference, "exact"),
             ("compute-dtype copy of the parameters", self.compute_copy, "exact"),
+            ("one layer's weights gathered over fsdp", self.gathered, "lower bound"),
             ("gradients (accumulator + micro-batch)", self.gradients, "estimate"),
             ("activations of one micro-batch", self.activations, "estimate"),
             ("KV cache of the rollout batch", self.kv_cache, "estimate"),
@@ -234,6 +244,13 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     # keep alive from the forward to the backward pass: counted once for both (an upper bound).
     compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.activation_dtype), params)
     compute_bytes = tree_bytes(compute, mesh, rules) if cfg.compute_dtype != cfg.param_dtype else 0
+    # FSDP: a layer's weights are all-gathered (still split over tensor) where they are used.
+    # One layer at a time is the least any schedule needs; XLA CPU was measured to keep several
+    # layers' gathered weights live at once (docs/sharding.md), so this is a lower bound.
+    gathered = 0
+    if fsdp > 1:
+        layer = nnx.state(models.abstract_model(cfg).layers[0], nnx.Param)
+        gathered = tree_bytes(layer, abstract_mesh(data, 1, tensor), rules)
     c = config
     P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
     Tp = c.data.max_prompt_len
@@ -260,6 +277,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         opt_state=opt_bytes,
         reference=tree_bytes(compute, mesh, rules) if assemble.needs_reference(c) else 0,
         compute_copy=compute_bytes,
+        gathered=gathered,
         gradients=grads,
         activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
         kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes),

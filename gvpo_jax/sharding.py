@@ -46,6 +46,7 @@ BATCH_AXES = ("data", "fsdp")  # rows of a batch are split over these (whole gro
 # so that an activation [batch, length, embed] gets ((data, fsdp), None, None).
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", BATCH_AXES),
+    ("batch_data", "data"),  # rows split over data only (replicated over fsdp), e.g. token ids
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

@@ -344,6 +344,9 @@ def test_planner_matches_the_bytes_of_the_initialised_state():
     assert report.opt_state == _max_device_bytes(state.opt_state)
     total = models.param_count(model) * 4
     assert report.params < total / 3  # split 4 ways (fsdp x tensor) but for the norm scales
+    # FSDP gathers a layer's weights where they are used: fsdp = 2 shards of them, assembled.
+    layer0 = nnx.state(model.layers[0], nnx.Param)
+    assert report.gathered == pytest.approx(2 * _max_device_bytes(layer0), rel=0.05)
     # The reference copy appears exactly when the run needs one (GVPO anchor="ref").
     c.algo.anchor = "ref"
     assert plan.plan_memory(c, num_devices=8).reference == report.params

@@ -396,13 +396,17 @@ class Transformer(nnx.Module):
             raise ValueError("cache_index is required with a KV cache.")
         # mode="clip": out-of-range pad ids (e.g. -1) must not turn into NaN rows, since a NaN
         # value at a masked key would still poison the attention output through 0 * NaN.
-        # Gather from a table whole along embed: an FSDP-sharded table would otherwise force XLA
-        # into a full rematerialisation of the lookup ("involuntary full rematerialization").
-        # Rows are gathered from the stored table, then cast: the gradient is a scatter-add
-        # straight into the master table, and no compute-dtype copy of [V, D] is made.
-        table_VxD = constrain(self.embedding[...], ("vocab", None))
-        x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0, mode="clip")
-        x_BxTxD = constrain(x_BxTxD.astype(cfg.activation_dtype), ("batch", "length", "embed"))
+        # The lookup stays on each device's slice of the table (FSDP splits it along embed):
+        # the token ids (small) are gathered over the fsdp shards, each shard takes its D/fsdp
+        # columns of every row, and an all-to-all turns that into batch-split activations. The
+        # gradient is the reverse: a scatter-add into the local slice of the master table. No
+        # device ever holds the whole [V, D] table or its gradient (constraining the table
+        # whole along embed did both: 3 x V x D x 4 bytes of transients at Qwen2.5-7B shapes).
+        # Rows are cast after the gather: no compute-dtype copy of [V, D] is made.
+        ids_BxT = constrain(tokens_BxT, ("batch_data", "length"))
+        x_BxTxD = jnp.take(self.embedding[...], ids_BxT, axis=0, mode="clip")
+        x_BxTxD = constrain(x_BxTxD.astype(cfg.activation_dtype), ("batch_data", "length", "embed"))
+        x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
         # remat only matters under differentiation (training); decoding runs the same ops.
         forward = _block_forward_remat if cfg.remat else _block_forward
         new_cache = []
