@@ -313,6 +313,17 @@ def test_bfloat16_load_and_export(checkpoints, tmp_path):
         np.asarray(back.lm_head.get_value(), np.float32),
         np.asarray(model.lm_head.get_value(), np.float32),
     )
+    # fp32 masters exported in bf16 (train.export_dtype): transformers loads the bf16 tensors.
+    masters = models.from_pretrained(path)
+    out16 = models.save_pretrained(masters, tmp_path / "masters_bf16", dtype="bfloat16")
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(out16, attn_implementation="eager")
+    assert hf16.dtype == torch.bfloat16 and hf16.lm_head.weight.dtype == torch.bfloat16
+    np.testing.assert_array_equal(
+        hf16.lm_head.weight.detach().float().numpy(),
+        np.asarray(masters.lm_head.get_value().astype(jnp.bfloat16), np.float32),
+    )
+    got = _hf_logits(hf16, tokens)
+    assert np.abs(got - ref).max() < 0.1 * np.abs(ref).max()
 
 
 def test_rope_theta_read_from_both_config_layouts(checkpoints, tmp_path):
