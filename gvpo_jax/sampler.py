@@ -4,12 +4,22 @@
 one compiled XLA program (no host round-trip per token) and returns a `SampleOutput` whose rows
 are grouped contiguously: row `p * G + g` is sample `g` of prompt `p` (SPEC.md's batch layout).
 
+Two decode loops share the prefill. The static batch (`num_slots=0`) gives each of the P * G rows
+a decode slot until the last row ends. Continuous batching (`num_slots=S < P*G`) runs S slots
+that take the P * G work items in row order, a slot moving to the next item in the same loop
+iteration as its row ends (EOS or length cap), so the new-token KV cache holds S rows instead
+of P * G. Token t of row b is always drawn with its own key, `fold_in(fold_in(rng, b), t)`
+(`sampling_ops.token_keys`), so the samples do not depend on S or on the schedule: both loops
+return the same output (up to float rounding that depends on the batch shape, ~1e-6 on the
+log-probs, which could flip a token only if a uniform lands that close to a CDF edge).
+
 Compilation: the jitted function is keyed on the static settings (max_new_tokens, group_size,
-temperature, top_k, top_p, min_p, eos_ids, pad_id), on the model's graph definition and on the
-array shapes. Pad prompts to a few bucket lengths with `pad_prompts` and keep P fixed; then every
-later call with the same bucket reuses the compiled program, also after the parameters change
-(they are traced arguments, not constants). Calling `generate` on the NNX module is fine: it
-splits the module into (graphdef, state) each call, which is cheap and does not retrace.
+temperature, top_k, top_p, min_p, eos_ids, pad_id, num_slots), on the model's graph definition
+and on the array shapes. Pad prompts to a few bucket lengths with `pad_prompts` and keep P
+fixed; then every later call with the same bucket reuses the compiled program, also after the
+parameters change (they are traced arguments, not constants). Calling `generate` on the NNX
+module is fine: it splits the module into (graphdef, state) each call, which is cheap and does
+not retrace.
 """
 
 from __future__ import annotations

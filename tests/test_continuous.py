@@ -203,20 +203,24 @@ def test_iterations_follow_the_schedule_and_exit_early(peaked):
             graphdef, state, ids, lens, rng, max_lengths, with_iterations=True,
             **dict(kw, num_slots=slots, **extra),
         )  # fmt: skip
-        return np.asarray(out.lengths_B), int(steps)
+        return jax.tree.map(np.asarray, out), int(steps)
 
-    lengths, static_steps = iterations(0)
+    ref, static_steps = iterations(0)
+    lengths = ref.lengths_B
     assert static_steps == lengths.max() - 1
     for slots in (1, 4, 5, 11):
-        got, steps = iterations(slots)
-        np.testing.assert_array_equal(got, lengths)
+        out, steps = iterations(slots)
+        np.testing.assert_array_equal(out.lengths_B, lengths)
         assert steps == _simulated_iterations(lengths, slots), (slots, steps)
-    # Two queues (as on a mesh with 2 row shards): each refills from its own half.
-    _, steps = iterations(4, num_queues=2)
+    # Two queues (as on a mesh with 2 row shards): each refills from its own half, and keys
+    # its rows by their place in the whole batch.
+    out, steps = iterations(4, num_queues=2)
     assert steps == _simulated_iterations(lengths, 4, queues=2)
+    _assert_same(out, ref)
     # Per-row caps end rows like an EOS; the loop stops as soon as the last item is done.
     caps = np.array([1, 2, 3, 1, 5, 1, 16, 1, 2, 1, 1, 4], np.int32)
-    capped, steps = iterations(3, caps)
+    out, steps = iterations(3, caps)
+    capped = out.lengths_B
     np.testing.assert_array_equal(capped, np.minimum(caps, lengths))
     assert steps == _simulated_iterations(capped, 3)
     # Every row ends at its first token: no decode iteration at all.
@@ -441,3 +445,14 @@ def test_evaluation_uses_its_own_slots_and_scores_the_same_samples(monkeypatch):
     )
     assert set(seen[len(seen) // 2 :]) == {0}
     assert continuous == static
+
+
+def test_benchmark_quick_runs_and_reports_equal_outputs(capsys):
+    from benchmarks import continuous
+
+    summary = continuous.main(["--quick", "--repeats", "1", "--orders", "1", "--slots", "16"])
+    out = capsys.readouterr().out
+    assert "| S = 16 | 16 |" in out and "planner, configs/qwen_math.py" in out
+    assert summary["S = 16"]["same"] == "yes" and summary["S = 16"]["recompiles"] == 0
+    assert summary["S = 16"]["kv"] * 2 == summary["static"]["kv"]
+    assert summary["S = 16"]["iterations"] > summary["static"]["iterations"]

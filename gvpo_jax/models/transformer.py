@@ -510,6 +510,7 @@ class Transformer(nnx.Module):
         positions_BxT: RoPE positions, default cumsum(mask)-1 clipped at 0; required with a cache.
         cache/cache_index: the T new keys/values go to slots [cache_index, cache_index + T);
           the caller keeps cache_index + T <= S (dynamic_update_slice would clamp the start).
+          With a `slot_cache`, cache_index is int32 [B]: each row's own write column.
         """
         cfg = self.config
         b, t = tokens_BxT.shape
