@@ -195,7 +195,11 @@ def generate(
     )
     settings["num_slots"] = resolve_slots(settings["num_slots"], prompt_ids.shape[0] * group_size)
     graphdef, state = nnx.split(model)
-    return generate_split(graphdef, state, prompt_ids, prompt_lens, rng, max_lengths, **settings)
+    # Without caps, call as `generate_split(graphdef, state, ids, lens, rng, **settings)` does:
+    # an explicit None would key another jit cache entry (a program compiled ahead of time with
+    # `generate_split.lower(...)` would then compile again).
+    caps = () if max_lengths is None else (max_lengths,)
+    return generate_split(graphdef, state, prompt_ids, prompt_lens, rng, *caps, **settings)
 
 
 def resolve_slots(num_slots: int, rows: int) -> int:
