@@ -1,20 +1,21 @@
 """Continuous batching in the sampler: static batch vs S decode slots on a variable-length rollout.
 
-Run: `.venv/bin/python -m benchmarks.continuous [--repeats 3] [--slots 16,8]` (about 5 minutes
-on 2 CPU cores, most of it compiling and timing the 5 programs) or `--quick` (a 1-layer tiny
-model, N = 32: well under a minute, the same code paths).
+Run: `.venv/bin/python -m benchmarks.continuous [--repeats 2] [--orders 3] [--slots 16,8]`
+(11 minutes on 2 CPU cores: 3 passes over 5 programs x 3 rollouts) or `--quick` (a 1-layer
+tiny model, N = 32: about 15 s, the same code paths).
 
-Workload: bench-45m (models.PRESETS["bench-45m"], fp32), P = 8 prompts x G = 4 samples = 32 rows,
-prompt 64 tokens, N = 256 new tokens at T = 1, EOS enabled (`eos_ids` set, checked every step).
-The length mix is controlled with the sampler's per-row length caps (`max_lengths`): the 32 rows
-get lengths evenly spaced from N/8 to N (32, 39, ..., 256 at N = 256: spread 8x, mean 144),
-assigned to rows in a seeded random order. A row that reaches its cap ends exactly as if it had
-emitted an EOS there (same `ended` test, same mask and slot refill); the model, the sampling and
-the cost of every decode step are untouched. A random-init model emits no EOS of its own at a
-controlled position, so without the caps every row would run to N (the static sampler's best
-case) or end at random lengths; the caps give the same length mix to every variant. (A row may
-still end earlier at a sampled EOS token, about one chance in 32768 per token; the table reports
-the realised token count.)
+Workload: bench-45m (models.PRESETS["bench-45m"], fp32), P = 8 prompts x G = 4 samples = 32
+rows, prompt 64 tokens, N = 256 new tokens at T = 1, EOS enabled (`eos_ids` set, checked every
+step). The length mix is controlled with the sampler's per-row length caps (`max_lengths`): the
+32 rows get lengths evenly spaced from N/8 to N (32, 39, ..., 256 at N = 256: spread 8x, mean
+144), assigned to rows in a seeded random order; a timed round runs `--orders` rollouts, one per
+order (seeds 0, 1, ...), since the schedule's tail depends on where the long rows fall. A row
+that reaches its cap ends exactly as if it had emitted an EOS there (same `ended` test, same
+mask and slot refill); the model, the sampling and the cost of every decode step are untouched.
+A random-init model emits no EOS of its own at a controlled position, so without the caps every
+row would run to N (the static sampler's best case) or end at random lengths; the caps give the
+same length mix to every variant. (A row may still end earlier at a sampled EOS token, about one
+chance in 32768 per token; the table reports the realised token count.)
 
 Variants, all one compiled `sampler.generate_split` program each (compiled ahead of time, so
 XLA's memory analysis and the timed executable are the same program):
@@ -23,15 +24,18 @@ XLA's memory analysis and the timed executable are the same program):
                 here token for token against the static output);
   chunks of S   the equal-memory baseline: the static batch cut into 32 / S sequential calls of
                 S rows (S / G prompts each), what a memory-bound user does today.
-Columns: decode iterations (model calls after the prefill; per call, summed over chunks), wall
-time (best / median of --repeats rounds, timed round-robin with `common.interleave`), the
+Columns: decode iterations (model calls after the prefill, summed over the calls of a round),
+wall time of a round (best / median of --repeats rounds, timed round-robin with
+`common.interleave`), the
 new-token KV cache (formula: L x 2 x S x (N - 1) x K x H x 4 bytes; the prompts' cache, P x 64
 slots, is the same for all and listed apart), and XLA's temp allocation of the compiled program
 (`memory_analysis().temp_size_in_bytes`: cache + activations + buffers, per call).
 
-Afterwards the planner (`plan.plan_memory`, shapes only) prints the rollout KV cache per device
-of configs/qwen_math.py (the paper's setting: 1024 prompts x 4, 1024 + 1024 tokens) on 32
-devices at S = P*G and smaller S.
+Afterwards, on the host: the schedule alone over 1000 random row orders (median iterations and
+row-iterations, i.e. the time on a compute-bound accelerator where a step costs in proportion to
+its rows), for this workload and for one device of configs/qwen_math.py (128 rows, N = 1024);
+and the planner's (`plan.plan_memory`, shapes only) rollout KV cache per device of qwen_math
+(the paper's setting: 1024 prompts x 4, 1024 + 1024 tokens) on 32 devices at S = P*G and below.
 
 The machine may be shared: the load average is printed with the numbers.
 """

@@ -374,6 +374,14 @@ def test_sharded_continuous_equals_one_device():
         )
         assert out.tokens_BxN.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
         _assert_same(jax.tree.map(np.asarray, out), ref, atol=1e-4)  # tensor-parallel sums
+    # Per-row caps, split over the shards with the rows.
+    caps = np.random.default_rng(1).integers(1, N + 1, len(expected)).astype(np.int32)
+    ref = sampler.generate(host, ids, lens, rng=jax.random.key(6), max_lengths=caps, **kw)
+    out = sampler.generate_sharded(
+        model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), num_slots=8,
+        max_lengths=caps, **kw,
+    )  # fmt: skip
+    _assert_same(*(jax.tree.map(np.asarray, x) for x in (out, ref)), atol=1e-4)
     with pytest.raises(sharding.ShardingError, match="num_slots=6 decode slots cannot be split"):
         sampler.generate_sharded(
             model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), num_slots=6, **kw
