@@ -161,6 +161,8 @@ def sampling_settings(config: ml_collections.ConfigDict, tokenizer) -> sampler.S
         top_k=config.rollout.top_k,
         top_p=config.rollout.top_p,
         buckets=(config.data.max_prompt_len,),
+        num_slots=config.rollout.num_slots,
+        eval_num_slots=config.train.eval_num_slots,
     )
 
 
@@ -242,6 +244,14 @@ def check_mesh(config: ml_collections.ConfigDict, mesh) -> None:
             raise sharding.ShardingError(
                 f"{name} = {n} is not a multiple of the {shards} data x fsdp shards of the "
                 "mesh; change prompts_per_step (or replay_fraction) or config.mesh."
+            )
+    for name in ("rollout.num_slots", "train.eval_num_slots"):
+        slots = c.rollout.num_slots if name == "rollout.num_slots" else c.train.eval_num_slots
+        if slots % shards:
+            raise sharding.ShardingError(
+                f"config.{name} = {slots} decode slots do not split over the {shards} data x "
+                f"fsdp shards of the mesh (each shard refills its own slots); use a multiple "
+                f"of {shards}, or 0 for one slot per row."
             )
 
 

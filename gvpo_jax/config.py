@@ -92,6 +92,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature of the rollout policy
     c.rollout.top_k = 0  # 0 disables top-k
     c.rollout.top_p = 1.0  # 1.0 disables nucleus sampling
+    # Decode slots S (continuous batching): 0 = one per row (P*G, the static batch); S < P*G
+    # slots take the rows in order, a slot moving to the next row as soon as its row ends, so
+    # the new-token KV cache holds S rows. Same samples for every S. A multiple of the mesh's
+    # data x fsdp shards.
+    c.rollout.num_slots = 0
 
     c.algo = ml_collections.ConfigDict()
     c.algo.name = "gvpo"  # gvpo | grpo | dr_grpo | dapo | gspo | gspo_token
@@ -132,6 +137,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.log_every = 1  # metrics every N steps
     c.train.eval_every = 10  # held-out evaluation every N RL steps (0: only at start and end)
     c.train.eval_samples = 1  # n responses per problem in evaluation (1: greedy)
+    c.train.eval_num_slots = 0  # decode slots of evaluation calls (0: one per row; as num_slots)
     c.train.sample_log_every = 10  # log a few completions as text every N steps
     c.train.checkpoint_every = 50  # checkpoint every N RL steps (and at the end)
     c.train.keep_checkpoints = 2  # checkpoints kept in the workdir
@@ -297,7 +303,14 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         "train.max_bad_steps",
     ):
         _check_positive_int(c, path)
-    for path in ("train.steps", "sft.steps", "sft.warmup_steps", "optim.warmup_steps"):
+    for path in (
+        "train.steps",
+        "sft.steps",
+        "sft.warmup_steps",
+        "optim.warmup_steps",
+        "rollout.num_slots",
+        "train.eval_num_slots",
+    ):
         _check_positive_int(c, path, minimum=0)
     if c.mode == "train" and c.train.steps == 0 and c.sft.steps == 0:
         _fail("config.train.steps and config.sft.steps are both 0; set train.steps >= 1.")
@@ -307,6 +320,11 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     if not isinstance(G, int) or G < 2:
         _fail(f"config.rollout.group_size is {G!r}; group methods need at least 2 responses.")
     P = c.rollout.prompts_per_step
+    if c.rollout.num_slots > P * G:
+        _fail(
+            f"config.rollout.num_slots is {c.rollout.num_slots} but a rollout has only {P * G} "
+            f"rows (prompts_per_step x group_size); use 0 (one slot per row) or at most {P * G}."
+        )
     if P % c.algo.num_minibatches:
         _fail(
             f"config.algo.num_minibatches={c.algo.num_minibatches} does not divide "

@@ -201,7 +201,10 @@ def evaluate_policy(
     key = jax.random.key(seed)
 
     def generate_fn(examples, num):
-        eval_settings = dataclasses.replace(settings, group_size=num)
+        # Evaluation has its own slot count (capped at each call's chunk x num rows).
+        eval_settings = dataclasses.replace(
+            settings, group_size=num, num_slots=settings.eval_num_slots
+        )
         if num == 1:
             eval_settings = dataclasses.replace(eval_settings, temperature=0.0)
         outs = []

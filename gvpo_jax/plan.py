@@ -171,20 +171,33 @@ def tree_bytes(abstract_tree, mesh, rules) -> int:
 
 
 def kv_cache_bytes(
-    cfg: models.ModelConfig, prompts: int, group: int, prompt_len: int, new_tokens: int, sizes: dict
+    cfg: models.ModelConfig,
+    prompts: int,
+    group: int,
+    prompt_len: int,
+    new_tokens: int,
+    sizes: dict,
+    num_slots: int = 0,
 ) -> int:
     """Sampler KV cache per device: L x (k, v) + valid, as `sampler.generate` holds it.
 
     The P prompts' keys/values are stored once ([P, K, Tp, H], shared by each group) and the
-    P * G rows hold max(N - 1, 1) new-token slots. Rows split over data x fsdp; K split over
-    tensor when divisible (else replicated, as in `sharding.logical_rules`).
+    decode slots hold max(N - 1, 1) new-token columns each: one slot per row (P * G) for the
+    static batch (num_slots 0), else S = num_slots slots (continuous batching; no per-column
+    valid flags). Rows and slots split over data x fsdp; K split over tensor when divisible
+    (else replicated, as in `sharding.logical_rules`).
     """
     shards = sizes["data"] * sizes["fsdp"]
     t = sizes["tensor"]
     k = cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads
-    slots = math.ceil(prompts / shards) * prompt_len
-    slots += math.ceil(prompts * group / shards) * max(new_tokens - 1, 1)
-    return cfg.num_layers * slots * (2 * k * cfg.head_dim * cfg.activation_dtype.itemsize + 1)
+    per_slot = 2 * k * cfg.head_dim * cfg.activation_dtype.itemsize
+    rows = prompts * group
+    prompt_part = math.ceil(prompts / shards) * prompt_len * (per_slot + 1)
+    if 0 < num_slots < rows:
+        new_part = math.ceil(num_slots / shards) * max(new_tokens - 1, 1) * per_slot
+    else:
+        new_part = math.ceil(rows / shards) * max(new_tokens - 1, 1) * (per_slot + 1)
+    return cfg.num_layers * (prompt_part + new_part)
 
 
 def activation_bytes(
@@ -271,6 +284,11 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
             f"NOT RUNNABLE on this mesh: the rollout's {P} prompts do not split over "
             f"data x fsdp = {data * fsdp} shards; make rollout.prompts_per_step a multiple."
         )
+    if c.rollout.num_slots % (data * fsdp):
+        notes.append(
+            f"NOT RUNNABLE on this mesh: rollout.num_slots={c.rollout.num_slots} does not split "
+            f"over data x fsdp = {data * fsdp} shards; use a multiple (or 0)."
+        )
     return MemoryPlan(
         mesh=sizes,
         params=param_bytes,
@@ -280,7 +298,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         gathered=gathered,
         gradients=grads,
         activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
-        kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes),
+        kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes, c.rollout.num_slots),
         notes=tuple(notes),
     )
 

@@ -4,12 +4,22 @@
 one compiled XLA program (no host round-trip per token) and returns a `SampleOutput` whose rows
 are grouped contiguously: row `p * G + g` is sample `g` of prompt `p` (SPEC.md's batch layout).
 
+Two decode loops share the prefill. The static batch (`num_slots=0`) gives each of the P * G rows
+a decode slot until the last row ends. Continuous batching (`num_slots=S < P*G`) runs S slots
+that take the P * G work items in row order, a slot moving to the next item in the same loop
+iteration as its row ends (EOS or length cap), so the new-token KV cache holds S rows instead
+of P * G. Token t of row b is always drawn with its own key, `fold_in(fold_in(rng, b), t)`
+(`sampling_ops.token_keys`), so the samples do not depend on S or on the schedule: both loops
+return the same output (up to float rounding that depends on the batch shape, ~1e-6 on the
+log-probs, which could flip a token only if a uniform lands that close to a CDF edge).
+
 Compilation: the jitted function is keyed on the static settings (max_new_tokens, group_size,
-temperature, top_k, top_p, min_p, eos_ids, pad_id), on the model's graph definition and on the
-array shapes. Pad prompts to a few bucket lengths with `pad_prompts` and keep P fixed; then every
-later call with the same bucket reuses the compiled program, also after the parameters change
-(they are traced arguments, not constants). Calling `generate` on the NNX module is fine: it
-splits the module into (graphdef, state) each call, which is cheap and does not retrace.
+temperature, top_k, top_p, min_p, eos_ids, pad_id, num_slots), on the model's graph definition
+and on the array shapes. Pad prompts to a few bucket lengths with `pad_prompts` and keep P
+fixed; then every later call with the same bucket reuses the compiled program, also after the
+parameters change (they are traced arguments, not constants). Calling `generate` on the NNX
+module is fine: it splits the module into (graphdef, state) each call, which is cheap and does
+not retrace.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from gvpo_jax import sharding
-from gvpo_jax.sampling_ops import select_tokens
+from gvpo_jax.sampling_ops import select_tokens, token_keys
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -44,10 +54,13 @@ class SamplingSettings:
     top_p: float = 1.0
     min_p: float = 0.0
     buckets: tuple[int, ...] = DEFAULT_BUCKETS  # prompt-length buckets (one compile per bucket)
+    num_slots: int = 0  # decode slots S (continuous batching); 0: one per row (static batch)
+    eval_num_slots: int = 0  # the same for evaluation calls (capped at their rows)
 
     def generate_kwargs(self) -> dict:
         """The static keywords of `generate` / `generate_sharded`."""
         return dict(
+            num_slots=self.num_slots,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
@@ -89,7 +102,7 @@ class DecodeState:
     logp_BxN: jax.Array  # float32
     sample_logp_BxN: jax.Array  # float32
     cache: Any  # the prompts once (P x T slots) + the new tokens (B x max(N - 1, 1) slots)
-    rng: jax.Array  # base key; step n samples with fold_in(rng, n)
+    rng: jax.Array  # base key; token t of row b is drawn with `token_keys(rng, b, t)`
 
 
 def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
@@ -135,6 +148,8 @@ def generate(
     eos_ids: Sequence[int] = (),
     group_size: int = 1,
     pad_id: int = 0,
+    num_slots: int = 0,
+    max_lengths: jax.Array | None = None,
 ) -> SampleOutput:
     """Sample `group_size` responses per prompt, all in one compiled graph.
 
@@ -154,6 +169,13 @@ def generate(
       group_size: G responses per prompt; the prompt is prefilled once and its keys/values
         are stored once and shared by the G samples (`model.share_prefix_cache`).
       pad_id: token written after a row's first EOS.
+      num_slots: S, decode slots (continuous batching). 0 or >= P*G: one slot per row, the
+        static batch. 1 <= S < P*G: S slots take the P*G (prompt, sample) work items in row
+        order, a slot taking the next item as soon as its row ends (EOS or length cap), so the
+        new-token KV cache holds S rows instead of P*G. Same output for every S: token t of row
+        b is drawn with a key of its own, `sampling_ops.token_keys(rng, b, t)`.
+      max_lengths: optional int32 [P*G] per-row length caps (clipped to [1, max_new_tokens]):
+        row b stops after max_lengths[b] tokens, as at an EOS. None: max_new_tokens for all.
 
     Returns:
       `SampleOutput` with B = P * G rows (row p*G + g = sample g of prompt p). `logp_BxN` is the
@@ -169,9 +191,21 @@ def generate(
         eos_ids=eos_ids,
         group_size=group_size,
         pad_id=pad_id,
+        num_slots=num_slots,
     )
+    settings["num_slots"] = resolve_slots(settings["num_slots"], prompt_ids.shape[0] * group_size)
     graphdef, state = nnx.split(model)
-    return generate_split(graphdef, state, prompt_ids, prompt_lens, rng, **settings)
+    # Without caps, call as `generate_split(graphdef, state, ids, lens, rng, **settings)` does:
+    # an explicit None would key another jit cache entry (a program compiled ahead of time with
+    # `generate_split.lower(...)` would then compile again).
+    caps = () if max_lengths is None else (max_lengths,)
+    return generate_split(graphdef, state, prompt_ids, prompt_lens, rng, *caps, **settings)
+
+
+def resolve_slots(num_slots: int, rows: int) -> int:
+    """The canonical slot count for `rows` = P*G rows: 0 (static batch) when S is 0 or >= rows,
+    so that every spelling of the static batch shares one compiled program."""
+    return 0 if num_slots <= 0 or num_slots >= rows else int(num_slots)
 
 
 def canonical_settings(
@@ -184,6 +218,7 @@ def canonical_settings(
     eos_ids: Sequence[int] | int = (),
     group_size: int = 1,
     pad_id: int = 0,
+    num_slots: int = 0,
 ) -> dict:
     """Validated, canonical static settings for `generate_split` (same meaning as `generate`).
 
@@ -203,6 +238,8 @@ def canonical_settings(
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}.")
     if not 0.0 <= float(min_p) < 1.0:
         raise ValueError(f"min_p must be in [0, 1) (0 = off), got {min_p}.")
+    if int(num_slots) < 0:
+        raise ValueError(f"num_slots must be >= 0 (0 = one slot per row), got {num_slots}.")
     if isinstance(eos_ids, int):
         eos_ids = (eos_ids,)
     if float(temperature) == 0.0:
@@ -216,6 +253,7 @@ def canonical_settings(
         min_p=float(min_p),
         eos_ids=tuple(sorted({int(e) for e in eos_ids})),
         pad_id=int(pad_id),
+        num_slots=int(num_slots),
     )
 
 
@@ -258,6 +296,9 @@ def _grow_cache(cache: list[dict[str, jax.Array]], slots: int) -> list[dict[str,
         "min_p",
         "eos_ids",
         "pad_id",
+        "num_slots",
+        "num_queues",
+        "with_iterations",
     ),
 )
 def generate_split(
@@ -266,6 +307,7 @@ def generate_split(
     prompt_ids: jax.Array,
     prompt_lens: jax.Array,
     rng: jax.Array,
+    max_lengths: jax.Array | None = None,
     *,
     max_new_tokens: int,
     group_size: int,
@@ -275,16 +317,31 @@ def generate_split(
     min_p: float,
     eos_ids: tuple[int, ...],
     pad_id: int,
-) -> SampleOutput:
+    num_slots: int = 0,
+    num_queues: int = 1,
+    with_iterations: bool = False,
+):
     """`generate` on a split model `(graphdef, state) = nnx.split(model)`; all settings static.
 
     Use this directly from code that already holds the split model (e.g. inside a trainer's own
     jit). Arguments and result are as in `generate`; pass the settings as
-    `**canonical_settings(...)`.
+    `**canonical_settings(...)`. Two more static settings:
+      num_queues: D, the continuous sampler's independent work queues: items, prompts and slots
+        split into D equal contiguous parts, and each part's slots only take its own items
+        (`generate_sharded` sets D to the mesh's row shards). The output does not depend on it.
+      with_iterations: also return the number of decode iterations (model calls after the
+        prefill; the static sampler's steps, or the continuous loop's iterations), as
+        `(SampleOutput, int32 scalar)`.
     """
     p, t = prompt_ids.shape
     g, n = group_size, max_new_tokens
     b = p * g
+    slots = b if num_slots == 0 else min(num_slots, b)
+    if p % num_queues or slots % num_queues:
+        raise ValueError(
+            f"{p} prompts and {slots} slots must both split into num_queues={num_queues} equal "
+            "parts; use a multiple of it for both."
+        )
     # Decoding runs in the model's compute dtype: cast the (master) parameters once here, in
     # their shards, rather than at every decode step; the KV cache is in that dtype too. Logits,
     # sampling and the returned log-probs stay fp32.
@@ -304,7 +361,35 @@ def generate_split(
     )
     last_PxD = jnp.take_along_axis(hidden_PxTxD, (lens_P - 1)[:, None, None], axis=1)[:, 0]
     logits_PxV = model.unembed(last_PxD)
+    caps_B = jnp.full((b,), n, jnp.int32)
+    if max_lengths is not None:
+        caps_B = jnp.clip(jnp.asarray(max_lengths, jnp.int32).reshape(b), 1, n)
 
+    select = functools.partial(
+        select_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    args = (graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, select)
+    settings = dict(group_size=g, max_new_tokens=n, eos_ids=eos_ids, pad_id=pad_id)
+    if slots == b:
+        out, iterations = _decode_static(*args, **settings)
+    else:
+        out, iterations = _decode_continuous(*args, **settings, slots=slots, queues=num_queues)
+    return (out, iterations) if with_iterations else out
+
+
+def _is_eos(tokens_xB: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    eos_E = jnp.asarray(eos_ids, jnp.int32)
+    return jnp.any(tokens_xB[..., None] == eos_E, axis=-1)
+
+
+def _decode_static(
+    graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, select, *,
+    group_size, max_new_tokens, eos_ids, pad_id,
+):  # fmt: skip
+    """The static batch: every one of the B = P * G rows keeps its decode slot until the last
+    row ends. Returns (SampleOutput, decode iterations)."""
+    p, g, n = logits_PxV.shape[0], group_size, max_new_tokens
+    b = p * g
     # Share the prefill: every sample of prompt p starts from its logits, and the prompt's keys
     # and values stay stored once per prompt (read once per prompt at every decode step). The
     # last sampled token is never fed back, so the new tokens need N - 1 slots (at least 1).
@@ -313,26 +398,24 @@ def generate_split(
     # cache is then padded to the next size. Each decode step attends over the slots of its
     # segment only, not all N - 1 (about 40% less attention work at N = 128).
     sizes = decode_segments(max(n - 1, 1))
+    model = nnx.merge(graphdef, state)
     cache = model.share_prefix_cache(cache, g, sizes[0])
     lens_B = jnp.repeat(lens_P, g)
-
-    select = functools.partial(
-        select_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
-    )
-    eos_E = jnp.asarray(eos_ids, jnp.int32)
+    rows_B = jnp.arange(b, dtype=jnp.int32)
 
     def append(s: DecodeState, logits_BxV: jax.Array) -> DecodeState:
         """Sample token `step` of every unfinished row from its logits and record it."""
-        tokens_B, logp_B, sample_logp_B = select(logits_BxV, jax.random.fold_in(s.rng, s.step))
+        keys_B = token_keys(s.rng, rows_B, jnp.broadcast_to(s.step, (b,)))
+        tokens_B, logp_B, sample_logp_B = select(logits_BxV, keys_B)
         active_B = ~s.done_B
         tokens_B = jnp.where(active_B, tokens_B, pad_id)
         write = lambda buf_BxN, x_B: jax.lax.dynamic_update_slice(
             buf_BxN, x_B[:, None].astype(buf_BxN.dtype), (jnp.zeros((), jnp.int32), s.step)
         )
-        is_eos_B = jnp.any(tokens_B[:, None] == eos_E[None, :], axis=-1)
+        ends_B = _is_eos(tokens_B, eos_ids) | (s.step + 1 >= caps_B)
         return s.replace(
             step=s.step + 1,
-            done_B=s.done_B | (active_B & is_eos_B),
+            done_B=s.done_B | (active_B & ends_B),
             lengths_B=s.lengths_B + active_B.astype(jnp.int32),
             tokens_BxN=write(s.tokens_BxN, tokens_B),
             logp_BxN=write(s.logp_BxN, jnp.where(active_B, logp_B, 0.0)),
@@ -373,14 +456,185 @@ def generate_split(
         if j:
             final = final.replace(cache=_grow_cache(final.cache, slots))
         final = jax.lax.while_loop(functools.partial(keep_going, slots=slots), decode_step, final)
-    mask_BxN = (jnp.arange(n)[None, :] < final.lengths_B[:, None]).astype(jnp.float32)
-    return SampleOutput(
-        tokens_BxN=final.tokens_BxN,
-        logp_BxN=final.logp_BxN,
-        mask_BxN=mask_BxN,
-        lengths_B=final.lengths_B,
-        sample_logp_BxN=final.sample_logp_BxN,
+    return _output(final.tokens_BxN, final.logp_BxN, final.sample_logp_BxN, final.lengths_B), (
+        final.step - 1
     )
+
+
+def _output(tokens_BxN, logp_BxN, sample_logp_BxN, lengths_B) -> SampleOutput:
+    n = tokens_BxN.shape[1]
+    mask_BxN = (jnp.arange(n)[None, :] < lengths_B[:, None]).astype(jnp.float32)
+    return SampleOutput(
+        tokens_BxN=tokens_BxN,
+        logp_BxN=logp_BxN,
+        mask_BxN=mask_BxN,
+        lengths_B=lengths_B,
+        sample_logp_BxN=sample_logp_BxN,
+    )
+
+
+@flax.struct.dataclass
+class SlotState:
+    """Carry of the continuous decode loop: D queues x S slots (per queue), R items per queue.
+
+    Slot (d, s) works on item `item_DxS[d, s]` of queue d (R: idle, the queue is empty), whose
+    tokens [0, pos) are sampled: the next iteration feeds token pos - 1 (`fed_DxS`) at its
+    new-token column pos - 1 and samples token pos. `head_D` counts the items each queue has
+    handed out; outputs are kept per item, [D, R, N] (item d * R + r is output row d * R + r).
+    """
+
+    iteration: jax.Array  # int32 scalar: model calls so far
+    item_DxS: jax.Array  # int32 in [0, R]
+    pos_DxS: jax.Array  # int32 in [1, N)
+    fed_DxS: jax.Array  # int32 token to feed
+    head_D: jax.Array  # int32
+    tokens_DxRxN: jax.Array
+    logp_DxRxN: jax.Array
+    sample_logp_DxRxN: jax.Array
+    lengths_DxR: jax.Array
+    cache: Any  # `Transformer.slot_cache`: the prompts once + S x max(N - 1, 1) columns
+
+
+def _decode_continuous(
+    graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, select, *,
+    group_size, max_new_tokens, eos_ids, pad_id, slots, queues,
+):  # fmt: skip
+    """Continuous batching: `slots` decode slots fed from the queue of B = P * G work items.
+
+    Every item's first token comes from its prompt's prefill logits (sampled here for all items,
+    one prompt at a time); the slots then take the items that did not end at that token, in row
+    order. An iteration feeds every busy slot's last token, samples its next one, and a slot
+    whose item emits an EOS or reaches its length cap takes the next waiting item at once: it
+    points at that item's prompt in the prefix cache (prefilled once per prompt) and restarts
+    its own new-token columns, with no new prefill. With D = `queues` > 1, items, prompts and
+    slots are split into D contiguous parts and each part's slots serve its own items only.
+    Tokens are keyed by (item, position), so the output equals `_decode_static`'s.
+    Returns (SampleOutput, decode iterations).
+    """
+    p, g, n = logits_PxV.shape[0], group_size, max_new_tokens
+    b, d = p * g, queues
+    r, s_per, p_per = b // d, slots // d, p // d
+    columns = max(n - 1, 1)
+    model = nnx.merge(graphdef, state)
+    cache = model.slot_cache(cache, slots, columns, groups=d)
+    cache = [{k: v for k, v in layer.items() if k != "prefix_index"} for layer in cache]
+
+    # Token 0 of every item, one prompt of each queue (D x G rows) at a time: the [B, V] logits
+    # of the static sampler are never held, and the loop runs along the queues' prompts, not
+    # across the (sharded) queue axis.
+    vocab = logits_PxV.shape[-1]
+
+    def first(args):
+        j, logits_DxV = args  # prompt j of every queue
+        prompts_D = jnp.arange(d, dtype=jnp.int32) * p_per + j
+        rows_DG = (prompts_D[:, None] * g + jnp.arange(g, dtype=jnp.int32)).reshape(d * g)
+        keys_DG = token_keys(rng, rows_DG, jnp.zeros((d * g,), jnp.int32))
+        logits_DGxV = jnp.broadcast_to(logits_DxV[:, None], (d, g, vocab)).reshape(d * g, vocab)
+        return select(logits_DGxV, keys_DG)
+
+    per_prompt = jax.lax.map(
+        first,
+        (jnp.arange(p_per, dtype=jnp.int32), logits_PxV.reshape(d, p_per, vocab).swapaxes(0, 1)),
+    )
+    # [P / D, D * G] -> [D, R]: item r of queue d is sample r % G of its prompt r // G.
+    tokens0_DxR, logp0_DxR, slogp0_DxR = (
+        x.reshape(p_per, d, g).swapaxes(0, 1).reshape(d, r) for x in per_prompt
+    )
+    caps_DxR = caps_B.reshape(d, r)
+    ended0_DxR = _is_eos(tokens0_DxR, eos_ids) | (caps_DxR <= 1)
+    lens_DxP = lens_P.reshape(d, p_per)
+    # Each queue's waiting items in row order, then R (none) as filler.
+    queue_DxR = jax.vmap(lambda w: jnp.nonzero(w, size=r, fill_value=r)[0])(~ended0_DxR)
+    queue_DxR = queue_DxR.astype(jnp.int32)
+    waiting_D = jnp.sum(~ended0_DxR, axis=1, dtype=jnp.int32)
+
+    def first_columns(x_DxR, dtype, fill):
+        buf = jnp.full((d, r, n), fill, dtype)
+        return buf.at[:, :, 0].set(x_DxR.astype(dtype))
+
+    def refill(st: SlotState, free_DxS: jax.Array) -> SlotState:
+        """Free slots take the next waiting items of their queue (in slot order)."""
+        rank_DxS = jnp.cumsum(free_DxS, axis=1, dtype=jnp.int32) - 1
+        at_DxS = st.head_D[:, None] + rank_DxS
+        taken_DxS = jnp.take_along_axis(queue_DxR, jnp.minimum(at_DxS, r - 1), axis=1)
+        new_DxS = jnp.where(at_DxS < waiting_D[:, None], taken_DxS, r)
+        item_DxS = jnp.where(free_DxS, new_DxS, st.item_DxS)
+        first_DxS = jnp.take_along_axis(tokens0_DxR, jnp.minimum(item_DxS, r - 1), axis=1)
+        return st.replace(
+            item_DxS=item_DxS,
+            pos_DxS=jnp.where(free_DxS, 1, st.pos_DxS),
+            fed_DxS=jnp.where(free_DxS, first_DxS, st.fed_DxS),
+            head_D=jnp.minimum(st.head_D + jnp.sum(free_DxS, axis=1, dtype=jnp.int32), waiting_D),
+        )
+
+    def put(buf_DxRxN, item_DxS, pos_DxS, x_DxS):
+        """buf[d, item, pos] = x per slot; idle slots (item R) write nothing."""
+        set_row = lambda buf, i, j, x: buf.at[i, j].set(x.astype(buf.dtype), mode="drop")
+        return jax.vmap(set_row)(buf_DxRxN, item_DxS, pos_DxS, x_DxS)
+
+    def busy(st: SlotState) -> jax.Array:
+        return jnp.any(st.item_DxS < r)
+
+    def step(st: SlotState) -> SlotState:
+        active_DxS = st.item_DxS < r
+        item_DxS = jnp.minimum(st.item_DxS, r - 1)  # a safe index for idle slots
+        prompt_DxS = item_DxS // g
+        positions_DxS = jnp.take_along_axis(lens_DxP, prompt_DxS, axis=1) + st.pos_DxS - 1
+        column_S = jnp.clip(st.pos_DxS - 1, 0, columns - 1).reshape(slots)
+        layers = [{**layer, "prefix_index": prompt_DxS} for layer in st.cache]
+        logits_Sx1xV, layers = nnx.merge(graphdef, state)(
+            jnp.where(active_DxS, st.fed_DxS, 0).reshape(slots, 1),
+            positions_DxS.reshape(slots, 1),
+            jnp.ones((slots, 1), jnp.bool_),
+            cache=layers,
+            cache_index=column_S,
+        )
+        cache = [{k: v for k, v in layer.items() if k != "prefix_index"} for layer in layers]
+        rows_DxS = jnp.arange(d, dtype=jnp.int32)[:, None] * r + item_DxS  # output row
+        keys_S = token_keys(rng, rows_DxS.reshape(slots), st.pos_DxS.reshape(slots))
+        tokens_S, logp_S, sample_logp_S = select(logits_Sx1xV[:, 0], keys_S)
+        tokens_DxS = tokens_S.reshape(d, s_per)
+        write_DxS = jnp.where(active_DxS, item_DxS, r)
+        cap_DxS = jnp.take_along_axis(caps_DxR, item_DxS, axis=1)
+        ended_DxS = active_DxS & (_is_eos(tokens_DxS, eos_ids) | (st.pos_DxS + 1 >= cap_DxS))
+        lengths_DxR = jax.vmap(lambda buf, i, x: buf.at[i].set(x, mode="drop"))(
+            st.lengths_DxR, jnp.where(ended_DxS, item_DxS, r), st.pos_DxS + 1
+        )
+        st = st.replace(
+            iteration=st.iteration + 1,
+            pos_DxS=st.pos_DxS + 1,
+            fed_DxS=tokens_DxS,
+            tokens_DxRxN=put(st.tokens_DxRxN, write_DxS, st.pos_DxS, tokens_DxS),
+            logp_DxRxN=put(st.logp_DxRxN, write_DxS, st.pos_DxS, logp_S.reshape(d, s_per)),
+            sample_logp_DxRxN=put(
+                st.sample_logp_DxRxN, write_DxS, st.pos_DxS, sample_logp_S.reshape(d, s_per)
+            ),
+            lengths_DxR=lengths_DxR,
+            cache=cache,
+        )
+        return refill(st, ended_DxS | ~active_DxS)
+
+    start = SlotState(
+        iteration=jnp.zeros((), jnp.int32),
+        item_DxS=jnp.full((d, s_per), r, jnp.int32),
+        pos_DxS=jnp.ones((d, s_per), jnp.int32),
+        fed_DxS=jnp.zeros((d, s_per), jnp.int32),
+        head_D=jnp.zeros((d,), jnp.int32),
+        tokens_DxRxN=first_columns(tokens0_DxR, jnp.int32, pad_id),
+        logp_DxRxN=first_columns(logp0_DxR, jnp.float32, 0.0),
+        sample_logp_DxRxN=first_columns(slogp0_DxR, jnp.float32, 0.0),
+        lengths_DxR=jnp.where(ended0_DxR, 1, 0).astype(jnp.int32),
+        cache=cache,
+    )
+    start = refill(start, jnp.ones((d, s_per), jnp.bool_))
+    final = jax.lax.while_loop(busy, step, start)
+    out = _output(
+        final.tokens_DxRxN.reshape(b, n),
+        final.logp_DxRxN.reshape(b, n),
+        final.sample_logp_DxRxN.reshape(b, n),
+        final.lengths_DxR.reshape(b),
+    )
+    return out, final.iteration
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,39 +647,61 @@ def _jitted_generate(graphdef, mesh, rules, state_shardings, settings: tuple):
     raw = generate_split.__wrapped__  # the undecorated function; jitted here with shardings
     rows = sharding.batch_sharding(mesh)
 
-    def fn(state, prompt_ids, prompt_lens, rng):
+    kw["num_queues"] = sharding.batch_shards(mesh) if kw["num_slots"] else 1
+
+    def fn(state, prompt_ids, prompt_lens, rng, max_lengths):
         with sharding.tracing_mesh(mesh, rules):
-            return raw(graphdef, state, prompt_ids, prompt_lens, rng, **kw)
+            return raw(graphdef, state, prompt_ids, prompt_lens, rng, max_lengths, **kw)
 
     return jax.jit(
         fn,
-        in_shardings=(state_shardings.tree, rows, rows, sharding.replicated(mesh)),
+        in_shardings=(state_shardings.tree, rows, rows, sharding.replicated(mesh), rows),
         out_shardings=rows,
     )
 
 
 def generate_sharded(
-    model, prompt_ids, prompt_lens, *, mesh, rules=sharding.LOGICAL_RULES, rng, **settings
+    model,
+    prompt_ids,
+    prompt_lens,
+    *,
+    mesh,
+    rules=sharding.LOGICAL_RULES,
+    rng,
+    max_lengths=None,
+    **settings,
 ) -> SampleOutput:
     """`generate` jitted with explicit shardings: prompts and outputs split by rows.
 
     `settings` are `generate`'s keywords (max_new_tokens, temperature, top_k, top_p, min_p,
-    eos_ids, group_size, pad_id). The model stays where it is (its shardings are the
+    eos_ids, group_size, pad_id, num_slots). The model stays where it is (its shardings are the
     in_shardings); the P prompts are split over data x fsdp, so P must be divisible by the
     number of row shards, and the P*G output rows come back split the same way (prompt p's
-    samples on the shard that held prompt p). In multi-process runs pass global arrays
-    (`sharding.shard_batch`) and read results with `sharding.local_rows`.
+    samples on the shard that held prompt p). With num_slots = S < P*G the slots are split the
+    same way (S must be a multiple of the row shards): each shard's S / shards slots take that
+    shard's own items (whole groups), and the output equals the one-device output. In
+    multi-process runs pass global arrays (`sharding.shard_batch`) and read results with
+    `sharding.local_rows`.
     """
     canon = canonical_settings(**settings)
+    shards = sharding.batch_shards(mesh)
+    canon["num_slots"] = resolve_slots(
+        canon["num_slots"], prompt_ids.shape[0] * canon["group_size"]
+    )
     graphdef, state = nnx.split(model)
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    if prompt_ids.shape[0] % sharding.batch_shards(mesh):
+    if prompt_ids.shape[0] % shards:
         raise sharding.ShardingError(
-            f"{prompt_ids.shape[0]} prompts cannot be split over {sharding.batch_shards(mesh)} "
+            f"{prompt_ids.shape[0]} prompts cannot be split over {shards} "
             "data x fsdp shards; sample a multiple of that many prompts."
         )
+    if canon["num_slots"] % shards:
+        raise sharding.ShardingError(
+            f"num_slots={canon['num_slots']} decode slots cannot be split over {shards} "
+            "data x fsdp shards; use a multiple of that many slots."
+        )
     fn = _jitted_generate(graphdef, mesh, rules, _Hashable(shardings), tuple(canon.items()))
-    return fn(state, prompt_ids, prompt_lens, rng)
+    return fn(state, prompt_ids, prompt_lens, rng, max_lengths)
 
 
 class _Hashable:

@@ -153,6 +153,22 @@ def draw(probs_BxC: jax.Array, u_Bx2: jax.Array) -> jax.Array:
     return block_B * _BLOCK + _inverse_cdf(inside_BxK, u_Bx2[:, 1])
 
 
+def token_keys(rng: jax.Array, rows_B: jax.Array, positions_B: jax.Array) -> jax.Array:
+    """One key per row, `fold_in(fold_in(rng, row), position)`: token `position` of work item
+    `row` is drawn from a key of its own, so it does not depend on which batch row or decode
+    step computed it (continuous batching returns the static batch's samples)."""
+    fold = lambda r, t: jax.random.fold_in(jax.random.fold_in(rng, r), t)
+    return jax.vmap(fold)(rows_B.astype(jnp.int32), positions_B.astype(jnp.int32))
+
+
+def _uniforms(key: jax.Array, rows: int) -> jax.Array:
+    """[rows, 2] uniforms in [0, 1): from one key for the batch, or row b's from key b alone."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if key.ndim == (1 if typed else 2):  # one key per row
+        return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(key)
+    return jax.random.uniform(key, (rows, 2), jnp.float32)
+
+
 def select_tokens(
     logits_BxV: jax.Array,
     key: jax.Array,
@@ -166,7 +182,8 @@ def select_tokens(
 
     Args:
       logits_BxV: next-token logits of the policy (any float dtype; computed in fp32).
-      key: PRNG key for this step (unused when greedy).
+      key: PRNG key for this step, or one key per row ([B] typed or [B, 2] raw keys, e.g.
+        `token_keys`: row b's draw then depends on key b only); unused when greedy.
       temperature: 0.0 means greedy (argmax; top-k/top-p/min-p are then irrelevant).
 
     Returns:
@@ -185,7 +202,7 @@ def select_tokens(
         logq_BxC, ids_BxC = candidate_logprobs(
             logits_BxV, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
         )
-        u_Bx2 = jax.random.uniform(key, (logits_BxV.shape[0], 2), jnp.float32)
+        u_Bx2 = _uniforms(key, logits_BxV.shape[0])
         cand_B = draw(jnp.exp(logq_BxC), u_Bx2)
         sample_logp_B = jnp.take_along_axis(logq_BxC, cand_B[:, None], axis=-1)[:, 0]
         tokens_B = cand_B if ids_BxC is None else ids_BxC[jnp.arange(cand_B.shape[0]), cand_B]

@@ -193,16 +193,19 @@ SAMPLING_CASES = [
 ]
 
 
+@pytest.mark.parametrize("num_slots", [0, 1500], ids=["static", "continuous"])
 @pytest.mark.parametrize("settings", SAMPLING_CASES, ids=lambda s: str(sorted(s.items())))
-def test_first_and_second_token_distributions(hf_and_model, settings):
-    """Empirical frequencies of tokens 1 and 2 over 6000 draws match the exact distributions."""
+def test_first_and_second_token_distributions(hf_and_model, settings, num_slots):
+    """Empirical frequencies of tokens 1 and 2 over 6000 draws match the exact distributions,
+    for the static batch and for 1500 continuous-batching slots (4 refills of every slot)."""
     _, model = hf_and_model
     prompt = [5, 17, 42]
     g = 6000
     ids, lens = sampler.pad_prompts([prompt], (8,))
     out = sampler.generate(
-        model, ids, lens, max_new_tokens=2, rng=jax.random.key(3), group_size=g, **settings
-    )
+        model, ids, lens, max_new_tokens=2, rng=jax.random.key(3), group_size=g,
+        num_slots=num_slots, **settings,
+    )  # fmt: skip
     tokens = np.asarray(out.tokens_BxN)
     ref = dict(settings, top_k=settings.get("top_k", 0), top_p=settings.get("top_p", 1.0))
     ref.setdefault("min_p", 0.0)

@@ -137,6 +137,11 @@ class Attention(nnx.Module):
         k_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3)
         v_BxKxTxH = v_BxTxKxH.transpose(0, 2, 1, 3)
 
+        if layer_cache is not None and "prefix_index" in layer_cache:
+            out_BxTxNxH, layer_cache = self._attend_slots(
+                q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, layer_cache, cache_index
+            )
+            return self._out(out_BxTxNxH), layer_cache
         if layer_cache is not None and "prefix_k" in layer_cache:
             out_BxTxNxH, layer_cache = self._attend_shared_prefix(
                 q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, layer_cache, cache_index
@@ -260,6 +265,89 @@ class Attention(nnx.Module):
         )
         return out_BxTxNxH, cache
 
+    def _attend_slots(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, cache, index_B):
+        """Attention of B decode slots, each continuing one of P stored prefixes (`slot_cache`).
+
+        Slot b attends to the J keys of the prefix it points at (a gather of [K, J, H] per slot
+        from the prefixes stored once, [P, K, J, H]) and to its own new-token columns
+        0 .. index_B[b] + t (stored [B, K, C, H]). The T new keys/values of slot b go to its
+        columns [index_B[b], index_B[b] + T): every slot writes at its own column, so a slot
+        that takes a new item restarts at column 0, and the columns beyond its write index,
+        which hold an earlier item's keys, are masked by position (no reset needed).
+
+        `cache["prefix_index"]` is int32 [D, B / D]: slot d * (B / D) + i continues prefix
+        d * (P / D) + prefix_index[d, i]. Prefixes and slots come in D equal groups (a mesh's
+        row shards) and a gather never crosses groups, so with the D axis split over the mesh
+        each shard reads only its own prefixes. The softmax runs over the two parts without
+        concatenating them, as in `_attend_shared_prefix`. Returns (out [B, T, N, H], cache).
+        """
+        b, t, n, h = q_BxTxNxH.shape
+        pk_PxKxJxH, pv_PxKxJxH = cache["prefix_k"], cache["prefix_v"]
+        p, kv, j = pk_PxKxJxH.shape[:3]
+        index_DxS = cache["prefix_index"]
+        d = index_DxS.shape[0]
+        g = n // kv
+
+        def gather(x_Px):  # [P, ...] -> [B, ...]: each slot's own prefix, within its group
+            x_DxPx = x_Px.reshape(d, p // d, *x_Px.shape[1:])
+            return jax.vmap(lambda x, i: x[i])(x_DxPx, index_DxS).reshape(b, *x_Px.shape[1:])
+
+        pk_BxKxJxH = constrain(gather(pk_PxKxJxH), CACHE_AXES)
+        pv_BxKxJxH = constrain(gather(pv_PxKxJxH), CACHE_AXES)
+        pre_valid_BxJ = gather(cache["prefix_valid"])
+        i_B = jnp.broadcast_to(jnp.asarray(index_B, jnp.int32), (b,))
+
+        def write(buf_BxKxCxH, new_BxKxTxH):
+            put = lambda buf, new, i: jax.lax.dynamic_update_slice(buf, new, (0, i, 0))
+            return jax.vmap(put)(buf_BxKxCxH, new_BxKxTxH.astype(buf_BxKxCxH.dtype), i_B)
+
+        k_BxKxCxH = write(cache["k"], k_BxKxTxH)
+        v_BxKxCxH = write(cache["v"], v_BxKxTxH)
+        cache = {**cache, "k": k_BxKxCxH, "v": v_BxKxCxH}
+        c = k_BxKxCxH.shape[2]
+
+        # Query rows per key/value head in the order of `_attend_shared_prefix` (t, then g), so
+        # a slot's arithmetic matches the static sampler's step for step.
+        q_BxKxQxH = (
+            q_BxTxNxH.reshape(b, t, kv, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv, t * g, h)
+        ) * (1.0 / math.sqrt(h))
+        pre_BxKxQxJ = jnp.einsum(
+            "bkqh,bkjh->bkqj", q_BxKxQxH, pk_BxKxJxH, preferred_element_type=jnp.float32
+        )
+        new_BxKxQxC = jnp.einsum(
+            "bkqh,bkch->bkqc", q_BxKxQxH, k_BxKxCxH, preferred_element_type=jnp.float32
+        )
+        seen_BxTxC = jnp.arange(c)[None, None, :] <= (i_B[:, None] + jnp.arange(t))[:, :, None]
+        new_mask_Bx1xQxC = jnp.broadcast_to(
+            seen_BxTxC[:, None, :, None, :], (b, 1, t, g, c)
+        ).reshape(b, 1, t * g, c)
+        pre_BxKxQxJ = jnp.where(pre_valid_BxJ[:, None, None, :], pre_BxKxQxJ, fused.MASKED)
+        new_BxKxQxC = jnp.where(new_mask_Bx1xQxC, new_BxKxQxC, fused.MASKED)
+        max_BxKxQx1 = jnp.maximum(
+            jnp.max(pre_BxKxQxJ, axis=-1, keepdims=True),
+            jnp.max(new_BxKxQxC, axis=-1, keepdims=True),
+        )
+        pre_BxKxQxJ = jnp.exp(pre_BxKxQxJ - max_BxKxQx1)
+        new_BxKxQxC = jnp.exp(new_BxKxQxC - max_BxKxQx1)
+        total_BxKxQx1 = jnp.sum(pre_BxKxQxJ, axis=-1, keepdims=True) + jnp.sum(
+            new_BxKxQxC, axis=-1, keepdims=True
+        )
+        dtype = v_BxKxCxH.dtype
+        out_BxKxQxH = jnp.einsum(
+            "bkqj,bkjh->bkqh",
+            pre_BxKxQxJ.astype(dtype),
+            pv_BxKxJxH,
+            preferred_element_type=jnp.float32,
+        ) + jnp.einsum(
+            "bkqc,bkch->bkqh",
+            new_BxKxQxC.astype(dtype),
+            v_BxKxCxH,
+            preferred_element_type=jnp.float32,
+        )
+        out_BxKxQxH = (out_BxKxQxH / total_BxKxQx1).astype(dtype)
+        out_BxTxNxH = out_BxKxQxH.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4)
+        return out_BxTxNxH.reshape(b, t, n, h), cache
+
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up))."""
@@ -375,6 +463,44 @@ class Transformer(nnx.Module):
             for c in prefix_cache
         ]
 
+    def slot_cache(
+        self,
+        prefix_cache: list[dict[str, jax.Array]],
+        num_slots: int,
+        max_len: int,
+        groups: int = 1,
+    ) -> list[dict[str, jax.Array]]:
+        """Decode cache for `num_slots` slots that each continue one of P prefilled prefixes.
+
+        The continuous-batching counterpart of `share_prefix_cache`: the prefixes are kept once
+        ('prefix_k', 'prefix_v' [P, K, J, H], 'prefix_valid' [P, J]) and every slot has its own
+        new-token columns ('k', 'v' [B, K, S, H] with B = `num_slots`, S = `max_len`) but no
+        fixed prefix: 'prefix_index' (int32 [groups, B / groups], initially 0) says which one it
+        continues (slot d * (B / groups) + i continues prefix d * (P / groups) + index). Slots
+        and prefixes come in `groups` equal groups and a slot only points into its own group
+        (a mesh's row shards: no gather crosses shards). Calls pass `cache_index` as int32 [B],
+        each slot's own write column; a slot that moves to another prefix sets its index and
+        restarts at column 0 (see `Attention._attend_slots`).
+        """
+        cfg = self.config
+        p = prefix_cache[0]["k"].shape[0]
+        if p % groups or num_slots % groups:
+            raise ValueError(
+                f"{p} prefixes and {num_slots} slots must both split into {groups} equal groups."
+            )
+        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        return [
+            {
+                "prefix_k": c["k"],
+                "prefix_v": c["v"],
+                "prefix_valid": c["valid"],
+                "prefix_index": jnp.zeros((groups, num_slots // groups), jnp.int32),
+                "k": jnp.zeros(shape, cfg.activation_dtype),
+                "v": jnp.zeros(shape, cfg.activation_dtype),
+            }
+            for c in prefix_cache
+        ]
+
     def hidden(
         self, tokens_BxT, positions_BxT=None, mask_BxT=None, *, cache=None, cache_index=None
     ):
@@ -384,6 +510,7 @@ class Transformer(nnx.Module):
         positions_BxT: RoPE positions, default cumsum(mask)-1 clipped at 0; required with a cache.
         cache/cache_index: the T new keys/values go to slots [cache_index, cache_index + T);
           the caller keeps cache_index + T <= S (dynamic_update_slice would clamp the start).
+          With a `slot_cache`, cache_index is int32 [B]: each row's own write column.
         """
         cfg = self.config
         b, t = tokens_BxT.shape
