@@ -9,10 +9,10 @@ operands in [0, 99]: 10,000 problems, too many for the model to memorise, so wha
 training problems transfers to the 200 held-out ones) are generated on the fly. A short cold-start
 SFT phase teaches the format and most of the algorithm, then GVPO (beta 0.1, k = 4, 128 prompts
 per step, anchor = rollout policy) trains on exact-match reward at temperature 1.
-Expect on a 2-core CPU: about 2.5 minutes in all (measured 2 min 41 s wall, 262 s CPU). Every
+Expect on a 2-core CPU: about 2 minutes in all (measured 1 min 48 s wall, 181 s CPU). Every
 evaluation prints held-out avg@16 at temperature 1 (the headline, as the GVPO paper's avg@32) and
-greedy accuracy; the end prints both before SFT (0 / 0), after SFT = the RL start (0.662 / 0.915
-for seed 0) and at the end (0.763 / 0.920), and writes
+greedy accuracy; the end prints both before SFT (0 / 0), after SFT = the RL start (0.659 / 0.915
+for seed 0) and at the end (0.764 / 0.915), and writes
 metrics.jsonl, curves.png, checkpoints and the exported Hugging Face directory. RL sharpens the
 sampled distribution: avg@16 rose by +0.12 +- 0.05 over 3 seeds (every seed >= +0.063) at
 `d0253f0`, an earlier version of the model code; greedy accuracy, already high after SFT, by
