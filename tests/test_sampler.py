@@ -135,11 +135,15 @@ def test_bf16_greedy_matches_transformers_in_bf16(hf_and_model):
     # row is compared up to its first step whose best-vs-second logit gap is under twice that
     # step's largest bf16-vs-fp32 logit difference; most of the tokens must be compared.
     got, compared = np.asarray(out.tokens_BxN), 0
+    seqs = [p + e for p, e in zip(PROMPTS, expected, strict=True)]
+    width = max(map(len, seqs))
+    batch = jnp.asarray([x + [0] * (width - len(x)) for x in seqs])  # right pads: causal, unseen
+    forward = jax.jit(lambda m, x: m(x))
+    logits32, logits16 = np.asarray(forward(model, batch)), np.asarray(forward(model16, batch))
     for row, prompt in enumerate(PROMPTS):
-        seq = jnp.asarray([prompt + expected[row]])
-        path = slice(len(prompt) - 1, -1)
-        logits = np.asarray(model(seq))[0, path]
-        noise = np.abs(np.asarray(model16(seq))[0, path] - logits).max(-1)
+        path = slice(len(prompt) - 1, len(seqs[row]) - 1)
+        logits = logits32[row, path]
+        noise = np.abs(logits16[row, path] - logits).max(-1)
         top2 = np.sort(logits, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * noise
         k = n if clear.all() else int(np.argmin(clear))
