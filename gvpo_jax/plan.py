@@ -58,29 +58,19 @@ class MemoryPlan:
     notes: tuple[str, ...] = ()
 
     @property
+    def resident(self) -> int:
+        """Held through both phases: state, reference, compute copy and one gathered layer."""
+        return self.params + self.opt_state + self.reference + self.compute_copy + self.gathered
+
+    @property
     def update_peak(self) -> int:
-        """During an update: state + reference + compute copy + gradients + activations."""
-        return (
-            self.params
-            + self.opt_state
-            + self.reference
-            + self.compute_copy
-            + self.gathered
-            + self.gradients
-            + self.activations
-        )
+        """During an update: the resident bytes + gradients + activations."""
+        return self.resident + self.gradients + self.activations
 
     @property
     def rollout_peak(self) -> int:
-        """During the rollout: state + reference + compute copy + gathered layer + KV cache."""
-        return (
-            self.params
-            + self.opt_state
-            + self.reference
-            + self.compute_copy
-            + self.gathered
-            + self.kv_cache
-        )
+        """During the rollout: the resident bytes + the KV cache of the rollout batch."""
+        return self.resident + self.kv_cache
 
     @property
     def peak(self) -> int:
