@@ -87,6 +87,22 @@ class RMSNorm(nnx.Module):
         return weight(self.scale, self.compute_dtype) * x.astype(x_BxTxD.dtype)
 
 
+def _two_part_softmax(pre_scores, pre_mask, new_scores, new_mask):
+    """Unnormalised softmax weights over two key sets (a shared prefix and a row's own new
+    tokens) without concatenating them: masked scores, one max over both, exp, and the shared
+    denominator [..., 1]. Returns (pre_weights, new_weights, total)."""
+    pre_scores = jnp.where(pre_mask, pre_scores, fused.MASKED)
+    new_scores = jnp.where(new_mask, new_scores, fused.MASKED)
+    top = jnp.maximum(
+        jnp.max(pre_scores, axis=-1, keepdims=True), jnp.max(new_scores, axis=-1, keepdims=True)
+    )
+    pre_weights, new_weights = jnp.exp(pre_scores - top), jnp.exp(new_scores - top)
+    total = jnp.sum(pre_weights, axis=-1, keepdims=True) + jnp.sum(
+        new_weights, axis=-1, keepdims=True
+    )
+    return pre_weights, new_weights, total
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE; K key/value heads shared by N/K query heads each."""
 
@@ -236,16 +252,8 @@ class Attention(nnx.Module):
         new_mask_Px1xRxQxS = jnp.broadcast_to(
             new_mask_PxRxTxS[:, None, :, :, None, :], (p, 1, r, t, g, s)
         ).reshape(p, 1, r, t * g, s)
-        pre_PxKxRxQxJ = jnp.where(pre_mask_Px1x1x1xJ, pre_PxKxRxQxJ, fused.MASKED)
-        new_PxKxRxQxS = jnp.where(new_mask_Px1xRxQxS, new_PxKxRxQxS, fused.MASKED)
-        max_PxKxRxQx1 = jnp.maximum(
-            jnp.max(pre_PxKxRxQxJ, axis=-1, keepdims=True),
-            jnp.max(new_PxKxRxQxS, axis=-1, keepdims=True),
-        )
-        pre_PxKxRxQxJ = jnp.exp(pre_PxKxRxQxJ - max_PxKxRxQx1)
-        new_PxKxRxQxS = jnp.exp(new_PxKxRxQxS - max_PxKxRxQx1)
-        total_PxKxRxQx1 = jnp.sum(pre_PxKxRxQxJ, axis=-1, keepdims=True) + jnp.sum(
-            new_PxKxRxQxS, axis=-1, keepdims=True
+        pre_PxKxRxQxJ, new_PxKxRxQxS, total_PxKxRxQx1 = _two_part_softmax(
+            pre_PxKxRxQxJ, pre_mask_Px1x1x1xJ, new_PxKxRxQxS, new_mask_Px1xRxQxS
         )
         dtype = v_PxKxRxSxH.dtype
         out_PxKxRxQxH = jnp.einsum(
@@ -321,16 +329,8 @@ class Attention(nnx.Module):
         new_mask_Bx1xQxC = jnp.broadcast_to(
             seen_BxTxC[:, None, :, None, :], (b, 1, t, g, c)
         ).reshape(b, 1, t * g, c)
-        pre_BxKxQxJ = jnp.where(pre_valid_BxJ[:, None, None, :], pre_BxKxQxJ, fused.MASKED)
-        new_BxKxQxC = jnp.where(new_mask_Bx1xQxC, new_BxKxQxC, fused.MASKED)
-        max_BxKxQx1 = jnp.maximum(
-            jnp.max(pre_BxKxQxJ, axis=-1, keepdims=True),
-            jnp.max(new_BxKxQxC, axis=-1, keepdims=True),
-        )
-        pre_BxKxQxJ = jnp.exp(pre_BxKxQxJ - max_BxKxQx1)
-        new_BxKxQxC = jnp.exp(new_BxKxQxC - max_BxKxQx1)
-        total_BxKxQx1 = jnp.sum(pre_BxKxQxJ, axis=-1, keepdims=True) + jnp.sum(
-            new_BxKxQxC, axis=-1, keepdims=True
+        pre_BxKxQxJ, new_BxKxQxC, total_BxKxQx1 = _two_part_softmax(
+            pre_BxKxQxJ, pre_valid_BxJ[:, None, None, :], new_BxKxQxC, new_mask_Bx1xQxC
         )
         dtype = v_BxKxCxH.dtype
         out_BxKxQxH = jnp.einsum(
