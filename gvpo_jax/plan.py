@@ -248,8 +248,8 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.activation_dtype), params)
     compute_bytes = tree_bytes(compute, mesh, rules) if cfg.compute_dtype != cfg.param_dtype else 0
     # FSDP: a layer's weights are all-gathered (still split over tensor) where they are used.
-    # One layer at a time is the least any schedule needs; XLA CPU was measured to keep several
-    # layers' gathered weights live at once (docs/sharding.md), so this is a lower bound.
+    # One layer at a time is the least any schedule needs (a lower bound); with remat tied to
+    # the cotangent, XLA CPU keeps about one layer's gathered weights (docs/sharding.md).
     gathered = 0
     if fsdp > 1:
         layer = nnx.state(models.abstract_model(cfg).layers[0], nnx.Param)

@@ -414,6 +414,54 @@ def test_remat_gives_same_gradients():
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def test_remat_gives_same_gradients_through_a_shared_prefix():
+    # The update's path: the prefix fills a KV cache (int / bool leaves too) that the new tokens
+    # read, both under remat.
+    cfg = models.PRESETS["tiny"]
+    tokens = jnp.asarray(_tokens((4, 9), vocab=cfg.vocab_size, seed=8))
+    tokens = tokens.at[1].set(tokens[0]).at[3, :4].set(tokens[2, :4])
+    tokens = tokens.at[1, 5:].set(_tokens((1, 4), vocab=cfg.vocab_size, seed=9)[0])
+    mask = jnp.ones((4, 9), jnp.float32).at[:2, 0].set(0).at[2:, 8].set(0)
+
+    def grads(remat):
+        model = models.Transformer(cfg.replace(remat=remat), rngs=nnx.Rngs(3))
+
+        def loss(m):
+            h = m.hidden_shared_prefix(tokens, mask, prefix_len=4, group_size=2)
+            return jnp.mean(jax.nn.log_softmax(m.unembed(h))[..., 5])
+
+        return nnx.jit(nnx.grad(loss))(model)
+
+    g0, g1 = grads(False), grads(True)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_remat_keeps_one_layer_of_activations_live():
+    # Compiled memory of a forward + backward: with remat each extra layer may add its saved
+    # input [B, T, D] (and slack for one more), not its recomputed activations. A remat whose
+    # recomputation XLA is free to schedule early (nnx.remat on CPU) grows by a whole layer's
+    # attention scores and MLP activations per layer, as if there were no remat.
+    b, t = 4, 256
+
+    def temp_bytes(layers, remat):
+        cfg = models.PRESETS["tiny"].replace(num_layers=layers, remat=remat)
+        graphdef, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+
+        def loss(p, tokens):
+            return jnp.mean(nnx.merge(graphdef, p).hidden(tokens) ** 2)
+
+        tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
+        compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    saved_input = b * t * models.PRESETS["tiny"].hidden_size * 4
+    per_layer = (temp_bytes(6, True) - temp_bytes(2, True)) / 4
+    per_layer_without = (temp_bytes(6, False) - temp_bytes(2, False)) / 4
+    assert per_layer <= 2 * saved_input, (per_layer, saved_input)
+    assert per_layer_without > 10 * saved_input  # the test's shapes make remat matter
+
+
 def test_logical_axis_names_map_onto_a_mesh():
     cfg = models.PRESETS["tiny"]
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))

@@ -25,7 +25,8 @@ class ModelConfig:
     what the forward pass runs in: each weight is cast to it where it is used (inside the compiled
     graph, so gradients flow back to the masters in `param_dtype`), and activations and the KV
     cache are kept in it. Logits, log-softmax and the losses are always fp32.
-    `remat=True` recomputes each layer in the backward pass (activation memory O(layers * B*T*D)).
+    `remat=True` recomputes each layer in the backward pass, after the cotangent of its output
+    (activation memory O(layers * B*T*D) plus one layer's recomputation).
     """
 
     vocab_size: int
