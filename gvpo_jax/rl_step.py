@@ -22,7 +22,14 @@ from gvpo_jax import losses, rollout, sampler, sharding
 
 
 class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. too many consecutive non-finite steps); checkpoints are intact."""
+    """The run cannot go on (e.g. too many consecutive non-finite steps); checkpoints are intact.
+
+    `metrics` holds the failing step's metrics when they were computed (the trainer logs them).
+    """
+
+    def __init__(self, message: str, metrics: dict | None = None):
+        super().__init__(message)
+        self.metrics = metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +127,8 @@ def rl_step(run, state, ref_params):
     if int(state.bad_steps) >= s.max_bad_steps:
         raise TrainingError(
             f"{int(state.bad_steps)} consecutive non-finite updates (train.max_bad_steps="
-            f"{s.max_bad_steps}); the last good checkpoint in {run.workdir} is intact."
+            f"{s.max_bad_steps}); the last good checkpoint in {run.workdir} is intact.",
+            metrics=metrics,
         )
     return state, metrics, completions, examples
 

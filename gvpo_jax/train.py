@@ -67,7 +67,14 @@ def train_rl(run_: assemble.Run, state, ref, start: int, summary: dict) -> dict:
     bar = metrics.Progress(c.train.steps, start, c.train.log_every)
     with guard:
         for step in range(start + 1, c.train.steps + 1):
-            state, m, completions, examples = rl_step(run_, state, ref)
+            try:
+                state, m, completions, examples = rl_step(run_, state, ref)
+            except TrainingError as e:  # log the step that stopped the run, then stop
+                if e.metrics is not None:
+                    run_.writer.write_scalars(step, e.metrics)
+                    run_.writer.flush()
+                bar.close()
+                raise TrainingError(f"step {step}: {e}", e.metrics) from e
             if step % c.train.log_every == 0:
                 run_.writer.write_scalars(step, m)
             bar.update(step, m)

@@ -497,9 +497,10 @@ def test_nonfinite_gradient_with_finite_loss_is_skipped(faults):
 
 def test_max_bad_steps_stops_the_run_and_keeps_the_last_good_checkpoint(faults):
     assert isinstance(faults["error"], train.TrainingError), faults["error"]
-    assert "2 consecutive non-finite updates" in str(faults["error"])
+    assert str(faults["error"]).startswith("step 5: 2 consecutive non-finite updates")
     assert faults["steps"] == [1, 2, 3, 4]  # nothing was saved for the failing step 5
-    assert sorted(faults["rows"]) == [1, 2, 3, 4]
+    assert sorted(faults["rows"]) == [1, 2, 3, 4, 5]  # but its metrics were logged
+    assert faults["rows"][5]["skipped_updates"] == 1 and faults["rows"][5]["grad_norm"] is None
     last = faults["ckpts"][4]
     assert last["meta"]["step"] == 4
     assert int(last["state"]["step"]) == 2 and int(last["state"]["bad_steps"]) == 1
