@@ -105,14 +105,15 @@ def rl_step(run, state, ref_params):
     mask, r = fresh["resp_mask"], fresh["task_rewards"]
     ntok = float(mask.sum())
     sampled = mask * fresh["sampled"][:, None]  # the sampler's tokens (not demonstrations)
+    is_sampled = fresh["sampled"] > 0
     metrics.update(
         {
             "reward_mean": float(np.mean(fresh["rewards"])),
             "reward_std": float(np.std(fresh["rewards"])),
-            "accuracy": float(np.mean(r >= 1.0)),
+            "accuracy": float(np.mean(r[is_sampled] >= 1.0)),  # the policy's, not the demos'
             "equal_reward_group_frac": float(np.mean(~rollout.informative_mask(r, G))),
-            "response_len_mean": float(np.mean(fresh["lengths"])),
-            "response_len_max": float(np.max(fresh["lengths"])),
+            "response_len_mean": float(np.mean(fresh["lengths"][is_sampled])),
+            "response_len_max": float(np.max(fresh["lengths"][is_sampled])),
             "entropy_mc": float(-np.sum(old * sampled) / max(float(sampled.sum()), 1.0)),
             "sampler_logp_gap_max": float((np.abs(old - fresh["sample_logp"]) * sampled).max()),
             "replayed_groups": float(n_replay),
@@ -120,6 +121,8 @@ def rl_step(run, state, ref_params):
             "tokens_per_s": ntok / max(metrics["rollout_time_s"] + update_s, 1e-9),
         }
     )
+    if not is_sampled.all():
+        metrics["demo_accuracy"] = float(np.mean(r[~is_sampled] >= 1.0))
     for k in update_metrics[0]:
         value = float(np.mean([x[k] for x in update_metrics]))
         metrics[k if k not in metrics else f"loss/{k}"] = value

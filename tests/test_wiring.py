@@ -303,8 +303,12 @@ def test_demonstration_fills_the_last_slot_of_every_group(gvpo_runs):
     c = gvpo_runs["config"]
     G, Tp = c.rollout.group_size, c.data.max_prompt_len
     rows = rl_rows(gvpo_runs["straight"])
-    for step, row in rows.items():  # a random policy almost never answers; the demo always does
-        assert row["accuracy"] >= 1.0 / G, (step, row["accuracy"])
+    for step, row in rows.items():
+        # The demonstration always answers; `accuracy` is the sampled responses' alone: with 0/1
+        # rewards, reward_mean x G = (G - 1) x accuracy + demo_accuracy (one demo per group).
+        assert row["demo_accuracy"] == 1.0, step
+        sampled_acc = (row["reward_mean"] * G - 1.0) / (G - 1)
+        assert row["accuracy"] == pytest.approx(sampled_acc, abs=1e-6), step
     # The replay buffer in the final checkpoint holds the last steps' groups with their rewards.
     replay = read_checkpoint(gvpo_runs["straight"], GVPO_STEPS)["replay"]
     tok = transformers.AutoTokenizer.from_pretrained(str(gvpo_runs["straight"] / "tokenizer"))
