@@ -24,8 +24,11 @@ if ! "$VENV/bin/python" -m pip install -q google-tunix==0.1.7 "${same_xla[@]}"; 
   echo "setup_tunix: tunix does not install with ${same_xla[*]}; letting pip choose jax/flax." >&2
   "$VENV/bin/python" -m pip install -q google-tunix==0.1.7
 fi
-# The tunix worker (benchmarks/tunix_rollout.py --worker) imports only tunix, jax, numpy and
-# benchmarks/common.py; gvpo_jax and torch stay in the main venv.
+# benchmarks/whole_step.py hands tunix our math-verify reward (gvpo_jax.rewards: numpy, sympy,
+# math-verify; no jax model code), so the worker needs math-verify too.
+"$VENV/bin/python" -m pip install -q math-verify==0.9.0
+# The tunix workers (benchmarks/tunix_rollout.py, whole_step.py --worker tunix) import tunix,
+# jax, numpy, benchmarks/ and gvpo_jax.rewards; the rest of gvpo_jax and torch stay in the main venv.
 "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 for name in ("google-tunix", "jax", "jaxlib", "flax", "safetensors", "transformers", "qwix"):

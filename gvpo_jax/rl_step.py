@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from gvpo_jax import losses, rollout, sampler, sharding
+from gvpo_jax import losses, rollout, sampler, sharding, train_step
 
 
 class TrainingError(RuntimeError):
@@ -78,15 +78,29 @@ def rl_step(run, state, ref_params):
         run.replay.add(fresh, G)
 
     # 4. Log-probs: pi_old (GVPO's anchor "old") and the reference for every row, replayed ones
-    #    included, one forward each with the parameters the rollout used.
+    #    included, one forward each with the parameters the rollout used. With one update per
+    #    step the update itself starts from those parameters: its own forward gives pi_old
+    #    (`train_step.rl_loss` without old_logp), so that pass is skipped; the sampler
+    #    consistency and entropy metrics then come from the update (rows sampled this step).
+    single_update = s.num_epochs * s.num_minibatches == 1
     dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
-    batch["old_logp"] = sharding.gather(run.logprobs(state.params, dev["tokens"], dev["attn_mask"]))
+    if single_update:
+        rows_total = len(batch["rewards"])
+        pad = rows_total - len(fresh["sampled"])  # replayed rows: not this step's samples
+        batch["sample_logp"] = np.pad(fresh["sample_logp"], ((0, pad), (0, 0)))
+        batch["sampled"] = np.pad(fresh["sampled"], (0, pad))
+    else:
+        batch["old_logp"] = sharding.gather(
+            run.logprobs(state.params, dev["tokens"], dev["attn_mask"])
+        )
     if ref_params is not None:
         batch["ref_logp"] = sharding.gather(
             run.logprobs(ref_params, dev["tokens"], dev["attn_mask"])
         )
+    logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
 
     # 5. num_epochs x num_minibatches updates on shuffled whole groups.
+    t0 = time.perf_counter()
     update_metrics = []
     for _ in range(s.num_epochs):
         for groups in rollout.minibatch_groups(len(batch["rewards"]) // G, s.num_minibatches,
@@ -101,11 +115,18 @@ def rl_step(run, state, ref_params):
     update_s = time.perf_counter() - t0
 
     # 6. Metrics of the fresh groups and of the updates.
-    old = np.asarray(batch["old_logp"])[: fresh["sample_logp"].shape[0]]
     mask, r = fresh["resp_mask"], fresh["task_rewards"]
     ntok = float(mask.sum())
     sampled = mask * fresh["sampled"][:, None]  # the sampler's tokens (not demonstrations)
     is_sampled = fresh["sampled"] > 0
+    if single_update:  # from the update's forward (train_step.rl_loss), summed over micro-batches
+        u = update_metrics[0]
+        entropy_mc = -float(u["sampled_logp_sum"]) / max(float(u["sampled_tokens"]), 1.0)
+        gap_max = float(u["sampler_logp_gap_max"])
+    else:
+        old = np.asarray(batch["old_logp"])[: fresh["sample_logp"].shape[0]]
+        entropy_mc = float(-np.sum(old * sampled) / max(float(sampled.sum()), 1.0))
+        gap_max = float((np.abs(old - fresh["sample_logp"]) * sampled).max())
     metrics.update(
         {
             "reward_mean": float(np.mean(fresh["rewards"])),
@@ -114,16 +135,19 @@ def rl_step(run, state, ref_params):
             "equal_reward_group_frac": float(np.mean(~rollout.informative_mask(r, G))),
             "response_len_mean": float(np.mean(fresh["lengths"][is_sampled])),
             "response_len_max": float(np.max(fresh["lengths"][is_sampled])),
-            "entropy_mc": float(-np.sum(old * sampled) / max(float(sampled.sum()), 1.0)),
-            "sampler_logp_gap_max": float((np.abs(old - fresh["sample_logp"]) * sampled).max()),
+            "entropy_mc": entropy_mc,
+            "sampler_logp_gap_max": gap_max,
             "replayed_groups": float(n_replay),
+            "logprob_time_s": logprob_s,
             "update_time_s": update_s,
-            "tokens_per_s": ntok / max(metrics["rollout_time_s"] + update_s, 1e-9),
+            "tokens_per_s": ntok / max(metrics["rollout_time_s"] + logprob_s + update_s, 1e-9),
         }
     )
     if not is_sampled.all():
         metrics["demo_accuracy"] = float(np.mean(r[~is_sampled] >= 1.0))
     for k in update_metrics[0]:
+        if k in train_step.AUX_SUMS or k in train_step.AUX_MAXES:
+            continue
         value = float(np.mean([x[k] for x in update_metrics]))
         metrics[k if k not in metrics else f"loss/{k}"] = value
     metrics["skipped_updates"] = float(np.sum([x["skipped"] for x in update_metrics]))

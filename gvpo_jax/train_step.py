@@ -183,10 +183,13 @@ def rl_loss(
     )
     mask_BxN = batch["resp_mask"]
     anchor_logp = batch.get("ref_logp") if anchor == "ref" else None
+    # Without old_logp the update is the first one from the rollout's parameters (one update
+    # per step): pi_old is this forward's value, held constant.
+    old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp_BxN)
     loss, aux = losses.preset_loss(
         algo,
         logp=logp_BxN,
-        old_logp=batch["old_logp"],
+        old_logp=old_logp,
         rewards=batch["rewards"],
         mask=mask_BxN,
         group_size=group_size,
@@ -195,6 +198,13 @@ def rl_loss(
         **loss_kwargs,
     )
     aux = dict(aux)
+    if "sample_logp" in batch:  # the sampler's own log-probs vs this forward, sampled rows
+        sampled_BxN = mask_BxN * batch["sampled"][:, None]
+        logp = jax.lax.stop_gradient(logp_BxN)
+        aux["sampled_logp_sum"] = jnp.sum(logp * sampled_BxN)
+        aux["sampled_tokens"] = jnp.sum(sampled_BxN)
+        gap = jnp.abs(logp - batch["sample_logp"]) * sampled_BxN
+        aux["sampler_logp_gap_max"] = jnp.max(gap)
     if "ref_logp" in batch:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens
         diff = batch["ref_logp"] - logp_BxN
         k3 = jnp.exp(diff) - diff - 1.0
@@ -216,6 +226,19 @@ def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
     ntok = jnp.maximum(jnp.sum(mask_BxN), 1.0)
     nll = -jnp.sum(logp_BxN * mask_BxN) / ntok
     return nll, {"nll": nll, "answer_tokens": ntok}
+
+
+# rl_loss's aux totals over an update's micro-batches (every other aux value is their mean).
+AUX_SUMS = ("sampled_logp_sum", "sampled_tokens")
+AUX_MAXES = ("sampler_logp_gap_max",)
+
+
+def _is_total(key: str) -> bool:
+    return key in AUX_SUMS or key in AUX_MAXES
+
+
+def _accumulate(key: str, total, value):
+    return jnp.maximum(total, value) if key in AUX_MAXES else total + value
 
 
 def _where_tree(pred, a, b):
@@ -262,7 +285,7 @@ def update_step(
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
         acc_grads, acc_loss, acc_aux = carry
         acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
-        acc_aux = jax.tree.map(jnp.add, acc_aux, aux)
+        acc_aux = {k: _accumulate(k, acc_aux[k], aux[k]) for k in aux}
         return (acc_grads, acc_loss + loss, acc_aux), None
 
     split = jax.tree.map(lambda x: split_micro_batches(x, micro_batches, row_shards), batch)
@@ -276,7 +299,7 @@ def update_step(
     scale = 1.0 / micro_batches
     grads = jax.tree.map(lambda g: g * scale, grads)
     loss = loss * scale
-    aux = jax.tree.map(lambda a: a * scale, aux)
+    aux = {k: v if _is_total(k) else v * scale for k, v in aux.items()}
 
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -49,7 +49,15 @@ def test_demo_writes_metrics_plot_checkpoint_and_samples(demo_run):
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     rl = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
-    for key in ("loss", "grad_norm", "response_len_mean", "rollout_time_s", "d_abs_mean"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "response_len_mean",
+        "rollout_time_s",
+        "logprob_time_s",
+        "update_time_s",
+        "d_abs_mean",
+    ):
         assert all(np.isfinite(r[key]) for r in rl), key
     # arith_tiny evaluates avg@16 at T=1 and greedy accuracy, both logged at every evaluation.
     evals = [r for r in rows if "eval/greedy" in r]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gvpo_jax import assemble, losses, rollout, train, train_step
+from gvpo_jax import assemble, losses, rollout, sharding, train, train_step
 from gvpo_jax import config as config_lib
 from gvpo_jax.replay import ReplayBuffer
 from gvpo_jax.rl_step import collect_groups, rl_step
@@ -166,6 +166,7 @@ def test_replayed_groups_use_current_anchor_logprobs():
         **{
             "algo.replay_fraction": 0.5,
             "rollout.prompts_per_step": 4,
+            "algo.num_minibatches": 2,  # several updates per step: pi_old gets its own pass
             "train.kl_ref_metric": False,
         },
     )
@@ -198,6 +199,44 @@ def test_replayed_groups_use_current_anchor_logprobs():
     ]
     assert changed and all(changed)
     assert not np.allclose(params3, seen[0][2])
+
+
+@pytest.mark.parametrize("algo", ["gvpo", "grpo"])
+def test_single_update_takes_pi_old_from_its_own_forward(algo):
+    """One update per step starts from the rollout's parameters: rl_step skips the pi_old pass
+    (the reference pass stays) and the update equals the one with an explicit old_logp; the
+    sampler consistency and entropy metrics come from the update's forward instead."""
+    c = toy_config(algo, **{"optim.micro_batches": 2})
+    run, state, ref = make_run(c)
+    assert run.step.num_epochs * run.step.num_minibatches == 1
+    start = jax.tree.map(jnp.copy, state)  # (updates donate their state)
+    calls = []
+    real = run.logprobs
+    spy = lambda params, tokens, attn: calls.append(1) or real(params, tokens, attn)  # noqa: E731
+    _, metrics, _, _ = rl_step(dataclasses.replace(run, logprobs=spy), state, ref)
+    assert len(calls) == (1 if run.needs_reference else 0)  # the reference's pass only
+    assert metrics["sampler_logp_gap_max"] < 1e-4 and metrics["entropy_mc"] > 0
+
+    # One batch, updated without and with old_logp from the separate pass: the same update.
+    fresh, _, _, _ = collect_groups(run, start.params, jax.random.key_data(jax.random.key(5)), 4)
+    batch = {k: fresh[k] for k in ("tokens", "attn_mask", "resp_mask")}
+    batch["rewards"] = np.random.default_rng(0).normal(size=len(fresh["rewards"])).astype("f4")
+    if ref is not None:
+        batch["ref_logp"] = np.asarray(real(ref, batch["tokens"], batch["attn_mask"]))
+    with_old = dict(batch, old_logp=np.asarray(real(start.params, batch["tokens"],
+                                                    batch["attn_mask"])))  # fmt: skip
+    loss_fn = assemble.rl_loss_fn(c, run.graphdef)
+    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, b)[0]))
+    g_skip = _flat(grad(start.params, batch))
+    g_pass = _flat(grad(start.params, with_old))
+    # (GVPO's loss reads log pi_theta - log pi_old in value: 0 exactly here, fp32 noise there)
+    np.testing.assert_allclose(g_skip, g_pass, rtol=0, atol=1e-5 * np.abs(g_pass).max())
+    assert np.abs(g_pass).max() > 1e-4
+    G, M = c.rollout.group_size, c.optim.micro_batches
+    dev = sharding.device_batch(batch, run.mesh, group_size=G, micro_batches=M)
+    new, _ = run.update(jax.tree.map(jnp.copy, start), dev)
+    p_skip, before = _flat(new.params), _flat(start.params)
+    assert np.abs(p_skip - before).max() > 1e-5  # it did update
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_stops_at_bound():

@@ -1,0 +1,27 @@
+"""The whole-step benchmark's quick mode (tiny random model, our side only), so it cannot rot.
+
+The peers' side (TRL, tunix) needs their own virtualenvs and is exercised by running the
+benchmark itself (benchmarks/whole_step.py).
+"""
+
+import pytest
+
+from benchmarks import whole_step
+
+
+@pytest.mark.timeout(300)
+def test_quick_mode_times_both_of_our_steps_round_robin():
+    out = whole_step.main(["--quick", "--steps", "2", "--warmup", "1"])
+    s = whole_step.QUICK
+    rows = s["prompts"] * s["samples"]
+    assert set(out["steps"]) == {"gvpo_jax grpo", "gvpo_jax gvpo"}
+    for name, steps in out["steps"].items():
+        assert len(steps) == 3, name  # warm-up + 2 timed, one per round
+        for r in steps:
+            assert r["step_s"] > 0 and 0 < r["tokens"] <= rows * s["max_new_tokens"], (name, r)
+            stages = [r[k] for k in whole_step.STAGES]
+            assert all(x >= 0 for x in stages) and sum(stages) <= r["step_s"], (name, r)
+        summary = out["summary"][name]
+        assert summary["first_s"] == steps[0]["step_s"]  # the compiling step is reported apart
+        timed = sorted(x["step_s"] for x in steps[1:])
+        assert summary["min_s"] == timed[0] and summary["max_s"] == timed[-1]
