@@ -49,6 +49,7 @@ SETTINGS = dict(
 )  # fmt: skip
 QUICK = dict(SETTINGS, prompts=2, samples=2, max_new_tokens=8)
 STAGES = ("rollout_s", "reward_s", "logprob_s", "update_s")
+MICRO_BATCHES = 4  # every implementation's update: 4 micro-batches of 2 groups (memory)
 
 
 # ----------------------------------------------------------------------------- shared set-up
@@ -74,7 +75,7 @@ def our_config(settings: dict, algo: str, quick: bool):
     # Gradient accumulation over 4 micro-batches of 2 groups: one update on all 32 rows at once
     # needs 18.8 GiB (the planner's estimate; the worker was OOM-killed at 20.4 GiB on this
     # 24 GiB machine); 4 micro-batches need 7.1. Same update, in 4 forward + backward passes.
-    c.optim.micro_batches = 4 if s["prompts"] % 4 == 0 else 1
+    c.optim.micro_batches = MICRO_BATCHES if s["prompts"] % MICRO_BATCHES == 0 else 1
     c.train.eval_every = 0
     c.train.log_every = 10**6
     if quick:  # the tiny random model with the character tokenizer, same step
@@ -303,8 +304,12 @@ def trl_worker(args) -> None:
     cfg = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="whole_step_trl_"),
         use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=rows, gradient_accumulation_steps=1,
-        num_generations=s["samples"], steps_per_generation=1, num_iterations=1,
+        # 32 completions per optimizer step in 4 micro-batches of 8 (2 groups), as ours: one
+        # forward + backward over all 32 needs more memory than this machine has beside the
+        # other workers (TRL was OOM-killed); generation still makes all 32 at once.
+        per_device_train_batch_size=rows // MICRO_BATCHES,
+        gradient_accumulation_steps=MICRO_BATCHES,
+        num_generations=s["samples"], steps_per_generation=MICRO_BATCHES, num_iterations=1,
         max_completion_length=s["max_new_tokens"],
         temperature=s["temperature"], top_p=1.0, top_k=0,
         learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
@@ -458,7 +463,7 @@ def main(argv=None) -> dict:
                     continue
                 results[w.name].append(r)
                 print(f"round {step}: {w.name} {r['step_s']:.2f} s, {r['tokens']:.0f} tokens, "
-                      f"load {os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
+                      f"load {os.getloadavg()[0]:.2f} {json.dumps(r)}", flush=True)  # fmt: skip
     finally:
         for w in workers:
             w.close()
@@ -559,6 +564,10 @@ def tunix_worker(args) -> None:
         rollout_engine="vanilla", offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
             actor_optimizer=tx, eval_every_n_steps=10**9, max_steps=args.total_steps,
+            # (in prompts) 4 micro-batches of 2 groups for the update and the reference pass,
+            # as ours; the rollout generates all 8 x 4 at once
+            mini_batch_size=P, train_micro_batch_size=P // MICRO_BATCHES,
+            compute_logps_micro_batch_size=P // MICRO_BATCHES, rollout_micro_batch_size=P,
         ),
         rollout_config=base_rollout.RolloutConfig(
             max_tokens_to_generate=s["max_new_tokens"], max_prompt_length=prompt_len,
