@@ -83,7 +83,8 @@ def rl_step(run, state, ref_params):
     #    (`train_step.rl_loss` without old_logp), so that pass is skipped; the sampler
     #    consistency and entropy metrics then come from the update (rows sampled this step).
     single_update = s.num_epochs * s.num_minibatches == 1
-    dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
+    if not single_update or ref_params is not None:  # some pass runs: the rows go to devices
+        dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
     if single_update:
         rows_total = len(batch["rewards"])
         pad = rows_total - len(fresh["sampled"])  # replayed rows: not this step's samples
