@@ -39,6 +39,9 @@ NOISE_FRAC = 0.3  # share of SFT demonstrations with a wrong answer (experiment 
 NOISY_SFT_MULT = 2.5  # the noisy start gets 2.5x the clean start's SFT steps (its plateau)
 DIVERGE_RATIO = 0.5  # final accuracy below this times the start's counts as a collapse
 OFF_POLICY = {"algo.num_minibatches": 4, "algo.num_epochs": 2}
+# The official GVPO recipe's regime: 4 minibatches x 1 epoch per rollout (1024 prompts per
+# rollout, minibatches of 256 in the paper's verl script).
+OFFICIAL = {"algo.num_minibatches": 4, "algo.num_epochs": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,7 @@ def _cell(exp, name, start="clean", **kw):
 def cells(lr: float) -> list[Cell]:
     """The study's cells; identical configurations in several experiments run once."""
     off = {k.replace(".", "__"): v for k, v in OFF_POLICY.items()}
+    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
     out = []
     for algo in ("gvpo", "grpo", "dr_grpo", "gspo"):
         out.append(_cell("offpolicy", f"{algo} 4mbx2ep", algo__name=algo, **off))
@@ -88,6 +92,25 @@ def cells(lr: float) -> list[Cell]:
         out.append(_cell("anchor", f"gvpo anchor {anchor}", algo__name="gvpo", algo__anchor=anchor))
     for algo in ("gvpo", "grpo", "dr_grpo", "dapo", "gspo"):  # one update per rollout
         out.append(_cell("baselines", algo, algo__name=algo))
+    # Part 2's controls (STUDY.md "Part 2"): the official regime, GVPO's restoring term made
+    # active by a large beta, Dr. GRPO without its trust region, GRPO without its KL penalty.
+    for algo in ("gvpo", "grpo", "dr_grpo"):
+        out.append(_cell("official", f"{algo} 4mbx1ep", algo__name=algo, **official))
+    for beta in (1.0, 10.0):
+        out.append(_cell("bigbeta", f"gvpo beta {beta:g} 4mbx2ep", algo__name="gvpo",
+                         algo__beta=beta, **off))  # fmt: skip
+    out.append(_cell("bigbeta", "gvpo 4mbx2ep", algo__name="gvpo", **off))
+    out.append(_cell("noclip", "dr_grpo eps 1e3 4mbx2ep", algo__name="dr_grpo",
+                     algo__eps_low=1e3, algo__eps_high=1e3, **off))  # fmt: skip
+    for algo in ("gvpo", "dr_grpo"):
+        out.append(_cell("noclip", f"{algo} 4mbx2ep", algo__name=algo, **off))
+    for mult in (1, 3, 10):
+        out.append(_cell("nokl", f"grpo no KL lr x{mult} 4mbx2ep", algo__name="grpo",
+                         algo__kl_coef=0.0, optim__lr=lr * mult, **off))  # fmt: skip
+        out.append(_cell("nokl", f"grpo lr x{mult} 4mbx2ep", algo__name="grpo",
+                         optim__lr=lr * mult, **off))  # fmt: skip
+        out.append(_cell("nokl", f"gvpo lr x{mult} 4mbx2ep", algo__name="gvpo",
+                         optim__lr=lr * mult, **off))  # fmt: skip
     return out
 
 
@@ -124,6 +147,30 @@ def base_config(quick: bool):
     if "kl_ref_metric" in c.train:  # the study measures KL to the start itself, at the end
         c.train.kl_ref_metric = False
     c.mesh.data = -1  # all devices: one on a plain CPU (the test runs the script without fakes)
+    if quick:
+        c.rollout.prompts_per_step = 8
+        c.rollout.group_size = 4
+        c.data.eval_size = 16
+        c.sft.steps = 20
+        c.sft.batch_size = 16
+    return c
+
+
+# The study's task and RL settings (STUDY.md "Set-up"): configs/arith_tiny.py as it was when the
+# study ran; the config has since become the demo recipe (addition 0-99, P = 128 x G = 4, lr 1e-4).
+FIRST_SETUP = (
+    ("data.arith.max_operand", 30),
+    ("data.arith.ops", "+-"),
+    ("rollout.prompts_per_step", 32),
+    ("rollout.group_size", 8),
+    ("optim.lr", 1e-5),
+    ("optim.warmup_steps", 5),
+)
+
+
+def study_config(quick: bool):
+    """base_config with the study's own set-up (FIRST_SETUP)."""
+    c = config_lib.set_fields(base_config(quick=False), FIRST_SETUP)
     if quick:
         c.rollout.prompts_per_step = 8
         c.rollout.group_size = 4
@@ -239,27 +286,51 @@ def held_out(run_, params, *, step: int, n: int = 1) -> float:
     return train.evaluate(dataclasses.replace(run_, config=c), params, step=step)["accuracy"]
 
 
+def held_out_both(run_, params, *, step: int, n: int) -> tuple[float, float]:
+    """(greedy, avg@n at the rollout temperature) from one evaluation call."""
+    c = run_.config.copy_and_resolve_references()
+    c.train.eval_samples = n
+    r = train.evaluate(dataclasses.replace(run_, config=c), params, step=step)
+    return r["greedy"], r["accuracy"]
+
+
 def rl_run(
-    config, workdir: str, start_dir: str, *, budget: int, eval_points: int, start_acc, eval_n=0
+    config,
+    workdir: str,
+    start_dir: str | None,
+    *,
+    budget: int,
+    eval_points: int,
+    start_acc,
+    eval_n=0,
+    sampled_at_ends_only=False,
+    start_sampled=None,
 ):
     """RL from `start_dir` until `budget` responses are sampled; returns the run's record.
 
     Composes the trainer's public pieces (assemble, train.restore, rl_step) so that the
     loop can stop on a response budget and measure KL to the start policy at the end. With
     `eval_n` > 1 every evaluation also records held-out avg@eval_n at the rollout temperature
-    (`curve_sampled`), next to the greedy `curve`.
+    (`curve_sampled`), next to the greedy `curve`; with `sampled_at_ends_only` only the start
+    and the end do (`start_sampled`, when given, is the start's). `start_dir` None starts from
+    the config's own weights (a pretrained model as shipped: no checkpoint).
     """
     t0, cpu0 = time.perf_counter(), time.process_time()
     c = config.copy_and_resolve_references()
-    c.restore_from = os.path.join(start_dir, "checkpoints")
+    if start_dir is not None:
+        c.restore_from = os.path.join(start_dir, "checkpoints")
     P, G = c.rollout.prompts_per_step, c.rollout.group_size
     f = c.algo.replay_fraction
     c.train.steps = int(np.ceil(1 + (budget / (P * G) - 1) / (1 - f)))  # schedule length only
     run_, state = assemble.assemble(c, workdir)
     rec = {"curve": [], "curve_sampled": [], "losses": [], "rewards": [], "skipped": 0,
-           "error": None}  # fmt: skip
+           "error": None, "grad_norm": [], "grad_norm_max": [], "grad_clipped_frac": [],
+           "clip_frac": []}  # fmt: skip
     try:
-        state, ref, _, _ = train.restore(run_, state)
+        if start_dir is not None:
+            state, ref, _, _ = train.restore(run_, state)
+        else:
+            ref = train.reference_copy(run_, state.params) if run_.needs_reference else None
         # The checkpoint carries the SFT run's rng, data position and shuffle stream: reseed them
         # (and rebuild the task) so that seeds differ.
         state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))
@@ -273,7 +344,9 @@ def rl_run(
             acc0 = held_out(run_, state.params, step=0)
         rec["curve"].append((0, acc0))
         if eval_n > 1:
-            rec["curve_sampled"].append((0, held_out(run_, state.params, step=0, n=eval_n)))
+            if start_sampled is None:
+                start_sampled = held_out(run_, state.params, step=0, n=eval_n)
+            rec["curve_sampled"].append((0, start_sampled))
         responses, step, next_eval = 0, 0, 1
         while responses < budget:
             step += 1
@@ -283,12 +356,18 @@ def rl_run(
             rec["losses"].append(m.get("loss", float("nan")))
             rec["rewards"].append(m["accuracy"])
             rec["skipped"] += int(m["skipped_updates"])
+            for k in ("grad_norm", "grad_norm_max", "grad_clipped_frac"):
+                rec[k].append(float(m[k]))
+            # the ratio clip's share of tokens (GRPO family; GSPO: sequences); GVPO has none
+            rec["clip_frac"].append(float(m.get("clip_frac", float("nan"))))
             if responses >= next_eval * budget / eval_points or responses >= budget:
-                acc = held_out(run_, state.params, step=step)
-                rec["curve"].append((responses, acc))
-                if eval_n > 1:
-                    acc_n = held_out(run_, state.params, step=step, n=eval_n)
+                if eval_n > 1 and (responses >= budget or not sampled_at_ends_only):
+                    # one evaluation call scores greedy and avg@n
+                    acc, acc_n = held_out_both(run_, state.params, step=step, n=eval_n)
                     rec["curve_sampled"].append((responses, acc_n))
+                else:
+                    acc = held_out(run_, state.params, step=step)
+                rec["curve"].append((responses, acc))
                 next_eval = int(responses * eval_points / budget) + 1
         rec["steps"] = step
         rec["kl_start"] = kl_to_start(run_, state.params, start_params, c.seed)
@@ -357,23 +436,66 @@ def cell_summary(recs: list[dict], budget: int) -> dict:
         "kl_start": float(np.nanmean([r["kl_start"] for r in recs])),
         "steps": float(np.mean([r.get("steps", 0) for r in recs])),
         "time_s": float(np.mean([r["time_s"] for r in recs])),
+        "ci95": ci95(final),
+        # per-step means over every step of every seed (records before these were logged: nan)
+        **{k: _step_mean(recs, k) for k in ("grad_norm", "grad_norm_max", "grad_clipped_frac",
+                                            "clip_frac")},  # fmt: skip
     }
 
 
+def _step_mean(recs: list[dict], key: str) -> float:
+    vals = np.concatenate([np.asarray(r.get(key, []), np.float64) for r in recs])
+    vals = vals[np.isfinite(vals)]
+    return float(vals.mean()) if vals.size else float("nan")
+
+
+# Two-sided 97.5% quantiles of Student's t for 1-9 degrees of freedom (no scipy dependency).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
+
+
+def ci95(x) -> float:
+    """Half-width of the 95% confidence interval of the mean of x (Student's t over seeds)."""
+    x = np.asarray(x, np.float64)
+    if len(x) < 2:
+        return float("nan")
+    return float(T975[min(len(x) - 2, len(T975) - 1)] * x.std(ddof=1) / np.sqrt(len(x)))
+
+
+def diff_ci95(a, b) -> tuple[float, float]:
+    """mean(a) - mean(b) and the half-width of its 95% interval (Welch's t, the seeds of two
+    cells as independent samples). The difference is resolved when |diff| > half-width."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = np.sqrt(va + vb)
+    if se == 0:
+        return float(a.mean() - b.mean()), 0.0
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    t = T975[int(np.clip(np.floor(dof), 1, len(T975))) - 1]
+    return float(a.mean() - b.mean()), float(t * se)
+
+
 TABLE_HEAD = (
-    "| cell | final acc (mean +- std) | min / max | AUC | diverged | KL to start | steps "
-    "| s/run |\n|---|---|---|---|---|---|---|---|"
+    "| cell | final acc (mean +- std) | 95% CI | min / max | AUC | diverged | KL to start "
+    "| grad norm (mean / max) | clipped updates | ratio-clip frac | steps | s/run |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
-def table(rows: list[tuple[str, dict]], start_acc: float) -> str:
-    lines = [f"start (held-out greedy accuracy of the cold start): {start_acc:.3f}", "", TABLE_HEAD]
+def _fmt(x: float, spec: str) -> str:
+    return "-" if not np.isfinite(x) else format(x, spec)
+
+
+def table(rows: list[tuple[str, dict]], start_acc: float, start: str = "the cold start") -> str:
+    lines = [f"start (held-out greedy accuracy of {start}): {start_acc:.3f}", "", TABLE_HEAD]
     for name, s in rows:
         lines.append(
             f"| {name} | {s['final_mean']:.3f} +- {s['final_std']:.3f} | "
+            f"+- {_fmt(s['ci95'], '.3f')} | "
             f"{s['final_min']:.3f} / {s['final_max']:.3f} | {s['auc']:.3f} | "
-            f"{s['diverged']}/{s['seeds']} | {s['kl_start']:.4f} | {s['steps']:.0f} | "
-            f"{s['time_s']:.0f} |"
+            f"{s['diverged']}/{s['seeds']} | {s['kl_start']:.4f} | "
+            f"{_fmt(s['grad_norm'], '.3g')} / {_fmt(s['grad_norm_max'], '.3g')} | "
+            f"{_fmt(s['grad_clipped_frac'], '.2f')} | {_fmt(s['clip_frac'], '.3f')} | "
+            f"{s['steps']:.0f} | {s['time_s']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -529,6 +651,222 @@ def demo_table(records: dict[str, list[dict]], eval_n: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# Part 2: SmolLM2-135M-Instruct as shipped, the official regime (STUDY.md "Part 2")
+
+SMOL = {  # dotted config fields on configs/smollm2_arith.py (sized in STUDY.md "Part 2")
+    "rollout.prompts_per_step": 16,
+    "rollout.group_size": 4,
+    "rollout.max_new_tokens": 32,
+    "data.eval_size": 200,
+    "train.eval_chunk": 40,
+    # On this CPU an update over 16 rows at a time runs ~2x faster than over 64 at once (the
+    # same gradient: accumulation is exact); the official regime's minibatches hold 16 rows.
+    "optim.micro_batches": 4,
+}
+SMOL_STEPS = 15  # rollouts per run: budget = 15 x 16 x 4 = 960 sampled responses
+SMOL_EVAL_N = 8  # avg@8 at the rollout temperature (with greedy) at the start and the end
+SMOL_EVAL_POINTS = 5  # greedy at every 1/5 of the budget
+
+
+def smol_cells() -> list[Cell]:
+    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
+    out = []
+    official["optim__micro_batches"] = 1  # a minibatch is 4 groups = 16 rows already
+    for algo in ("gvpo", "grpo", "dr_grpo"):
+        out.append(_cell("smollm2", f"{algo} 4mbx1ep", algo__name=algo, **official))
+    for beta in (0.05, 0.2):
+        out.append(_cell("smollm2", f"gvpo beta {beta} 4mbx1ep", algo__name="gvpo",
+                         algo__beta=beta, **official))  # fmt: skip
+    for algo in ("gvpo", "grpo", "dr_grpo"):
+        out.append(_cell("smollm2", f"{algo} on-policy", algo__name=algo))
+    return out
+
+
+def smol_config(quick: bool):
+    """configs/smollm2_arith.py with the study's sizes (quick: a tiny random Llama instead)."""
+    import importlib.util
+
+    path = os.path.join(REPO, "configs", "smollm2_arith.py")
+    spec = importlib.util.spec_from_file_location("smollm2_arith", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = config_lib.set_fields(module.get_config(), tuple(SMOL.items()))
+    c.train.export = False
+    c.train.plot = False
+    c.train.checkpoint_every = 10**9
+    c.train.sample_log_every = 0
+    c.train.eval_every = 0
+    c.mesh.data = -1
+    if quick:  # the same code path on a model the test can afford (no GGUF file needed)
+        c.model.gguf = ""
+        c.model.preset = "tiny"
+        c.tokenizer.kind = "char"
+        c.data.use_chat_template = False
+        c.data.rewards = "exact_match:1"
+        c.data.arith.style = "symbolic"
+        c.data.max_prompt_len = 16
+        c.rollout.prompts_per_step, c.rollout.max_new_tokens = 8, 4
+        c.algo.overlong_cache = 2
+        c.data.eval_size = 16
+        c.train.eval_chunk = 8
+    return c
+
+
+def smol_study(args) -> dict:
+    """Part 2: every cell x seed from the model as shipped, each run recorded and skipped when
+    recorded; then tables (greedy and avg@8, 95% intervals) and PNGs in args.out."""
+    quick = args.quick
+    config = smol_config(quick)
+    P, G = config.rollout.prompts_per_step, config.rollout.group_size
+    steps = 2 if quick else SMOL_STEPS
+    budget = steps * P * G
+    eval_points = 1 if quick else SMOL_EVAL_POINTS
+    eval_n = 2 if quick else SMOL_EVAL_N
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([0] if quick else [0, 1, 2])
+    only = [w for w in args.only.split(",") if w]
+    todo = [c for c in smol_cells() if not only or any(w in c.name for w in only)]
+    if quick and not only:
+        todo = [c for c in todo if c.name in ("gvpo 4mbx1ep", "grpo on-policy")]
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.perf_counter()
+
+    # The start (the same weights for every run) is evaluated once: greedy and avg@n use fixed
+    # evaluation seeds, so every run would measure the same numbers.
+    meta = os.path.join(args.workdir, "start.json")
+    if os.path.exists(meta):
+        with open(meta) as fh:
+            start = json.load(fh)
+    elif args.report_only:
+        start = None
+    else:
+        t0 = time.perf_counter()
+        run_, state = assemble.assemble(config.copy_and_resolve_references(),
+                                        os.path.join(args.workdir, "start"))  # fmt: skip
+        try:
+            greedy, sampled = held_out_both(run_, state.params, step=0, n=eval_n)
+        finally:
+            run_.writer.close()
+            run_.task.close()
+            run_.ckpt.close()
+        start = {"greedy": greedy, "sampled": sampled, "time_s": time.perf_counter() - t0}
+        os.makedirs(args.workdir, exist_ok=True)
+        with open(meta, "w") as fh:
+            json.dump(start, fh)
+
+    records: dict[str, list[dict]] = {}
+    for cell in todo:
+        key = config_key(cell, config)
+        recs = []
+        for seed in seeds:
+            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
+            cached = os.path.join(args.workdir, "records", f"{tag}.json")
+            if os.path.exists(cached):
+                with open(cached) as fh:
+                    recs.append(json.load(fh))
+                continue
+            if args.report_only:
+                continue
+            wd = os.path.join(args.workdir, "runs", tag)
+            shutil.rmtree(wd, ignore_errors=True)
+            print(f"== smollm2 / {cell.name} / seed {seed}", flush=True)
+            rec = rl_run(with_overrides(config, cell.overrides, seed), wd, None, budget=budget,
+                         eval_points=eval_points, start_acc=start["greedy"], eval_n=eval_n,
+                         sampled_at_ends_only=True, start_sampled=start["sampled"])  # fmt: skip
+            rec["diverged"] = diverged(rec)
+            rec["cell"] = cell.name
+            recs.append(rec)
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            with open(cached, "w") as fh:
+                json.dump(rec, fh)
+            shutil.rmtree(wd, ignore_errors=True)  # metrics are in the record
+            print(f"   greedy {rec['curve'][-1][1]:.3f}  avg@{eval_n} "
+                  f"{rec['curve_sampled'][-1][1]:.3f}  kl {rec['kl_start']:.4f}  "
+                  f"{rec['time_s']:.0f}s", flush=True)  # fmt: skip
+        if recs:
+            records[cell.name] = recs
+    if start is None or not records:
+        print("nothing recorded yet")
+        return {}
+    cells_done = [c for c in todo if c.name in records]
+    rows = [(c.name, cell_summary(records[c.name], budget)) for c in cells_done]
+    md = [
+        f"# Learning study part 2: SmolLM2-135M-Instruct "
+        f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"Budget {budget} sampled responses per run ({steps} rollouts of P={P} x G={G}, up to "
+        f"{config.rollout.max_new_tokens} new tokens); {config.data.eval_size} held-out "
+        f"problems; start: greedy {start['greedy']:.3f}, avg@{eval_n} "
+        f"{start['sampled']:.3f}. RL compute summed over runs: "
+        f"{sum(r['time_s'] for v in records.values() for r in v) / 3600:.2f} h.",
+        "",
+        "Greedy (every 1/5 of the budget; AUC from these):",
+        "",
+        table(rows, start["greedy"], "the instruction model as shipped"),
+        "",
+        f"avg@{eval_n} at temperature {config.rollout.temperature:g} (start and end):",
+        "",
+        sampled_table([(c.name, records[c.name]) for c in cells_done]),
+        "",
+        "Differences of final accuracy (row - column cell), 95% Welch intervals over seeds:",
+        "",
+        *diff_lines(records, ["gvpo 4mbx1ep", "grpo 4mbx1ep", "dr_grpo 4mbx1ep", "gvpo on-policy",
+                              "grpo on-policy", "dr_grpo on-policy"]),  # fmt: skip
+        "",
+        "![smollm2](smollm2.png)",
+    ]
+    plot("smollm2", [(c.name, records[c.name]) for c in cells_done],
+         os.path.join(args.out, "smollm2.png"))  # fmt: skip
+    summary = {
+        "budget_responses": budget,
+        "start": start,
+        "seeds": seeds,
+        "settings": {**SMOL, "steps": steps, "eval_n": eval_n, "eval_points": eval_points},
+        "cells": {c.name: {**dict(rows)[c.name], "records": records[c.name]} for c in cells_done},
+        "wall_time_s": time.perf_counter() - t_start,
+    }
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    return summary
+
+
+def sampled_table(series: list[tuple[str, list[dict]]]) -> str:
+    """Final avg@n per cell: mean +- std, 95% interval, min / max, and the gain over the start."""
+    lines = ["| cell | final avg@n (mean +- std) | 95% CI | min / max | gain over start |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for name, recs in series:
+        end = np.array([r["curve_sampled"][-1][1] for r in recs])
+        gain = end - np.array([r["curve_sampled"][0][1] for r in recs])
+        std = end.std(ddof=1) if len(end) > 1 else 0.0
+        lines.append(f"| {name} | {end.mean():.3f} +- {std:.3f} | +- {_fmt(ci95(end), '.3f')} | "
+                     f"{end.min():.3f} / {end.max():.3f} | {gain.mean():+.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def diff_lines(records: dict[str, list[dict]], names: list[str]) -> list[str]:
+    """Pairwise final-accuracy differences (greedy and avg@n when recorded) with 95% intervals;
+    'resolved' when the interval excludes 0."""
+    names = [n for n in names if n in records and len(records[n]) > 1]
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            parts = []
+            for curve, label in (("curve", "greedy"), ("curve_sampled", "avg@n")):
+                xa = [r[curve][-1][1] for r in records[a] if r.get(curve)]
+                xb = [r[curve][-1][1] for r in records[b] if r.get(curve)]
+                if len(xa) < 2 or len(xb) < 2:
+                    continue
+                d, h = diff_ci95(xa, xb)
+                verdict = "resolved" if abs(d) > h else "not resolved"
+                parts.append(f"{label} {d:+.3f} +- {h:.3f} ({verdict})")
+            if parts:
+                out.append(f"- {a} - {b}: " + "; ".join(parts))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # The study
 
 
@@ -554,7 +892,20 @@ def main(argv=None) -> dict:
     p.add_argument("--demo", action="store_true",
                    help="the demo recipe search (DEMO_TRIALS) instead of the study")  # fmt: skip
     p.add_argument("--eval-n", type=int, default=16, help="--demo: samples for avg@n")
+    p.add_argument("--smollm2", action="store_true",
+                   help="part 2: SmolLM2-135M-Instruct cells (out docs/study/smollm2, workdir "
+                   "runs/study_smollm2 unless given)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.smollm2:
+        if args.out == STUDY_DIR:
+            args.out = os.path.join(STUDY_DIR, "smollm2")
+        if args.workdir == "runs/study":
+            args.workdir = "runs/study_smollm2"
+        cache = (args.jax_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                 or os.path.join(args.workdir, "jax_cache"))  # fmt: skip
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        return smol_study(args)
 
     quick = args.quick
     if args.demo:
@@ -565,7 +916,7 @@ def main(argv=None) -> dict:
         trials = [t for t in DEMO_TRIALS if not only or any(w in t.name for w in only)]
         return demo_search(trials, seeds, workdir=args.workdir, out=args.out,
                            eval_n=args.eval_n)  # fmt: skip
-    config = base_config(quick)
+    config = study_config(quick)
     P, G = config.rollout.prompts_per_step, config.rollout.group_size
     budget = args.budget or (2 * P * G if quick else 30 * P * G)
     eval_points = args.eval_points or (1 if quick else 6)
@@ -573,7 +924,8 @@ def main(argv=None) -> dict:
     only = set(filter(None, args.only.split(",")))
     todo = [c for c in cells(config.optim.lr) if not only or c.exp in only]
     if quick and not only:  # one cell per experiment kind that exercises a distinct code path
-        keep = {"grpo 4mbx2ep", "gvpo replay 0.5", "gvpo anchor ref", "gvpo from noisy SFT"}
+        keep = {"grpo 4mbx2ep", "gvpo replay 0.5", "gvpo anchor ref", "gvpo from noisy SFT",
+                "dr_grpo eps 1e3 4mbx2ep"}  # fmt: skip
         todo = [c for c in todo if c.name in keep]
     os.makedirs(args.out, exist_ok=True)
     # Every run re-traces the same functions; the persistent cache skips their XLA compiles.

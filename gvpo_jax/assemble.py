@@ -146,6 +146,7 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         overlong=overlong,
         demo_slot=bool(c.algo.demo_slot),
         max_bad_steps=c.train.max_bad_steps,
+        grad_clip=c.optim.grad_clip,
     )
 
 
@@ -237,6 +238,8 @@ def check_mesh(config: ml_collections.ConfigDict, mesh) -> None:
     shards = sharding.batch_shards(mesh)
     fresh = P - int(round(c.algo.replay_fraction * P))
     sizes = [("rollout.prompts_per_step", P), ("fresh groups per step", fresh)]
+    if c.train.eval_chunk:
+        sizes.append(("train.eval_chunk", c.train.eval_chunk))
     if c.sft.steps:
         sizes.append(("sft.batch_size", c.sft.batch_size))
     for name, n in sizes:

@@ -138,6 +138,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 10  # held-out evaluation every N RL steps (0: only at start and end)
     c.train.eval_samples = 1  # n responses per problem in evaluation (1: greedy)
     c.train.eval_num_slots = 0  # decode slots of evaluation calls (0: one per row; as num_slots)
+    c.train.eval_chunk = 0  # prompts per evaluation sampler call (0: rollout.prompts_per_step)
     c.train.sample_log_every = 10  # log a few completions as text every N steps
     c.train.checkpoint_every = 50  # checkpoint every N RL steps (and at the end)
     c.train.keep_checkpoints = 2  # checkpoints kept in the workdir
@@ -310,6 +311,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         "optim.warmup_steps",
         "rollout.num_slots",
         "train.eval_num_slots",
+        "train.eval_chunk",
     ):
         _check_positive_int(c, path, minimum=0)
     if c.mode == "train" and c.train.steps == 0 and c.sft.steps == 0:

@@ -48,6 +48,7 @@ class StepSettings:
     overlong: tuple[int, int, float] | None  # DAPO soft penalty (max_len, cache_len, factor)
     demo_slot: bool  # the last response of every group is the demonstration answer
     max_bad_steps: int  # consecutive non-finite updates before the run stops
+    grad_clip: float = 0.0  # the optimizer's global-norm clip (0: off), for grad_clipped_frac
 
 
 def rl_step(run, state, ref_params):
@@ -152,6 +153,11 @@ def rl_step(run, state, ref_params):
         value = float(np.mean([x[k] for x in update_metrics]))
         metrics[k if k not in metrics else f"loss/{k}"] = value
     metrics["skipped_updates"] = float(np.sum([x["skipped"] for x in update_metrics]))
+    # grad_norm above is the mean over this step's updates (before clipping); how often the
+    # global-norm clip acted shows whether clipping, not the loss, shaped the updates.
+    norms = np.array([float(x["grad_norm"]) for x in update_metrics])
+    metrics["grad_norm_max"] = float(norms.max())
+    metrics["grad_clipped_frac"] = float(np.mean(norms > s.grad_clip)) if s.grad_clip > 0 else 0.0
     if int(state.bad_steps) >= s.max_bad_steps:
         raise TrainingError(
             f"{int(state.bad_steps)} consecutive non-finite updates (train.max_bad_steps="

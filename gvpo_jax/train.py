@@ -277,7 +277,7 @@ def evaluate(run_: assemble.Run, params, *, step: int) -> dict:
         rules=run_.rules,
         reward_fn=run_.task.eval_reward,
         n=n,
-        chunk=max(c.rollout.prompts_per_step, 1),
+        chunk=c.train.eval_chunk or c.rollout.prompts_per_step,
         seed=step + 12345,
         timeout_s=run_.task.timeout_s,
         num_workers=run_.task.num_workers,

@@ -31,6 +31,7 @@ INVALID = [
     ("rollout.num_slots", -1, "config.rollout.num_slots is -1; set it to an integer >= 0"),
     ("rollout.num_slots", 10**6, "config.rollout.num_slots is 1000000 but a rollout has only"),
     ("train.eval_num_slots", -4, "config.train.eval_num_slots is -4; set it to an integer >= 0"),
+    ("train.eval_chunk", -4, "config.train.eval_chunk is -4; set it to an integer >= 0"),
     ("algo.beta", 0.0, "config.algo.beta is 0.0"),
     ("algo.anchor", "new", "config.algo.anchor is 'new'"),
     ("algo.replay_fraction", 1.0, "config.algo.replay_fraction is 1.0"),

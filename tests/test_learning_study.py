@@ -101,9 +101,18 @@ def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
     budget = summary["budget_responses"]
     assert budget == 2 * summary["prompts_per_step"] * summary["group_size"]
     cells = summary["cells"]
-    assert {"grpo 4mbx2ep", "gvpo replay 0.5", "gvpo anchor ref", "gvpo from noisy SFT"} <= set(
-        cells
-    )
+    assert {"grpo 4mbx2ep", "gvpo replay 0.5", "gvpo anchor ref", "gvpo from noisy SFT",
+            "dr_grpo eps 1e3 4mbx2ep"} <= set(cells)  # fmt: skip
+    # Every cell logs its gradient norms and how often the norm clip acted; the clipped-ratio
+    # losses their ratio-clip fraction (GVPO has no ratio, so none).
+    for name, cell in cells.items():
+        # (>= 0: the quick start is nearly always wrong, so whole minibatches can have zero
+        # advantages and a zero gradient)
+        assert 0 <= cell["grad_norm"] <= cell["grad_norm_max"], name
+        assert 0.0 <= cell["grad_clipped_frac"] <= 1.0, name
+    assert 0.0 <= cells["grpo 4mbx2ep"]["clip_frac"] <= 1.0
+    assert cells["dr_grpo eps 1e3 4mbx2ep"]["clip_frac"] == 0.0  # the clip never acts at 1e3
+    assert np.isnan(cells["gvpo replay 0.5"]["clip_frac"])
     for name, cell in cells.items():
         (curve,) = cell["curves"]
         assert curve[0][0] == 0 and curve[-1][0] >= budget, name  # the whole budget was sampled
@@ -119,3 +128,43 @@ def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
     assert set(summary["starts"]) == {"clean", "noisy"}
     for kind in ("clean", "noisy"):
         assert os.path.isdir(work / f"start_{kind}" / "checkpoints")
+
+
+def test_confidence_intervals_use_students_t_over_seeds():
+    # x = 0, 1, 2: mean 1, sample std 1; t(0.975, 2 dof) = 4.303
+    assert ls.ci95([0.0, 1.0, 2.0]) == pytest.approx(4.303 / np.sqrt(3))
+    assert np.isnan(ls.ci95([0.5]))
+    # Equal variances and sizes: Welch's dof = 2 (n - 1) = 4, t = 2.776, se = sqrt(2 / 3)
+    d, h = ls.diff_ci95([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+    assert d == pytest.approx(1.0) and h == pytest.approx(2.776 * np.sqrt(2 / 3))
+    lines = ls.diff_lines({"a": [{"curve": [(0, 0.1), (9, x)]} for x in (0.50, 0.52, 0.51)],
+                           "b": [{"curve": [(0, 0.1), (9, x)]} for x in (0.30, 0.31, 0.29)]},
+                          ["a", "b"])  # fmt: skip
+    assert lines == ["- a - b: greedy +0.210 +- 0.023 (resolved)"]
+
+
+@pytest.mark.slow
+def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
+    """Part 2's code path on a tiny random Llama (no GGUF): the shared start evaluation, a
+    recorded run per cell, avg@n at the start and end only, greedy at every evaluation, and a
+    second invocation that reruns nothing."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    cmd = [sys.executable, "-m", "benchmarks.learning_study", "--smollm2", "--quick"]
+    cmd += ["--out", str(out), "--workdir", str(work)]
+    proc = subprocess.run(cmd, cwd=ls.REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    assert set(summary["cells"]) == {"gvpo 4mbx1ep", "grpo on-policy"}
+    budget = summary["budget_responses"]
+    for name, cell in summary["cells"].items():
+        (rec,) = cell["records"]
+        assert rec["curve"][0] == [0, summary["start"]["greedy"]], name
+        assert rec["curve_sampled"][0] == [0, summary["start"]["sampled"]], name
+        assert len(rec["curve_sampled"]) == 2 and rec["curve_sampled"][-1][0] >= budget, name
+        assert len(rec["grad_norm"]) == rec["steps"] == 2, name
+    md = (out / "results.md").read_text()
+    assert "| gvpo 4mbx1ep |" in md and "avg@2 at temperature 1" in md
+    assert (out / "smollm2.png").stat().st_size > 1000
+    again = subprocess.run(cmd, cwd=ls.REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "== smollm2" not in again.stdout

@@ -115,6 +115,45 @@ def test_every_algorithm_runs_and_changes_the_policy(algo):
     assert metrics["sampler_logp_gap_max"] < 1e-4
 
 
+@pytest.mark.parametrize("clip", [1e-6, 1e6])
+def test_grad_clipped_frac_counts_the_updates_the_norm_clip_acted_on(clip):
+    """4 updates per step (2 minibatches x 2 epochs): grad_norm is their mean, grad_norm_max
+    their largest, and grad_clipped_frac the share above optim.grad_clip (every update with a
+    nonzero gradient at a tiny clip, none at a huge one; a minibatch whose groups all have equal
+    rewards has a zero gradient at the first update)."""
+    c = toy_config("grpo", **{"algo.num_minibatches": 2, "algo.num_epochs": 2,
+                              "optim.grad_clip": clip})  # fmt: skip
+    run, state, ref = make_run(c)
+    _, m, _, _ = rl_step(run, state, ref)
+    assert 0 < m["grad_norm"] <= m["grad_norm_max"] < 1e6
+    if clip < 1:
+        assert m["grad_clipped_frac"] in (0.25, 0.5, 0.75, 1.0)
+    else:
+        assert m["grad_clipped_frac"] == 0.0
+
+
+def test_eval_chunk_sets_the_evaluation_batch_and_keeps_the_greedy_scores(monkeypatch):
+    """train.eval_chunk prompts go through the sampler per evaluation call (0: rollout P);
+    greedy completions, and so the score, do not depend on the chunk."""
+    from gvpo_jax import eval as eval_lib
+
+    chunks, real = [], eval_lib.evaluate_policy
+
+    def spy(*args, **kw):
+        chunks.append(kw["chunk"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(eval_lib, "evaluate_policy", spy)
+    run, state, _ = make_run(toy_config(**{"train.eval_chunk": 8}))
+    wide = train.evaluate(run, state.params, step=0)
+    narrow = train.evaluate(dataclasses.replace(run, config=toy_config()), state.params, step=0)
+    assert chunks == [8, 4]
+    assert wide["greedy"] == narrow["greedy"]
+    with pytest.raises(sharding.ShardingError, match="train.eval_chunk = 3 is not a multiple"):
+        c = toy_config(**{"train.eval_chunk": 3, "rollout.prompts_per_step": 4})
+        assemble.check_mesh(c, sharding.make_mesh(2, 1, 1, devices=jax.devices()[:2]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["gvpo", "grpo"])
 def test_reward_rises_on_toy_task(algo):
