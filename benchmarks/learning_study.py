@@ -438,8 +438,10 @@ def cell_summary(recs: list[dict], budget: int) -> dict:
         "time_s": float(np.mean([r["time_s"] for r in recs])),
         "ci95": ci95(final),
         # per-step means over every step of every seed (records before these were logged: nan)
-        **{k: _step_mean(recs, k) for k in ("grad_norm", "grad_norm_max", "grad_clipped_frac",
-                                            "clip_frac")},  # fmt: skip
+        **{
+            k: _step_mean(recs, k)
+            for k in ("grad_norm", "grad_norm_max", "grad_clipped_frac", "clip_frac")
+        },  # fmt: skip
     }
 
 
@@ -809,8 +811,17 @@ def smol_study(args) -> dict:
         "",
         "Differences of final accuracy (row - column cell), 95% Welch intervals over seeds:",
         "",
-        *diff_lines(records, ["gvpo 4mbx1ep", "grpo 4mbx1ep", "dr_grpo 4mbx1ep", "gvpo on-policy",
-                              "grpo on-policy", "dr_grpo on-policy"]),  # fmt: skip
+        *diff_lines(
+            records,
+            [
+                "gvpo 4mbx1ep",
+                "grpo 4mbx1ep",
+                "dr_grpo 4mbx1ep",
+                "gvpo on-policy",
+                "grpo on-policy",
+                "dr_grpo on-policy",
+            ],
+        ),  # fmt: skip
         "",
         "![smollm2](smollm2.png)",
     ]
