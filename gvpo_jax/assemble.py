@@ -211,11 +211,12 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
         model = sharding.load_pretrained_sharded(
             c.hf_dir, mesh, c.param_dtype, c.compute_dtype, remat=c.remat, rules=rules
         )
-        return model, tokenizer, rules
+        return models.with_config(model, attention=c.attention), tokenizer, rules
     if c.gguf:
         from gvpo_jax.config import resolve_gguf
 
         model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), c.param_dtype, c.compute_dtype)
+        model = models.with_config(model, remat=c.remat, attention=c.attention)
         rules = sharding.logical_rules(mesh, model.config)
         return sharding.shard_model(model, mesh, rules), tokenizer or gguf_tok, rules
     base = models.PRESETS[c.preset] if c.preset else None
@@ -225,6 +226,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     fields.setdefault("param_dtype", c.param_dtype)
     fields.setdefault("compute_dtype", c.compute_dtype)
     fields.setdefault("remat", c.remat)
+    fields.setdefault("attention", c.attention)
     cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
     rules = sharding.logical_rules(mesh, cfg)
     return sharding.init_sharded(cfg, mesh, config.seed, rules), tokenizer, rules

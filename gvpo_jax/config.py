@@ -61,6 +61,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.compute_dtype = "float32"  # float32 | bfloat16 (bf16 on TPU/GPU; fp32 is faster on CPU)
     c.model.allow_bf16_params = False  # opt in to training bf16-stored parameters (lossy updates)
     c.model.remat = False  # gradient checkpointing per layer
+    # Attention kernel for prefill and the update (decode steps are always dense): auto | dense |
+    # blocked (flash-style, O(T) memory) | xla (jax.nn.dot_product_attention) | splash (TPU).
+    c.model.attention = "auto"
     c.model.logprob_chunk = 128  # log-prob blocks hold <= this many tokens x vocab fp32 logits
 
     c.tokenizer = ml_collections.ConfigDict()
@@ -252,6 +255,13 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
                 f"config.model.preset is {c.model.preset!r}; use one of "
                 f"{', '.join(sorted(models.PRESETS))}."
             )
+    from gvpo_jax.models.config import ATTENTION_IMPLEMENTATIONS
+
+    if c.model.attention not in ATTENTION_IMPLEMENTATIONS:
+        _fail(
+            f"config.model.attention is {c.model.attention!r}; use one of "
+            f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (auto picks per platform and length)."
+        )
     for path in ("model.param_dtype", "model.compute_dtype"):
         if _get(c, path) not in ("float32", "bfloat16"):
             _fail(f"config.{path} is {_get(c, path)!r}; use float32 or bfloat16.")

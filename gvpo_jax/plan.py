@@ -26,6 +26,7 @@ import ml_collections
 from flax import nnx
 
 from gvpo_jax import assemble, models, sharding, train_step
+from gvpo_jax.models import attention as attention_kernels
 
 GiB = 2**30
 # Memory per device (GiB) as the accelerator reports it (one JAX device each).
@@ -126,7 +127,7 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
             fields["vocab_size"] = len(char_tokenizer.SPECIAL_TOKENS) + len(char_tokenizer.CHARS)
         fields.update(dtypes)
         cfg = models.ModelConfig(**fields)
-    return cfg.replace(remat=bool(c.remat))
+    return cfg.replace(remat=bool(c.remat), attention=c.attention)
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int) -> jax.sharding.AbstractMesh:
@@ -198,8 +199,13 @@ def activation_bytes(
     b rows per device, T tokens, a = bytes per activation (compute dtype), t = tensor shards.
     Per layer kept for the backward pass: a*b*T*(4D + 2(N+K)H/t + 3F/t) (norm inputs,
     q/k/v/out, MLP gate/up/act) plus the attention scores (fp32) and probabilities:
-    b*N*T^2*(4+a)/t. With remat only the
-    L layer inputs (a*b*T*D each) stay, plus one layer's working set during its recompute.
+    b*N*T^2*(4+a)/t with the dense kernel (and with `xla`, whose CPU/TPU lowering materialises
+    them too: cuDNN's does not, so on GPU this is an upper bound). With the blocked or splash
+    kernel only block-sized scores live: b*K*Bq*Bk*4*3/t (scores, weights and their gradient),
+    plus the kernel's fp32 row statistics and accumulators, b*T*(2N*4 + (N+2K)*H*4)/t.
+    `auto` resolves for the platform planning runs on (`models.attention.resolve`). With remat
+    only the L layer inputs (a*b*T*D each) stay, plus one layer's working set during its
+    recompute.
     The blocked log-probs add ~3 fp32 [b*T, Vb/t] buffers (`models.logprobs.vocab_block_size`).
     Prompt sharing within groups (`Transformer.hidden_shared_prefix`) only lowers the real
     figure: this stays an upper bound.
@@ -213,7 +219,14 @@ def activation_bytes(
         cfg.num_kv_heads,
         cfg.head_dim,
     )
-    per_layer = a * b * T * (4 * d + 2 * (n + k) * h / t + 3 * f / t) + b * n * T * T * (4 + a) / t
+    impl = attention_kernels.resolve(cfg.attention, q_rows=T * (n // k), keys=T)
+    if impl in ("blocked", "splash"):
+        bq = min(attention_kernels.BLOCK_Q, T * (n // k))
+        bk = min(attention_kernels.BLOCK_K, T)
+        scores = b * k * bq * bk * 4 * 3 / t + b * T * (2 * n * 4 + (n + 2 * k) * h * 4) / t
+    else:
+        scores = b * n * T * T * (4 + a) / t
+    per_layer = a * b * T * (4 * d + 2 * (n + k) * h / t + 3 * f / t) + scores
     if cfg.remat:
         layers = cfg.num_layers * a * b * T * d + per_layer
     else:

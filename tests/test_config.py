@@ -32,6 +32,7 @@ INVALID = [
     ("rollout.num_slots", 10**6, "config.rollout.num_slots is 1000000 but a rollout has only"),
     ("train.eval_num_slots", -4, "config.train.eval_num_slots is -4; set it to an integer >= 0"),
     ("train.eval_chunk", -4, "config.train.eval_chunk is -4; set it to an integer >= 0"),
+    ("model.attention", "flash", "config.model.attention is 'flash'; use one of auto, dense"),
     ("algo.beta", 0.0, "config.algo.beta is 0.0"),
     ("algo.anchor", "new", "config.algo.anchor is 'new'"),
     ("algo.replay_fraction", 1.0, "config.algo.replay_fraction is 1.0"),

@@ -21,6 +21,7 @@ from gvpo_jax.models.transformer import (
     default_positions,
     param_count,
     with_compute_dtype,
+    with_config,
 )
 
 __all__ = [
@@ -46,4 +47,5 @@ __all__ = [
     "tensor_maps",
     "token_logprobs",
     "with_compute_dtype",
+    "with_config",
 ]

@@ -16,6 +16,9 @@ class CheckpointError(BadInputError):
     """A checkpoint or its config is unusable; the message names the file/tensor/field and fix."""
 
 
+ATTENTION_IMPLEMENTATIONS = ("auto", "dense", "blocked", "xla", "splash")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of a decoder-only transformer (pre-norm, GQA, RoPE, SwiGLU).
@@ -25,6 +28,8 @@ class ModelConfig:
     what the forward pass runs in: each weight is cast to it where it is used (inside the compiled
     graph, so gradients flow back to the masters in `param_dtype`), and activations and the KV
     cache are kept in it. Logits, log-softmax and the losses are always fp32.
+    `attention` picks the kernel for sequences of more than one query token (models/attention.py;
+    `auto`: splash on TPU, XLA's / cuDNN's on GPU, blocked or dense on CPU by size).
     `remat=True` recomputes each layer in the backward pass, after the cotangent of its output
     (activation memory O(layers * B*T*D) plus one layer's recomputation).
     """
@@ -44,6 +49,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False
+    attention: str = "auto"  # auto | dense | blocked | xla | splash (see models/attention.py)
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -62,6 +68,11 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE.")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"ModelConfig.attention={self.attention!r}; use one of "
+                f"{', '.join(ATTENTION_IMPLEMENTATIONS)}."
+            )
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(

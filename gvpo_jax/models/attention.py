@@ -1,0 +1,412 @@
+"""Attention kernels behind `ModelConfig.attention`: blocked (flash-style), XLA's, Pallas splash.
+
+`Attention` (models/transformer.py) computes q, k, v and the mask; this module holds the
+implementations that replace its dense [T, S] score matrices for sequences of more than one
+query token (prefill, the update's forward, plain causal forwards). Decode steps (one query
+token) always use the dense path: their scores are [1, S] per head.
+
+- `blocked`: an online softmax over key blocks with a hand-written backward (FlashAttention-2's
+  recurrences in plain JAX loops): O(block_q x block_k) scores live at a time instead of
+  O(T x S), and key blocks wholly in a query block's future are skipped. Any platform.
+- `xla`: `jax.nn.dot_product_attention` (cuDNN's fused kernel on GPU where it applies, XLA's
+  own otherwise).
+- `splash`: the Pallas TPU splash-attention kernel (causal mask + segment ids for padding).
+  TPU only; on CPU it runs in Pallas interpret mode, which the tests use on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gvpo_jax.models import fused
+from gvpo_jax.models.config import ATTENTION_IMPLEMENTATIONS
+
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "blocked", "causal", "merge", "resolve", "shared_prefix"]
+
+BLOCK_Q = 512  # query rows per block (rows = positions x the G query heads of a KV head)
+BLOCK_K = 512  # keys per block
+# `auto` on CPU: dense below this many query rows x keys per KV head, blocked above (measured
+# in BENCHMARKS.md section 8: at short lengths the dense path's fewer, larger matmuls win).
+AUTO_CPU_BLOCKED_MIN = 1024 * 1024
+NO_SLOT = np.iinfo(np.int32).max // 2  # a query slot that sees every valid key (non-causal)
+
+
+def resolve(impl: str, *, q_rows: int, keys: int, platform: str | None = None) -> str:
+    """The implementation `auto` stands for, for Q query rows x S keys per KV head.
+
+    TPU: splash (the fused kernel MaxText and tunix use). GPU: xla (`jax.nn.dot_product_attention`,
+    cuDNN flash attention where it supports the shapes). CPU: blocked once Q x S reaches
+    AUTO_CPU_BLOCKED_MIN, dense below (measured on this project's 2-core CPU).
+    """
+    if impl != "auto":
+        return impl
+    platform = platform or jax.default_backend()
+    if platform == "tpu":
+        return "splash"
+    if platform in ("gpu", "cuda", "rocm"):
+        return "xla"
+    return "blocked" if q_rows * keys >= AUTO_CPU_BLOCKED_MIN else "dense"
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocked attention
+
+
+def _pad_to(x, axis: int, multiple: int, value):
+    n = x.shape[axis]
+    pad = -n % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _block_scores(q_blk, k_blk, q_slot_blk, k_slot_blk, k_valid_blk, k_real_blk, scale):
+    """Masked scores [B, K, bq, bk] (fp32 or fp64) and the visibility mask [B, 1, bq, bk]."""
+    acc = fused._acc(q_blk.dtype)
+    s = jnp.einsum("bkqh,bksh->bkqs", q_blk, k_blk, preferred_element_type=acc) * scale
+    seen = k_valid_blk[:, None, :] & (k_slot_blk[:, None, :] <= q_slot_blk[:, :, None])
+    seen = seen[:, None]
+    # Padding keys added to fill the last block count for nothing (weight 0 below); masked
+    # real keys get the dense path's finite MASKED, so a query row with no visible key attends
+    # uniformly to the real keys of the blocks it visits, as the dense path does to all keys.
+    return jnp.where(seen, s, fused.MASKED), seen, k_real_blk[:, None, None, :]
+
+
+def _layout(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
+    """Pads Q and S to whole blocks; returns the padded arrays and per-block slot bounds."""
+    b, kv, q_rows, h = q.shape
+    s = k.shape[2]
+    bq, bk = min(block_q, q_rows), min(block_k, s)
+    q = _pad_to(q, 2, bq, 0)
+    k = _pad_to(k, 2, bk, 0)
+    v = _pad_to(v, 2, bk, 0)
+    q_slot = _pad_to(q_slot.astype(jnp.int32), 1, bq, -1)  # padded rows see nothing real
+    big = jnp.iinfo(jnp.int32).max
+    k_slot = _pad_to(k_slot.astype(jnp.int32), 1, bk, big)
+    k_real = _pad_to(jnp.ones((b, s), jnp.bool_), 1, bk, False)
+    k_valid = _pad_to(k_valid.astype(jnp.bool_), 1, bk, False)
+    nq, nk = q.shape[2] // bq, k.shape[2] // bk
+    # Slots are non-decreasing along rows and keys (positions in order), so the key blocks a
+    # query block needs are a prefix 0 .. need_q[i] - 1, and the query blocks that see key
+    # block j a suffix from first_q[j].
+    q_max = jnp.max(q_slot.reshape(b, nq, bq), axis=(0, 2))
+    k_min = jnp.min(k_slot.reshape(b, nk, bk), axis=(0, 2))
+    need_q = jnp.sum(k_min[None, :] <= q_max[:, None], axis=1).astype(jnp.int32)
+    first_q = jnp.sum(q_max[None, :] < k_min[:, None], axis=1).astype(jnp.int32)
+    return (q, k, v, q_slot, k_slot, k_valid, k_real), (bq, bk, nq, nk, need_q, first_q)
+
+
+def _zero_from(x):
+    """A scalar 0 computed from x (XLA does not fold x * 0 for floats). Loop accumulators start
+    from it, so they cannot be created before x exists: XLA CPU otherwise materialised every
+    layer's zero-filled accumulators at the start of the update and kept them all live."""
+    return (x.reshape(-1)[0] * 0).astype(fused._acc(x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def blocked(q, k, v, q_slot, k_slot, k_valid, block_q=BLOCK_Q, block_k=BLOCK_K):
+    """Flash-style attention: (out [B, K, Q, H], lse [B, K, Q]) without [Q, S] score matrices.
+
+    q [B, K, Q, H]: the query rows of each of the K key/value heads (e.g. positions x the G
+    query heads sharing it, position-major). k, v [B, K, S, H]. Query row q sees key s iff
+    `k_valid[b, s]` and `k_slot[b, s] <= q_slot[b, q]` (int32 slots, non-decreasing along rows
+    and along keys: causal order; a q_slot of NO_SLOT sees every valid key). Scores are scaled
+    by 1/sqrt(H), accumulated in fp32 (fp64 for fp64 inputs); the weights are rounded to v's
+    dtype before the weighted sum, as in the dense path. `lse` is the log of each row's softmax
+    denominator: two calls over disjoint key sets merge exactly with `merge` (the update's
+    shared prompt and each row's own tokens). Both outputs are differentiable.
+    """
+    return _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k)[0]
+
+
+def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
+    b, kv, q_rows, h = q.shape
+    acc = fused._acc(q.dtype)
+    scale = 1.0 / math.sqrt(h)
+    arrays, (bq, bk, nq, nk, need_q, _) = _layout(
+        q, k, v, q_slot, k_slot, k_valid, block_q, block_k
+    )
+    qp, kp, vp, q_slot_p, k_slot_p, k_valid_p, k_real_p = arrays
+
+    def query_block(i, carry):
+        out_acc, m_acc, l_acc = carry
+        q_blk = jax.lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=2)
+        qs_blk = jax.lax.dynamic_slice_in_dim(q_slot_p, i * bq, bq, axis=1)
+
+        def key_block(j, state):
+            m, l, o = state
+            sl = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=axis)
+            s, _, real = _block_scores(
+                q_blk, sl(kp, 2), qs_blk, sl(k_slot_p, 1), sl(k_valid_p, 1), sl(k_real_p, 1),
+                scale,
+            )  # fmt: skip
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None]) * real
+            corr = jnp.exp(m - m_new)
+            l = l * corr + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), sl(vp, 2),
+                            preferred_element_type=acc)  # fmt: skip
+            return m_new, l, o * corr[..., None] + pv
+
+        zero = _zero_from(q_blk)
+        init = (
+            jnp.full((b, kv, bq), -jnp.inf, acc) + zero,
+            jnp.zeros((b, kv, bq), acc) + zero,
+            jnp.zeros((b, kv, bq, h), acc) + zero,
+        )
+        m, l, o = jax.lax.fori_loop(0, need_q[i], key_block, init)
+        l = jnp.where(l > 0, l, 1.0)  # padding rows that visited no key
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        out_blk = (o / l[..., None]).astype(q.dtype)
+        put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, i * bq, axis=2)
+        return put(out_acc, out_blk), put(m_acc, m), put(l_acc, l)
+
+    zero = _zero_from(q)
+    init = (
+        (jnp.zeros(qp.shape, acc) + zero).astype(q.dtype),
+        jnp.zeros(qp.shape[:3], acc) + zero,
+        jnp.ones(qp.shape[:3], acc) + zero,
+    )
+    out_p, m_p, l_p = jax.lax.fori_loop(0, nq, query_block, init)
+    out, m, l = out_p[:, :, :q_rows], m_p[:, :, :q_rows], l_p[:, :, :q_rows]
+    # The backward recomputes the weights as exp(s - m) / l, not exp(s - lse): for a row with
+    # no visible key m is the finite MASKED value, and MASKED + log(l) rounds to MASKED.
+    return (out, m + jnp.log(l)), (q, k, v, q_slot, k_slot, k_valid, out, m, l)
+
+
+def _blocked_bwd(block_q, block_k, res, cotangents):
+    q, k, v, q_slot, k_slot, k_valid, out, m, l = res
+    dout, dlse = cotangents
+    b, kv, q_rows, h = q.shape
+    s_len = k.shape[2]
+    acc = fused._acc(q.dtype)
+    scale = 1.0 / math.sqrt(h)
+    arrays, (bq, bk, nq, nk, _, first_q) = _layout(
+        q, k, v, q_slot, k_slot, k_valid, block_q, block_k
+    )
+    qp, kp, vp, q_slot_p, k_slot_p, k_valid_p, k_real_p = arrays
+    # d lse / d score = softmax weight, so lse's cotangent enters as -dlse in FlashAttention's
+    # D = rowsum(dO * O): dS = P * (dP - D + dlse).
+    delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1) - dlse.astype(acc)
+    dout_p = _pad_to(dout.astype(q.dtype), 2, bq, 0)
+    delta_p = _pad_to(delta, 2, bq, 0)
+    m_p = _pad_to(m, 2, bq, 0)
+    l_p = _pad_to(l, 2, bq, 1)
+
+    def key_block(j, carry):
+        dq_acc, dk_acc, dv_acc = carry
+        sl_k = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=axis)
+        k_blk, v_blk = sl_k(kp, 2), sl_k(vp, 2)
+        ks, kval, kreal = sl_k(k_slot_p, 1), sl_k(k_valid_p, 1), sl_k(k_real_p, 1)
+
+        def query_block(i, state):
+            dq_acc, dk_blk, dv_blk = state
+            sl_q = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=axis)
+            q_blk, do_blk = sl_q(qp, 2), sl_q(dout_p, 2)
+            s, seen, real = _block_scores(q_blk, k_blk, sl_q(q_slot_p, 1), ks, kval, kreal, scale)
+            p = jnp.exp(s - sl_q(m_p, 2)[..., None]) / sl_q(l_p, 2)[..., None] * real
+            dv_blk = dv_blk + jnp.einsum("bkqs,bkqh->bksh", p.astype(v.dtype), do_blk,
+                                         preferred_element_type=acc)  # fmt: skip
+            dp = jnp.einsum("bkqh,bksh->bkqs", do_blk, v_blk, preferred_element_type=acc)
+            ds = p * (dp - sl_q(delta_p, 2)[..., None])
+            ds = (jnp.where(seen, ds, 0.0) * scale).astype(q.dtype)  # masked scores: constants
+            dq_blk = jnp.einsum("bkqs,bksh->bkqh", ds, k_blk, preferred_element_type=acc)
+            dq_acc = jax.lax.dynamic_update_slice_in_dim(
+                dq_acc, sl_q(dq_acc, 2) + dq_blk, i * bq, axis=2
+            )
+            dk_blk = dk_blk + jnp.einsum("bkqs,bkqh->bksh", ds, q_blk, preferred_element_type=acc)
+            return dq_acc, dk_blk, dv_blk
+
+        zeros = jnp.zeros((b, kv, bk, h), acc) + _zero_from(k_blk)
+        dq_acc, dk_blk, dv_blk = jax.lax.fori_loop(
+            first_q[j], nq, query_block, (dq_acc, zeros, zeros)
+        )
+        dk_acc = jax.lax.dynamic_update_slice_in_dim(dk_acc, dk_blk, j * bk, axis=2)
+        dv_acc = jax.lax.dynamic_update_slice_in_dim(dv_acc, dv_blk, j * bk, axis=2)
+        return dq_acc, dk_acc, dv_acc
+
+    zero = _zero_from(dout)  # after the cotangent, like the rest of the backward
+    init = (
+        jnp.zeros(qp.shape, acc) + zero,
+        jnp.zeros(kp.shape, acc) + zero,
+        jnp.zeros(vp.shape, acc) + zero,
+    )
+    dq, dk, dv = jax.lax.fori_loop(0, nk, key_block, init)
+    return (
+        dq[:, :, :q_rows].astype(q.dtype),
+        dk[:, :, :s_len].astype(k.dtype),
+        dv[:, :, :s_len].astype(v.dtype),
+        None,
+        None,
+        None,
+    )
+
+
+blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Softmax attention over the union of two disjoint key sets from the two parts' outputs and
+    log-denominators (all differentiable): out = w_a out_a + w_b out_b, w = exp(lse - lse_ab)."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    w_a = jnp.exp(lse_a - lse)[..., None]
+    w_b = jnp.exp(lse_b - lse)[..., None]
+    out = w_a * out_a.astype(lse.dtype) + w_b * out_b.astype(lse.dtype)
+    return out.astype(out_a.dtype), lse
+
+
+# ----------------------------------------------------------------------------------------------
+# The Attention module's entry points
+
+
+def _rows_t_major(q_BxTxNxH, kv: int):
+    """[B, T, N, H] -> [B, K, T * G, H] with row t * G + g (slots non-decreasing along rows)."""
+    b, t, n, h = q_BxTxNxH.shape
+    return q_BxTxNxH.reshape(b, t, kv, n // kv, h).transpose(0, 2, 1, 3, 4).reshape(b, kv, -1, h)
+
+
+def _from_rows_t_major(out_BxKxQxH, t: int):
+    b, kv, q, h = out_BxKxQxH.shape
+    g = q // t
+    return out_BxKxQxH.reshape(b, kv, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, kv * g, h)
+
+
+def _static_int(x) -> int | None:
+    try:
+        return int(x)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return None
+
+
+def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_slot_T,
+           key_slot_S, *, cache_index=0):  # fmt: skip
+    """Attention of T query tokens at slots `query_slot_T` to S keys at `key_slot_S` (query t
+    sees valid keys at slots <= its own), with `impl` in blocked | xla | splash. Returns
+    [B, T, N, H]. Rows of padding queries (valid_q False) are unspecified: no loss reads them.
+    """
+    b, t, n, h = q_BxTxNxH.shape
+    kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    g = n // kv
+    if impl == "splash":
+        offset = _static_int(cache_index)
+        if offset is not None and offset + t <= s:
+            keys = offset + t  # later cache slots are in every query's future
+            return _splash(q_BxTxNxH, k_BxKxSxH[:, :, :keys], v_BxKxSxH[:, :, :keys],
+                           valid_q_BxT, valid_BxS[:, :keys], offset)  # fmt: skip
+        impl = "blocked"  # the splash mask is static: a traced write index cannot be one
+    if impl == "xla":
+        mask_BxTxS = valid_BxS[:, None, :] & (
+            key_slot_S[None, None, :] <= query_slot_T[None, :, None]
+        )
+        return jax.nn.dot_product_attention(
+            q_BxTxNxH, k_BxKxSxH.transpose(0, 2, 1, 3), v_BxKxSxH.transpose(0, 2, 1, 3),
+            mask=mask_BxTxS[:, None],
+        ).astype(q_BxTxNxH.dtype)  # fmt: skip
+    if impl != "blocked":
+        raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
+    q_slot = jnp.broadcast_to(jnp.repeat(query_slot_T.astype(jnp.int32), g)[None], (b, t * g))
+    k_slot = jnp.broadcast_to(key_slot_S.astype(jnp.int32)[None], (b, s))
+    out, _ = blocked(_rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS)
+    return _from_rows_t_major(out, t)
+
+
+def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_PxKxRxSxH,
+                  v_PxKxRxSxH, valid_q_BxT, valid_BxS, index):  # fmt: skip
+    """Attention of B = P * R rows continuing P shared prefixes (`Attention._attend_shared_prefix`
+    layout): row p * R + r sees prefix p's valid keys and its own valid new keys at slots <=
+    index + t. blocked: one pass over the prefixes for all R rows of a prompt at once (the
+    prefix is read once per prompt, as in the dense path) and one over each row's own keys,
+    merged through their log-denominators; xla / splash: the prefix keys are repeated per row
+    and joined to the row's own (one causal call with the prefix as a past of J slots)."""
+    b, t, n, h = q_BxTxNxH.shape
+    p, kv, j = pk_PxKxJxH.shape[:3]
+    r, s = b // p, k_PxKxRxSxH.shape[3]
+    g = n // kv
+    k_BxKxSxH = k_PxKxRxSxH.transpose(0, 2, 1, 3, 4).reshape(b, kv, s, h)
+    v_BxKxSxH = v_PxKxRxSxH.transpose(0, 2, 1, 3, 4).reshape(b, kv, s, h)
+    if impl in ("xla", "splash"):
+        rows = lambda x: jnp.repeat(x, r, axis=0)
+        keys = jnp.concatenate([rows(pk_PxKxJxH), k_BxKxSxH], axis=2)
+        values = jnp.concatenate([rows(pv_PxKxJxH), v_BxKxSxH], axis=2)
+        valid = jnp.concatenate([rows(prefix_valid_PxJ), valid_BxS], axis=1)
+        i = jnp.asarray(index, jnp.int32)
+        return causal(impl, q_BxTxNxH, keys, values, valid_q_BxT, valid, j + i + jnp.arange(t),
+                      jnp.arange(j + s), cache_index=j + index if _static_int(index) is not None
+                      else j + i)  # fmt: skip
+    if impl != "blocked":
+        raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
+    # The prefix part: the R * T * G query rows of prompt p against its J keys (no causality).
+    q_PxKxRTGxH = (
+        q_BxTxNxH.reshape(p, r, t, kv, g, h).transpose(0, 3, 1, 2, 4, 5).reshape(p, kv, -1, h)
+    )
+    every_key = jnp.full((p, r * t * g), NO_SLOT, jnp.int32)
+    prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (p, j))
+    pre_out, pre_lse = blocked(
+        q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, every_key, prefix_slot, prefix_valid_PxJ
+    )
+    per_row = lambda x: (
+        x.reshape(p, kv, r, t * g, *x.shape[3:]).swapaxes(1, 2).reshape(b, kv, t * g, *x.shape[3:])
+    )
+    pre_out, pre_lse = per_row(pre_out), per_row(pre_lse)
+    # Each row's own part: causal over its new-token slots.
+    i = jnp.asarray(index, jnp.int32)
+    q_slot = jnp.broadcast_to(jnp.repeat(i + jnp.arange(t, dtype=jnp.int32), g)[None], (b, t * g))
+    k_slot = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+    new_out, new_lse = blocked(
+        _rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS
+    )
+    out, _ = merge(pre_out, pre_lse, new_out, new_lse)
+    return _from_rows_t_major(out, t)
+
+
+def _splash_blocks(length: int) -> int:
+    return next(bl for bl in (512, 256, 128) if length % bl == 0)
+
+
+def _splash(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, offset: int):
+    """The Pallas splash kernel (MQA form, vmapped over batch rows and KV heads): query t sees
+    key s iff s <= t + offset and both are valid tokens (segment ids 0; padding tokens are
+    segment 1 and see only padding, so no row is empty). Lengths are padded to multiples of
+    128 (segment 2). On a platform other than TPU the kernel runs in interpret mode."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    b, t, n, h = q_BxTxNxH.shape
+    kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    g = n // kv
+    tp, sp = t + (-t % 128), s + (-s % 128)
+    q = _rows_head_major(q_BxTxNxH * (1.0 / math.sqrt(h)), kv)  # [B, K, G, T, H]
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, tp - t), (0, 0)))
+    k = jnp.pad(k_BxKxSxH, ((0, 0), (0, 0), (0, sp - s), (0, 0)))
+    v = jnp.pad(v_BxKxSxH, ((0, 0), (0, 0), (0, sp - s), (0, 0)))
+    seg_q = jnp.pad(jnp.where(valid_q_BxT, 0, 1), ((0, 0), (0, tp - t)), constant_values=2)
+    seg_k = jnp.pad(jnp.where(valid_BxS, 0, 1), ((0, 0), (0, sp - s)), constant_values=2)
+    bq, bk = _splash_blocks(tp), _splash_blocks(sp)
+    sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
+                          block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
+                          block_kv_dq=bk)  # fmt: skip
+    mask = sa.MultiHeadMask([sa.CausalMask((tp, sp), offset=offset) for _ in range(g)])
+    kernel = sa.make_splash_mqa_single_device(
+        mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu"
+    )
+
+    def one_row(q_KxGxTxH, k_KxSxH, v_KxSxH, seg_q_T, seg_k_S):
+        ids = sa.SegmentIds(q=seg_q_T, kv=seg_k_S)
+        return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(
+            q_KxGxTxH, k_KxSxH, v_KxSxH
+        )
+
+    out = jax.vmap(one_row)(q, k, v, seg_q, seg_k)[:, :, :, :t]  # [B, K, G, T, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
+
+
+def _rows_head_major(q_BxTxNxH, kv: int):
+    """[B, T, N, H] -> [B, K, G, T, H]."""
+    b, t, n, h = q_BxTxNxH.shape
+    return q_BxTxNxH.reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)
