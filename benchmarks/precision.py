@@ -124,6 +124,7 @@ def memory(args) -> None:
         c.rollout.prompts_per_step = args.prompts
         c.algo.num_minibatches = 1
         c.optim.micro_batches = args.micro_batches
+        c.model.attention = args.attention
         estimate = plan.plan_memory(c, args.devices)
         mesh = sharding.make_mesh(*plan.resolve_mesh(c, args.devices))
         mem = plan.compile_train_step(c, mesh).memory_analysis()
@@ -140,7 +141,8 @@ def memory(args) -> None:
     print(
         f"configs/qwen_math.py, {args.layers} layers at full width, {args.prompts} prompts x 4 "
         f"responses of 1024 + 1024 tokens in one minibatch of {args.micro_batches} "
-        f"micro-batches, {args.devices} fake CPU devices (FSDP); GiB per device"
+        f"micro-batches, {args.devices} fake CPU devices (FSDP), attention={args.attention}; "
+        "GiB per device"
     )
     print(
         common.md_table(
@@ -172,6 +174,7 @@ def main():
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--micro_batches", type=int, default=1)
+    parser.add_argument("--attention", default="auto", help="memory: model.attention")
     args = parser.parse_args()
     speed(args) if args.what == "speed" else memory(args)
 

@@ -12,6 +12,13 @@ Four sweeps around the base point (2 prompts, G = 4, prompt 64, N = 128):
 Each sweep prints its times, then a least-squares line time = a + b*x with its R^2 and the
 slope b per unit (seconds per extra response per prompt, or per extra token), and the time per
 convention FLOP (constant when time follows the FLOP model).
+
+`--long` instead measures long responses per attention kernel (`--attention dense,blocked`):
+update vs N in 128 .. 2048 (prompt 64, plus prompt 512 at N = 1024) with seconds per TFLOP, its
+ratio to N = 128, and XLA's compiled memory (arguments + temporaries; a shape whose compile
+needs more than --max-gib is reported and not run), and rollout vs N with seconds per generated
+token and per TFLOP:
+    .venv/bin/python -m benchmarks.scaling --long --attention dense,blocked --repeats 2
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ def fit_line(x, y) -> dict:
     return dict(slope=float(b), intercept=float(a), r2=r2)
 
 
-def time_update(model, *, prompts, group, prompt_len, new_tokens, repeats, chunk=128):
+def time_update(model, *, prompts, group, prompt_len, new_tokens, repeats, chunk=128,
+                max_bytes=None):  # fmt: skip
+    """(Timing, FLOPs), or (Timing, FLOPs, compiled bytes) with max_bytes; Timing is None when
+    the compiled update would need more than max_bytes (then it is not run)."""
     batch = update_step.make_batch(
         model, prompts=prompts, group=group, prompt_len=prompt_len, new_tokens=new_tokens,
         chunk=chunk,
@@ -50,11 +60,17 @@ def time_update(model, *, prompts, group, prompt_len, new_tokens, repeats, chunk
         model, batch, "gvpo", group=group, prompt_len=prompt_len, new_tokens=new_tokens,
         chunk=chunk,
     )  # fmt: skip
-    r = common.interleave({"update": bench}, repeats)["update"]
     flops = common.update_flops(
         common.dims_of(model.config), prompts * group, prompt_len + new_tokens
     )
-    return common.Timing.from_dict(r["timing"]), flops
+    if max_bytes is not None:
+        mem = bench.memory()
+        used = mem.argument_size_in_bytes + mem.temp_size_in_bytes
+        if used > max_bytes:
+            return None, flops, used
+    r = common.interleave({"update": bench}, repeats)["update"]
+    timing = common.Timing.from_dict(r["timing"])
+    return (timing, flops) if max_bytes is None else (timing, flops, used)
 
 
 def time_rollout(model, *, prompts, group, prompt_len, new_tokens, repeats):
@@ -101,12 +117,82 @@ def sweep(name, unit, xs, run, base: dict, key: str, cache: dict) -> dict:
     return dict(fit=fit, cpu_fit=cpu_fit, points=[(x, t.as_dict(), f) for x, t, f in points])
 
 
+LONG = dict(lengths=(128, 256, 512, 1024, 2048), long_prompt=(512, 1024))
+LONG_QUICK = dict(lengths=(8, 16), long_prompt=(16, 8))
+
+
+def long_sweeps(args, base_model, cfg) -> dict:
+    """Update and rollout vs N per attention kernel (see the module docstring)."""
+    from gvpo_jax import models
+
+    spec = LONG_QUICK if args.quick else LONG
+    shapes = [(cfg["prompt_len"], n) for n in spec["lengths"]] + [spec["long_prompt"]]
+    max_bytes = int(args.max_gib * 2**30)
+    out = {}
+    for impl in args.attention.split(","):
+        model = models.with_config(base_model, attention=impl)
+        rows, ref = [], None
+        for prompt_len, n in shapes:
+            timing, flops, used = time_update(
+                model, prompts=cfg["prompts"], group=cfg["group"], prompt_len=prompt_len,
+                new_tokens=n, repeats=args.repeats, max_bytes=max_bytes,
+            )  # fmt: skip
+            per_tflop = None if timing is None else 1e12 * timing.median / flops
+            if ref is None and per_tflop is not None:
+                ref = per_tflop  # the first (shortest) prompt-64 point
+            rows.append(dict(prompt=prompt_len, n=n, flops=flops, bytes=used,
+                             timing=None if timing is None else timing.as_dict(),
+                             s_per_tflop=per_tflop,
+                             ratio=None if per_tflop is None else per_tflop / ref))  # fmt: skip
+            cell = "not run" if timing is None else f"{timing.median:.2f} s"
+            print(f"[{impl}] update prompt {prompt_len} N {n}: {cell}, {used / 2**30:.2f} GiB",
+                  flush=True)  # fmt: skip
+        gen_rows, gen_ref = [], None
+        for n in spec["lengths"]:
+            timing, flops = time_rollout(
+                model, prompts=cfg["prompts"], group=cfg["group"],
+                prompt_len=cfg["prompt_len"], new_tokens=n, repeats=args.repeats,
+            )  # fmt: skip
+            per_token = timing.median / (cfg["prompts"] * cfg["group"] * n)
+            gen_ref = gen_ref or per_token
+            gen_rows.append(dict(n=n, flops=flops, timing=timing.as_dict(), s_per_token=per_token,
+                                 ratio=per_token / gen_ref,
+                                 s_per_tflop=1e12 * timing.median / flops))  # fmt: skip
+            print(f"[{impl}] rollout N {n}: {timing.median:.2f} s", flush=True)
+        out[impl] = dict(update=rows, rollout=gen_rows)
+        print(f"\n## Update vs N, attention={impl} (median of {args.repeats})\n")
+        print(common.md_table(
+            ["prompt", "N", "median s", "GFLOP", "s per TFLOP", "x N=128", "XLA GiB (args+temps)"],
+            [[r["prompt"], r["n"],
+              "-" if r["timing"] is None else f"{common.Timing.from_dict(r['timing']).median:.2f}",
+              f"{r['flops'] / 1e9:.0f}",
+              "-" if r["s_per_tflop"] is None else f"{r['s_per_tflop']:.2f}",
+              "-" if r["ratio"] is None else f"{r['ratio']:.2f}", f"{r['bytes'] / 2**30:.2f}"]
+             for r in rows]))  # fmt: skip
+        print(f"\n## Rollout vs N, attention={impl}\n")
+        print(common.md_table(
+            ["N", "median s", "ms per token", "x N=128", "s per TFLOP"],
+            [[r["n"], f"{common.Timing.from_dict(r['timing']).median:.2f}",
+              f"{1e3 * r['s_per_token']:.3f}", f"{r['ratio']:.2f}", f"{r['s_per_tflop']:.2f}"]
+             for r in gen_rows]))  # fmt: skip
+    common.emit_json("SCALING_LONG", out)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per shape")
     parser.add_argument("--quick", action="store_true", help="tiny model, two points per sweep")
     parser.add_argument("--only", choices=["update", "rollout"], help="run one half")
+    parser.add_argument("--long", action="store_true", help="long responses per kernel")
+    parser.add_argument("--attention", default="dense,blocked", help="--long: kernels to compare")
+    parser.add_argument("--max-gib", type=float, default=16.0,
+                        help="--long: skip update shapes whose compile needs more")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.long:
+        cfg = QUICK if args.quick else FULL
+        print(common.describe_machine())
+        return long_sweeps(args, common.bench_model(args.quick), cfg)
 
     cfg = QUICK if args.quick else FULL
     model = common.bench_model(args.quick)

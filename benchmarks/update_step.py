@@ -139,9 +139,12 @@ def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> c
         jax.block_until_ready((state[0], metrics))
         first_loss.append(float(metrics["loss"]))
 
-    return common.LocalBench(
+    bench = common.LocalBench(
         call, lambda: dict(cache_size=update._cache_size(), first_loss=first_loss[0])
     )
+    # XLA's compiled memory analysis of this update (arguments + temporaries), before timing it.
+    bench.memory = lambda: update.lower(state[0], data).compile().memory_analysis()
+    return bench
 
 
 # ----------------------------------------------------------------------------- plain PyTorch

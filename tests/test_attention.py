@@ -1,7 +1,6 @@
 """models.attention: the blocked kernel against float64 references and finite differences; dense,
 blocked, xla and splash (Pallas interpret mode) through the model, the sampler and the update."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,4 +280,3 @@ def test_update_step_same_with_dense_and_blocked():
     assert abs(results["dense"][0] - results["blocked"][0]) < 1e-5
     for a, b in zip(results["dense"][1], results["blocked"][1], strict=True):
         np.testing.assert_allclose(a, b, atol=3e-5)
-

@@ -104,3 +104,18 @@ def test_tunix_worker_quick_loads_same_weights_and_samples(capsys):
     assert "tunix Sampler" in summary["rows"], capsys.readouterr().out
     assert summary["rows"]["tunix Sampler"]["logits_max_diff"] < 1e-3
     assert summary["speedups"]["tunix Sampler"] > 0
+
+
+def test_scaling_long_quick_compares_kernels_and_skips_shapes_over_the_memory_cap(capsys):
+    results = scaling.main(["--quick", "--long", "--repeats", "1", "--attention", "dense,blocked"])
+    out = capsys.readouterr().out
+    assert set(results) == {"dense", "blocked"}
+    for impl, r in results.items():
+        assert f"## Update vs N, attention={impl}" in out
+        assert [(x["prompt"], x["n"]) for x in r["update"]] == [(8, 8), (8, 16), (16, 8)]
+        assert r["update"][0]["ratio"] == 1.0 and all(x["bytes"] > 0 for x in r["update"])
+        assert [x["n"] for x in r["rollout"]] == [8, 16] and r["rollout"][0]["ratio"] == 1.0
+    capped = scaling.main(["--quick", "--long", "--repeats", "1", "--attention", "blocked",
+                           "--max-gib", "1e-9"])  # fmt: skip
+    assert all(x["timing"] is None for x in capped["blocked"]["update"])
+    assert "not run" in capsys.readouterr().out
