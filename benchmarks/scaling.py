@@ -132,7 +132,7 @@ def long_sweeps(args, base_model, cfg) -> dict:
     for impl in args.attention.split(","):
         model = models.with_config(base_model, attention=impl)
         rows, ref = [], None
-        for prompt_len, n in shapes:
+        for prompt_len, n in shapes if args.only != "rollout" else ():
             timing, flops, used = time_update(
                 model, prompts=cfg["prompts"], group=cfg["group"], prompt_len=prompt_len,
                 new_tokens=n, repeats=args.repeats, max_bytes=max_bytes,
@@ -148,7 +148,7 @@ def long_sweeps(args, base_model, cfg) -> dict:
             print(f"[{impl}] update prompt {prompt_len} N {n}: {cell}, {used / 2**30:.2f} GiB",
                   flush=True)  # fmt: skip
         gen_rows, gen_ref = [], None
-        for n in spec["lengths"]:
+        for n in spec["lengths"] if args.only != "update" else ():
             timing, flops = time_rollout(
                 model, prompts=cfg["prompts"], group=cfg["group"],
                 prompt_len=cfg["prompt_len"], new_tokens=n, repeats=args.repeats,

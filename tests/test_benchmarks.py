@@ -116,6 +116,7 @@ def test_scaling_long_quick_compares_kernels_and_skips_shapes_over_the_memory_ca
         assert r["update"][0]["ratio"] == 1.0 and all(x["bytes"] > 0 for x in r["update"])
         assert [x["n"] for x in r["rollout"]] == [8, 16] and r["rollout"][0]["ratio"] == 1.0
     capped = scaling.main(["--quick", "--long", "--repeats", "1", "--attention", "blocked",
-                           "--max-gib", "1e-9"])  # fmt: skip
+                           "--max-gib", "1e-9", "--only", "update"])  # fmt: skip
     assert all(x["timing"] is None for x in capped["blocked"]["update"])
+    assert capped["blocked"]["rollout"] == []
     assert "not run" in capsys.readouterr().out
