@@ -138,7 +138,22 @@ def base_config(quick: bool):
     spec = importlib.util.spec_from_file_location("arith_tiny", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = module.get_config()
+    c = _quiet(module.get_config())
+    return config_lib.set_fields(c, QUICK) if quick else c
+
+
+QUICK = (
+    ("rollout.prompts_per_step", 8),
+    ("rollout.group_size", 4),
+    ("data.eval_size", 16),
+    ("sft.steps", 20),
+    ("sft.batch_size", 16),
+)
+
+
+def _quiet(c):
+    """A config's run without export, plots, periodic checkpoints, sample logs or evaluations
+    of its own (the study evaluates), on all devices."""
     c.train.export = False
     c.train.plot = False
     c.train.checkpoint_every = 10**9
@@ -147,12 +162,6 @@ def base_config(quick: bool):
     if "kl_ref_metric" in c.train:  # the study measures KL to the start itself, at the end
         c.train.kl_ref_metric = False
     c.mesh.data = -1  # all devices: one on a plain CPU (the test runs the script without fakes)
-    if quick:
-        c.rollout.prompts_per_step = 8
-        c.rollout.group_size = 4
-        c.data.eval_size = 16
-        c.sft.steps = 20
-        c.sft.batch_size = 16
     return c
 
 
@@ -171,13 +180,7 @@ FIRST_SETUP = (
 def study_config(quick: bool):
     """base_config with the study's own set-up (FIRST_SETUP)."""
     c = config_lib.set_fields(base_config(quick=False), FIRST_SETUP)
-    if quick:
-        c.rollout.prompts_per_step = 8
-        c.rollout.group_size = 4
-        c.data.eval_size = 16
-        c.sft.steps = 20
-        c.sft.batch_size = 16
-    return c
+    return config_lib.set_fields(c, QUICK) if quick else c
 
 
 def with_overrides(c, overrides, seed: int):
@@ -670,6 +673,16 @@ SMOL_EVAL_N = 8  # avg@8 at the rollout temperature (with greedy) at the start a
 SMOL_EVAL_POINTS = 5  # greedy at every 1/5 of the budget
 
 
+def _record(rec: dict, cell: Cell, path: str) -> dict:
+    """Marks the run's cell and divergence and writes it where the next invocation finds it."""
+    rec["diverged"] = diverged(rec)
+    rec["cell"] = cell.name
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(rec, fh)
+    return rec
+
+
 def smol_cells() -> list[Cell]:
     official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
     out = []
@@ -692,13 +705,7 @@ def smol_config(quick: bool):
     spec = importlib.util.spec_from_file_location("smollm2_arith", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = config_lib.set_fields(module.get_config(), tuple(SMOL.items()))
-    c.train.export = False
-    c.train.plot = False
-    c.train.checkpoint_every = 10**9
-    c.train.sample_log_every = 0
-    c.train.eval_every = 0
-    c.mesh.data = -1
+    c = _quiet(config_lib.set_fields(module.get_config(), tuple(SMOL.items())))
     if quick:  # the same code path on a model the test can afford (no GGUF file needed)
         c.model.gguf = ""
         c.model.preset = "tiny"
@@ -774,12 +781,7 @@ def smol_study(args) -> dict:
             rec = rl_run(with_overrides(config, cell.overrides, seed), wd, None, budget=budget,
                          eval_points=eval_points, start_acc=start["greedy"], eval_n=eval_n,
                          sampled_at_ends_only=True, start_sampled=start["sampled"])  # fmt: skip
-            rec["diverged"] = diverged(rec)
-            rec["cell"] = cell.name
-            recs.append(rec)
-            os.makedirs(os.path.dirname(cached), exist_ok=True)
-            with open(cached, "w") as fh:
-                json.dump(rec, fh)
+            recs.append(_record(rec, cell, cached))
             shutil.rmtree(wd, ignore_errors=True)  # metrics are in the record
             print(f"   greedy {rec['curve'][-1][1]:.3f}  avg@{eval_n} "
                   f"{rec['curve_sampled'][-1][1]:.3f}  kl {rec['kl_start']:.4f}  "
@@ -1002,12 +1004,7 @@ def main(argv=None) -> dict:
                 eval_points=eval_points,
                 start_acc=start["curve"][-1][1],
             )
-            rec["diverged"] = diverged(rec)
-            rec["cell"] = cell.name
-            recs.append(rec)
-            os.makedirs(os.path.dirname(cached), exist_ok=True)
-            with open(cached, "w") as fh:
-                json.dump(rec, fh)
+            recs.append(_record(rec, cell, cached))
             print(
                 f"   final {rec['curve'][-1][1]:.3f}  kl {rec['kl_start']:.4f}  "
                 f"{rec['time_s']:.0f}s",
