@@ -8,14 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${TRL_VENV:-.venv-trl}"
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null || PYTHON=python3
-
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
-fi
-echo '*' > "$VENV/.gitignore"  # out of git and out of `ruff .`
-"$VENV/bin/python" -m pip install -q --upgrade pip
+source benchmarks/peer_venv.sh
+peer_venv "$VENV"
 "$VENV/bin/python" -m pip install -q \
   torch==2.13.0 transformers==5.23.0 trl==1.16.0 math-verify==0.9.0 numpy
 "$VENV/bin/python" - <<'PY'

@@ -9,15 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${TUNIX_VENV:-.venv-tunix}"
-PYTHON="${PYTHON:-python3.11}"
-command -v "$PYTHON" >/dev/null || PYTHON=python3
-
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
-fi
-# Keep the environment out of git and out of `ruff .` (both honour nested .gitignore files).
-echo '*' > "$VENV/.gitignore"
-"$VENV/bin/python" -m pip install -q --upgrade pip
+source benchmarks/peer_venv.sh
+peer_venv "$VENV"
 
 same_xla=(jax==0.10.2 jaxlib==0.10.2 flax==0.12.8)
 if ! "$VENV/bin/python" -m pip install -q google-tunix==0.1.7 "${same_xla[@]}"; then

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,9 +31,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, workers  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = workers.REPO
 TUNIX_PYTHON = os.path.join(REPO, ".venv-tunix", "bin", "python")
 NEVER_EOS = -1  # not a token id: generation always runs to the last step
 QUICK = dict(prompts=2, samples=2, prompt_len=8, new_tokens=8)
@@ -72,11 +71,10 @@ def export_for_worker(model, out_dir: str, *, check_len: int = 16) -> None:
         json.dump(meta, f)
 
 
-class WorkerError(RuntimeError):
-    """The tunix worker could not be started or stopped answering; the message says why."""
+WorkerError = workers.WorkerError
 
 
-class TunixWorker:
+class TunixWorker(workers.LineWorker):
     """Proxy of a tunix worker process, with LocalBench's first() / step() / close() interface.
 
     The worker loads the weights, checks its logits against ours and builds the call to time,
@@ -89,29 +87,10 @@ class TunixWorker:
             raise WorkerError("no .venv-tunix (run `bash benchmarks/setup_tunix.sh`)")
         with open(os.path.join(work_dir, "job.json"), "w") as f:
             json.dump(dict(mode=mode, **job), f)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-        env.pop("XLA_FLAGS", None)  # the worker sees the real CPU, not the tests' 8 fake devices
-        self.stderr = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [python, "-m", "benchmarks.tunix_rollout", "--worker", work_dir],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self.stderr, text=True,
-        )  # fmt: skip
-        self.info = self._read()  # after loading: versions, logits check, load time
+        # info: after loading: versions, logits check, load time
+        super().__init__("tunix", [python, "-m", "benchmarks.tunix_rollout", "--worker", work_dir])
 
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("WORKER "):
-                return json.loads(line[len("WORKER ") :])
-        self.proc.wait()
-        self.stderr.seek(0)
-        tail = " / ".join(self.stderr.read().strip().splitlines()[-4:])
-        raise WorkerError(f"tunix worker exited with {self.proc.returncode}: {tail}")
-
-    def _send(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+    _send = workers.LineWorker.send
 
     def first(self) -> tuple[float, float]:
         return tuple(self._send("first")["first"])

@@ -39,7 +39,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import workers  # noqa: E402  (standard library only: the peers' venvs import it)
+
+REPO = workers.REPO
 CACHE = os.path.join(REPO, "benchmarks", ".cache", "whole_step")
 VENVS = {"trl": ".venv-trl", "tunix": ".venv-tunix"}
 
@@ -160,34 +162,12 @@ def commands():
         yield line.strip()
 
 
-class Worker:
+class Worker(workers.LineWorker):
     """Driver-side proxy of one implementation's worker process."""
 
     def __init__(self, name: str, python: str, args: list[str]):
-        self.name = name
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, OMP_NUM_THREADS="2")
-        env.pop("XLA_FLAGS", None)
-        self.stderr = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [python, "-m", "benchmarks.whole_step", "--worker", *args],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self.stderr, text=True,
-        )  # fmt: skip
-        self.info = self.read()
-
-    def read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("WORKER "):
-                return json.loads(line[len("WORKER ") :])
-        self.proc.wait()
-        self.stderr.seek(0)
-        tail = "\n".join(self.stderr.read().strip().splitlines()[-40:])
-        raise RuntimeError(f"{self.name} worker exited with {self.proc.returncode}:\n{tail}")
-
-    def send(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self.read()
+        argv = [python, "-m", "benchmarks.whole_step", "--worker", *args]
+        super().__init__(name, argv, env={"OMP_NUM_THREADS": "2"}, tail=40, sep="\n")
 
     def close(self) -> None:
         try:
