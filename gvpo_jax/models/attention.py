@@ -30,8 +30,9 @@ __all__ = ["ATTENTION_IMPLEMENTATIONS", "blocked", "causal", "merge", "resolve",
 
 BLOCK_Q = 512  # query rows per block (rows = positions x the G query heads of a KV head)
 BLOCK_K = 512  # keys per block
-# `auto` on CPU: dense below this many query rows x keys per KV head, blocked above (measured
-# in BENCHMARKS.md section 8: at short lengths the dense path's fewer, larger matmuls win).
+# `auto` on CPU: dense below this many query rows x keys per KV head, blocked from it up
+# (BENCHMARKS.md section 8: below, the two tie within run-to-run noise and dense keeps the
+# measured short-sequence path; from here on blocked is no slower and needs 40-80% less memory).
 AUTO_CPU_BLOCKED_MIN = 1024 * 1024
 NO_SLOT = np.iinfo(np.int32).max // 2  # a query slot that sees every valid key (non-causal)
 
