@@ -57,6 +57,7 @@ class MemoryPlan:
     activations: int
     kv_cache: int
     notes: tuple[str, ...] = ()
+    eval_kv_cache: int = 0  # held-out evaluation: train.eval_chunk prompts x train.eval_samples
 
     @property
     def resident(self) -> int:
@@ -74,8 +75,13 @@ class MemoryPlan:
         return self.resident + self.kv_cache
 
     @property
+    def eval_peak(self) -> int:
+        """During a held-out evaluation: the resident bytes + its sampler's KV cache."""
+        return self.resident + self.eval_kv_cache
+
+    @property
     def peak(self) -> int:
-        return max(self.update_peak, self.rollout_peak)
+        return max(self.update_peak, self.rollout_peak, self.eval_peak)
 
     def fits(self, device_gib: float) -> bool:
         return self.peak <= USABLE_FRACTION * device_gib * GiB
@@ -90,8 +96,10 @@ class MemoryPlan:
             ("gradients (accumulator + micro-batch)", self.gradients, "estimate"),
             ("activations of one micro-batch", self.activations, "estimate"),
             ("KV cache of the rollout batch", self.kv_cache, "estimate"),
+            ("KV cache of an evaluation call", self.eval_kv_cache, "estimate"),
             ("peak during update", self.update_peak, ""),
             ("peak during rollout", self.rollout_peak, ""),
+            ("peak during evaluation", self.eval_peak, ""),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [
@@ -302,6 +310,12 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         gradients=grads,
         activations=activation_bytes(cfg, micro_rows, Tp + N, sizes, c.model.logprob_chunk),
         kv_cache=kv_cache_bytes(cfg, P, G, Tp, N, sizes, c.rollout.num_slots),
+        # Evaluation samples train.eval_samples responses (greedy alone when 1) for each of
+        # train.eval_chunk prompts (default P) per sampler call, with its own slot count.
+        eval_kv_cache=kv_cache_bytes(
+            cfg, c.train.eval_chunk or P, c.train.eval_samples, Tp, N, sizes,
+            min(c.train.eval_num_slots, (c.train.eval_chunk or P) * c.train.eval_samples),
+        ),  # fmt: skip
         notes=tuple(notes),
     )
 

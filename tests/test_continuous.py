@@ -416,6 +416,26 @@ def test_config_fields_reach_the_sampler_and_the_planner():
     assert any("num_slots=6 does not split" in n for n in plan.plan_memory(c, 4).notes)
 
 
+def test_planner_sizes_the_evaluation_kv_cache_from_its_chunk_samples_and_slots():
+    c = _config(**{"train.eval_samples": 16, "train.eval_chunk": 4})
+    config_lib.validate(c, check_paths=False)
+    from gvpo_jax import plan
+
+    cfg = plan.model_config(c)
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    tp, n = c.data.max_prompt_len, c.rollout.max_new_tokens
+    report = plan.plan_memory(c, 1)
+    assert report.eval_kv_cache == plan.kv_cache_bytes(cfg, 4, 16, tp, n, sizes)
+    # 4 prompts x 16 samples = 64 rows against the rollout's 8 x 4 = 32: evaluation is the peak
+    assert report.eval_kv_cache > report.kv_cache
+    assert report.peak == max(report.update_peak, report.eval_peak)
+    assert "KV cache of an evaluation call" in report.table()
+    c.train.eval_num_slots = 8
+    assert plan.plan_memory(c, 1).eval_kv_cache == plan.kv_cache_bytes(
+        cfg, 4, 16, tp, n, sizes, num_slots=8
+    )
+
+
 def test_num_slots_not_splitting_over_the_mesh_is_a_sharding_error():
     c = _config(**{"rollout.num_slots": 6})
     config_lib.validate(c, check_paths=False)
