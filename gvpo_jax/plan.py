@@ -313,7 +313,12 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         # Evaluation samples train.eval_samples responses (greedy alone when 1) for each of
         # train.eval_chunk prompts (default P) per sampler call, with its own slot count.
         eval_kv_cache=kv_cache_bytes(
-            cfg, c.train.eval_chunk or P, c.train.eval_samples, Tp, N, sizes,
+            cfg,
+            c.train.eval_chunk or P,
+            c.train.eval_samples,
+            Tp,
+            N,
+            sizes,
             min(c.train.eval_num_slots, (c.train.eval_chunk or P) * c.train.eval_samples),
         ),  # fmt: skip
         notes=tuple(notes),
