@@ -801,7 +801,9 @@ def smol_study(args) -> dict:
         f"{config.rollout.max_new_tokens} new tokens); {config.data.eval_size} held-out "
         f"problems; start: greedy {start['greedy']:.3f}, avg@{eval_n} "
         f"{start['sampled']:.3f}. RL compute summed over runs: "
-        f"{sum(r['time_s'] for v in records.values() for r in v) / 3600:.2f} h.",
+        f"{sum(r['time_s'] for v in records.values() for r in v) / 3600:.2f} h wall, "
+        f"{sum(r.get('cpu_s', 0.0) for v in records.values() for r in v) / 3600:.2f} h of CPU "
+        "(s/run below is wall time: it includes other jobs on the cores and any pause).",
         "",
         "Greedy (every 1/5 of the budget; AUC from these):",
         "",
