@@ -740,8 +740,10 @@ def smol_study(args) -> dict:
     t_start = time.perf_counter()
 
     # The start (the same weights for every run) is evaluated once: greedy and avg@n use fixed
-    # evaluation seeds, so every run would measure the same numbers.
-    meta = os.path.join(args.workdir, "start.json")
+    # evaluation seeds, so every run would measure the same numbers. It and every finished run's
+    # record live beside the results (committed), so a fresh checkout resumes where the last
+    # session stopped; args.workdir holds only scratch (checkpoints, compilation cache).
+    meta = os.path.join(args.out, "start.json")
     if os.path.exists(meta):
         with open(meta) as fh:
             start = json.load(fh)
@@ -758,7 +760,6 @@ def smol_study(args) -> dict:
             run_.task.close()
             run_.ckpt.close()
         start = {"greedy": greedy, "sampled": sampled, "time_s": time.perf_counter() - t0}
-        os.makedirs(args.workdir, exist_ok=True)
         with open(meta, "w") as fh:
             json.dump(start, fh)
 
@@ -768,7 +769,7 @@ def smol_study(args) -> dict:
         recs = []
         for seed in seeds:
             tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
-            cached = os.path.join(args.workdir, "records", f"{tag}.json")
+            cached = os.path.join(args.out, "records", f"{tag}.json")
             if os.path.exists(cached):
                 with open(cached) as fh:
                     recs.append(json.load(fh))

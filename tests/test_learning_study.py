@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -166,5 +167,7 @@ def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
     md = (out / "results.md").read_text()
     assert "| gvpo 4mbx1ep |" in md and "avg@2 at temperature 1" in md
     assert (out / "smollm2.png").stat().st_size > 1000
+    assert len(list((out / "records").glob("*_s0.json"))) == 2 and (out / "start.json").exists()
+    shutil.rmtree(work)  # the scratch: records and the start live beside the results
     again = subprocess.run(cmd, cwd=ls.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "== smollm2" not in again.stdout
