@@ -23,7 +23,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gvpo_jax import checkpoint, losses, metrics, models, sampler, sharding, tasks, train_step
+from gvpo_jax import (
+    buckets,
+    checkpoint,
+    losses,
+    metrics,
+    models,
+    sampler,
+    sharding,
+    tasks,
+    train_step,
+)
+from gvpo_jax.buckets import BucketedSteps
 from gvpo_jax.replay import ReplayBuffer
 from gvpo_jax.rl_step import StepSettings
 
@@ -49,6 +60,7 @@ class Run:
     state_shardings: train_step.TrainState  # NamedShardings of the train state
     update: object  # jitted (state, batch) -> (state, metrics), state donated
     logprobs: object  # jitted (params, tokens, attn_mask) -> response log-probs [B, N]
+    buckets: BucketedSteps | None  # optim.length_buckets > 0: the bucketed update / log-probs
     needs_reference: bool  # a frozen reference copy is kept (anchor "ref", KL penalty, metric)
 
     def model(self, params) -> models.Transformer:
@@ -280,6 +292,25 @@ def step_functions(config: ml_collections.ConfigDict, graphdef, params, rng, mes
     return tx, shardings, update, logprobs
 
 
+def bucketed_steps(config: ml_collections.ConfigDict, graphdef, logprobs, mesh, state_shardings,
+                   rules) -> BucketedSteps | None:  # fmt: skip
+    """The length-bucketed update and log-prob passes (`gvpo_jax.buckets`); None when
+    optim.length_buckets is 0. `logprobs` is `step_functions`' jitted log-prob forward."""
+    c = config
+    if not c.optim.length_buckets:
+        return None
+    tx, lr_fn = optimizer(config, rl_updates(config))
+    return BucketedSteps(
+        rl_loss_fn(config, graphdef), tx, lr_fn, logprobs,
+        micro_batches=c.optim.micro_batches,
+        chunks=c.algo.num_minibatches * c.optim.micro_batches,
+        widths=buckets.bucket_widths(c.rollout.max_new_tokens, c.optim.length_buckets),
+        prompt_len=c.data.max_prompt_len, group_size=c.rollout.group_size,
+        token_weighted=losses.get_preset(c.algo.name).kwargs.get("agg") == "token-mean",
+        mesh=mesh, state_shardings=state_shardings, rules=rules,
+    )  # fmt: skip
+
+
 def prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Fails early on an unusable workdir or restore path; writes config.json (process 0)."""
     if config.restore_from:  # a bad explicit path fails before anything is written
@@ -346,6 +377,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         state_shardings=shardings,
         update=update,
         logprobs=logprobs,
+        buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules),
         needs_reference=needs_reference(config),
     )
     if sharding.is_primary():

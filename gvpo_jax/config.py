@@ -128,6 +128,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim.b2 = 0.999  # AdamW beta2
     c.optim.grad_clip = 1.0  # global gradient-norm clip (0 disables)
     c.optim.micro_batches = 1  # gradient accumulation: micro-batches per minibatch
+    # Length buckets K: 0 = off (every micro-batch spans max_new_tokens response slots). K > 0:
+    # groups sorted by their longest response, each micro-batch (and log-prob chunk) cut to the
+    # smallest of K widths that holds it; gradients accumulate across the K compiled shapes.
+    c.optim.length_buckets = 0
 
     c.sft = ml_collections.ConfigDict()
     c.sft.steps = 0  # cold-start SFT steps before RL (mode=train) or in total (mode=sft)
@@ -320,6 +324,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         "sft.warmup_steps",
         "optim.warmup_steps",
         "rollout.num_slots",
+        "optim.length_buckets",
         "train.eval_num_slots",
         "train.eval_chunk",
     ):
@@ -347,6 +352,12 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(
             f"config.optim.micro_batches={c.optim.micro_batches} does not divide the "
             f"{groups_per_mb} groups of a minibatch; pick a divisor."
+        )
+    if c.optim.length_buckets > c.rollout.max_new_tokens:
+        _fail(
+            f"config.optim.length_buckets is {c.optim.length_buckets} but responses have only "
+            f"{c.rollout.max_new_tokens} slots (rollout.max_new_tokens); use 0 (off) or at most "
+            "that, such as 4."
         )
     if not 0.0 < c.rollout.temperature <= 10.0:
         _fail(f"config.rollout.temperature is {c.rollout.temperature}; use a value in (0, 10].")

@@ -84,21 +84,24 @@ def rl_step(run, state, ref_params):
     #    (`train_step.rl_loss` without old_logp), so that pass is skipped; the sampler
     #    consistency and entropy metrics then come from the update (rows sampled this step).
     single_update = s.num_epochs * s.num_minibatches == 1
-    if not single_update or ref_params is not None:  # some pass runs: the rows go to devices
+    bucketed = run.buckets  # None: every pass spans all max_new_tokens response slots
+    if bucketed is None and (not single_update or ref_params is not None):
         dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
+
+    def logprobs(params):  # [B, N] on the host, every row (a pass runs: the rows go to devices)
+        if bucketed is not None:
+            return bucketed.logprobs(params, batch)
+        return sharding.gather(run.logprobs(params, dev["tokens"], dev["attn_mask"]))
+
     if single_update:
         rows_total = len(batch["rewards"])
         pad = rows_total - len(fresh["sampled"])  # replayed rows: not this step's samples
         batch["sample_logp"] = np.pad(fresh["sample_logp"], ((0, pad), (0, 0)))
         batch["sampled"] = np.pad(fresh["sampled"], (0, pad))
     else:
-        batch["old_logp"] = sharding.gather(
-            run.logprobs(state.params, dev["tokens"], dev["attn_mask"])
-        )
+        batch["old_logp"] = logprobs(state.params)
     if ref_params is not None:
-        batch["ref_logp"] = sharding.gather(
-            run.logprobs(ref_params, dev["tokens"], dev["attn_mask"])
-        )
+        batch["ref_logp"] = logprobs(ref_params)
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
 
     # 5. num_epochs x num_minibatches updates on shuffled whole groups.
@@ -110,8 +113,12 @@ def rl_step(run, state, ref_params):
             mb = batch
             if s.num_minibatches > 1 or s.num_epochs > 1:
                 mb = rollout.select_groups(batch, groups, G)
-            mb = sharding.device_batch(mb, run.mesh, group_size=G, micro_batches=s.micro_batches)
-            state, m = run.update(state, mb)
+            if bucketed is not None:  # micro-batches cut to their own longest response
+                state, m = bucketed.update(state, mb)
+            else:
+                mb = sharding.device_batch(mb, run.mesh, group_size=G,
+                                           micro_batches=s.micro_batches)  # fmt: skip
+                state, m = run.update(state, mb)
             update_metrics.append(m)
     update_metrics = jax.device_get(update_metrics)
     update_s = time.perf_counter() - t0

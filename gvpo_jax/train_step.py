@@ -281,21 +281,26 @@ def update_step(
     (`split_micro_batches`); B must then be divisible by row_shards * micro_batches * group size.
     """
 
-    def micro(carry, mb):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
-        acc_grads, acc_loss, acc_aux = carry
-        acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
-        acc_aux = {k: _accumulate(k, acc_aux[k], aux[k]) for k in aux}
-        return (acc_grads, acc_loss + loss, acc_aux), None
+    def micro(acc, mb):
+        return accumulate(state.params, acc, mb, loss_fn=loss_fn), None
 
     split = jax.tree.map(lambda x: split_micro_batches(x, micro_batches, row_shards), batch)
     first = jax.tree.map(lambda x: x[0], split)
     aux_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], state.params, first)
-    zeros_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
-    zeros_grads = jax.tree.map(jnp.zeros_like, state.params)
-    (grads, loss, aux), _ = jax.lax.scan(
-        micro, (zeros_grads, jnp.zeros((), jnp.float32), zeros_aux), split
-    )
+    acc, _ = jax.lax.scan(micro, zero_accumulator(state.params, aux_shape), split)
+    return apply_gradients(state, acc["grads"], acc["loss"], acc["aux"],
+                           micro_batches=micro_batches, tx=tx, lr_fn=lr_fn)  # fmt: skip
+
+
+def apply_gradients(state: TrainState, grads, loss, aux: dict, *, micro_batches: int, tx,
+                    lr_fn=None):  # fmt: skip
+    """The optimizer update from gradients, loss and aux summed over `micro_batches`.
+
+    Averages them (aux totals in AUX_SUMS / AUX_MAXES stay totals), then applies the update only
+    if the loss and the gradient norm are finite; otherwise params and optimizer state stay as
+    they were and `bad_steps` counts up. Shared by the in-graph accumulation (`update_step`) and
+    the host-side one of length-bucketed updates (`gvpo_jax.buckets`).
+    """
     scale = 1.0 / micro_batches
     grads = jax.tree.map(lambda g: g * scale, grads)
     loss = loss * scale
@@ -312,15 +317,36 @@ def update_step(
         opt_state=_where_tree(finite, new_opt, state.opt_state),
         bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
     )
-    metrics = {
+    metrics = {  # the accumulated loss wins over a loss's own aux["loss"] (per micro-batch)
+        **aux,
         "loss": loss,
         "grad_norm": grad_norm,
         "skipped": 1.0 - finite.astype(jnp.float32),
-        **aux,
     }
     if lr_fn is not None:
         metrics["lr"] = lr_fn(state.step)
     return new_state, metrics
+
+
+def accumulate(params, acc: dict, batch: dict, *, loss_fn: Callable) -> dict:
+    """acc + (gradients, loss, aux) of `loss_fn` on one micro-batch: one step of a host-side
+    gradient accumulation, whose micro-batches may have different shapes. `acc` holds
+    {"grads", "loss", "aux"} (start from `zero_accumulator`)."""
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    return {
+        "grads": jax.tree.map(jnp.add, acc["grads"], grads),
+        "loss": acc["loss"] + loss,
+        "aux": {k: _accumulate(k, acc["aux"][k], aux[k]) for k in aux},
+    }
+
+
+def zero_accumulator(params, aux_shape: dict) -> dict:
+    """The empty `accumulate` carry: zero gradients shaped like params, zero loss and aux."""
+    return {
+        "grads": jax.tree.map(jnp.zeros_like, params),
+        "loss": jnp.zeros((), jnp.float32),
+        "aux": {k: jnp.zeros(v.shape, v.dtype) for k, v in aux_shape.items()},
+    }
 
 
 def jit_update(

@@ -30,6 +30,8 @@ INVALID = [
     ("rollout.top_k", -1, "config.rollout.top_k is -1"),
     ("rollout.num_slots", -1, "config.rollout.num_slots is -1; set it to an integer >= 0"),
     ("rollout.num_slots", 10**6, "config.rollout.num_slots is 1000000 but a rollout has only"),
+    ("optim.length_buckets", -1, "config.optim.length_buckets is -1; set it to an integer >= 0"),
+    ("optim.length_buckets", 10**6, "config.optim.length_buckets is 1000000 but responses have"),
     ("train.eval_num_slots", -4, "config.train.eval_num_slots is -4; set it to an integer >= 0"),
     ("train.eval_chunk", -4, "config.train.eval_chunk is -4; set it to an integer >= 0"),
     ("model.attention", "flash", "config.model.attention is 'flash'; use one of auto, dense"),
