@@ -52,12 +52,13 @@ SETTINGS = dict(
 QUICK = dict(SETTINGS, prompts=2, samples=2, max_new_tokens=8)
 STAGES = ("rollout_s", "reward_s", "logprob_s", "update_s")
 MICRO_BATCHES = 4  # every implementation's update: 4 micro-batches of 2 groups (memory)
+LENGTH_BUCKETS = 4  # ours: micro-batches cut to 64 / 128 / 192 / 256 response slots
 
 
 # ----------------------------------------------------------------------------- shared set-up
 
 
-def our_config(settings: dict, algo: str, quick: bool):
+def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0):
     """configs/smollm2_arith.py with the benchmark's settings (or a tiny random model)."""
     from configs import smollm2_arith
 
@@ -78,6 +79,9 @@ def our_config(settings: dict, algo: str, quick: bool):
     # needs 18.8 GiB (the planner's estimate; the worker was OOM-killed at 20.4 GiB on this
     # 24 GiB machine); 4 micro-batches need 7.1. Same update, in 4 forward + backward passes.
     c.optim.micro_batches = MICRO_BATCHES if s["prompts"] % MICRO_BATCHES == 0 else 1
+    # Each micro-batch (and log-prob chunk) cut to the bucket of its longest response: the same
+    # update on fewer padded slots (gvpo_jax.buckets); 0 runs every pass over all 256 slots.
+    c.optim.length_buckets = min(length_buckets, c.rollout.max_new_tokens)
     c.train.eval_every = 0
     c.train.log_every = 10**6
     if quick:  # the tiny random model with the character tokenizer, same step
@@ -192,11 +196,12 @@ def ours_worker(args) -> None:
     from gvpo_jax.rl_step import rl_step
 
     settings = json.loads(args.settings)
-    c = our_config(settings, args.algo, args.quick)
+    c = our_config(settings, args.algo, args.quick, args.length_buckets)
     workdir = tempfile.mkdtemp(prefix=f"whole_step_{args.algo}_")
     run, state = assemble.assemble(c, workdir)
     ref = train.reference_copy(run, state.params) if run.needs_reference else None
-    info = dict(impl=f"gvpo_jax {args.algo}", jax=jax.__version__)
+    info = dict(impl=f"gvpo_jax {args.algo}", jax=jax.__version__,
+                length_buckets=c.optim.length_buckets)  # fmt: skip
     if not args.quick:
         import jax.numpy as jnp
 
@@ -220,6 +225,7 @@ def ours_worker(args) -> None:
             step_s=wall, cpu_s=cpu, rollout_s=m["rollout_time_s"], reward_s=m["reward_time_s"],
             logprob_s=m["logprob_time_s"], update_s=m["update_time_s"],
             tokens=m["response_len_mean"] * rows, reward_mean=m["reward_mean"],
+            update_slot_frac=m.get("update_slot_frac", 1.0),
         ))  # fmt: skip
     emit(dict(closed=True))
 
@@ -406,6 +412,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (compilation)")
     p.add_argument("--only", default="ours,trl,tunix", help="comma list of ours, trl, tunix")
     p.add_argument("--quick", action="store_true", help="tiny random model, our side only")
+    p.add_argument("--ours", default=f"grpo:{LENGTH_BUCKETS},gvpo:{LENGTH_BUCKETS}",
+                   help="our workers, algo:length_buckets each (0: full-width passes)")  # fmt: skip
     args = p.parse_args(argv)
     settings = QUICK if args.quick else SETTINGS
     total = args.warmup + args.steps
@@ -417,8 +425,12 @@ def main(argv=None) -> dict:
     common += ["--quick"] if args.quick else []
     specs = []
     if "ours" in only:
-        for algo in ("grpo", "gvpo"):
-            specs.append((f"gvpo_jax {algo}", sys.executable, ["ours", "--algo", algo, *common]))
+        for spec in args.ours.split(","):
+            algo, _, k = spec.partition(":")
+            k = int(k or 0)
+            name = f"gvpo_jax {algo}" + ("" if k else " (full width)")
+            wargs = ["ours", "--algo", algo, "--length_buckets", str(k), *common]
+            specs.append((name, sys.executable, wargs))
     for peer in ("trl", "tunix"):
         if peer in only:
             python = os.path.join(REPO, VENVS[peer], "bin", "python")
@@ -461,6 +473,7 @@ def worker_main(argv: list[str]) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("impl")
     p.add_argument("--algo", default="grpo")
+    p.add_argument("--length_buckets", type=int, default=0)
     p.add_argument("--dir", required=True)
     p.add_argument("--settings", required=True)
     p.add_argument("--total_steps", type=int, required=True)

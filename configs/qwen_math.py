@@ -50,6 +50,9 @@ def get_config():
     c.optim.weight_decay = 0.0
     c.optim.grad_clip = 1.0
     c.optim.micro_batches = 8  # 256 groups / (32 row shards x 8) = 1 group per micro-batch
+    # Micro-batches and log-prob chunks cut to 256 / 512 / 768 / 1024 response slots by their
+    # longest answer (gvpo_jax/buckets.py): the same update on fewer padded slots.
+    c.optim.length_buckets = 4
 
     c.train.steps = 200
     c.train.eval_every = 20
