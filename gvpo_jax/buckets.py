@@ -128,7 +128,7 @@ class BucketedSteps:
             apply,
             in_shardings=(state_shardings, acc_sh),
             out_shardings=(state_shardings, repl),
-            donate_argnames=("state", "acc"),
+            donate_argnames=("state",),  # (the gradients have no output to alias)
         )
         self._zeros = None
 
