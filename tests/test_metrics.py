@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import struct
 
 import jax.numpy as jnp
@@ -164,8 +165,11 @@ def test_wandb_sink_logs_every_row_offline_and_a_resume_continues_the_run(tmp_pa
     w.write_scalars(4, {"reward_mean": 0.8125})
     w.close()
     assert (tmp_path / "wandb_id").read_text() == run_id
+    # One offline directory per process, both named after the same run id; W&B adds "-1" to the
+    # second name when both start within the same second.
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    assert len(runs) == 2
+    assert all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r.name) for r in runs)
     # The offline run files hold the records W&B would upload (protobuf, strings verbatim).
     data = b"".join(f.read_bytes() for r in runs for f in r.glob("run-*.wandb"))
     for needle in (b"reward_mean", b"0.625", b"0.8125", b"eval/greedy", b"0.4375", b"0.125",
