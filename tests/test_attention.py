@@ -186,16 +186,16 @@ def test_kernels_match_dense_through_the_model_values_and_gradients(tiny, impl):
         model = models.with_config(tiny, attention=name)
         graphdef = nnx.graphdef(model)
 
-        def loss(state, model=model, graphdef=graphdef):
+        def run(state, graphdef=graphdef):
             m = nnx.merge(graphdef, state)
-            h = m.hidden_shared_prefix(tokens, mask, prefix_len=j, group_size=g)
-            return jnp.sum(jnp.where(mask[..., None], h, 0.0) ** 2)
+            shared = lambda m: m.hidden_shared_prefix(tokens, mask, prefix_len=j, group_size=g)
+            loss = lambda s: jnp.sum(
+                jnp.where(mask[..., None], shared(nnx.merge(graphdef, s)), 0.0) ** 2
+            )
+            return m.hidden(tokens, None, mask), shared(m), jax.grad(loss)(state)
 
-        results[name] = (
-            model.hidden(tokens, None, mask),
-            model.hidden_shared_prefix(tokens, mask, prefix_len=j, group_size=g),
-            jax.grad(loss)(nnx.state(model)),
-        )
+        # Under jit: op by op, the kernels' loops dispatch every step (45 s against 5 s).
+        results[name] = jax.jit(run)(nnx.state(model))
     (d_plain, d_shared, d_grad), (k_plain, k_shared, k_grad) = results["dense"], results[impl]
     assert _masked_max_abs(k_plain - d_plain, mask) < 1e-5
     assert _masked_max_abs(k_shared - d_shared, mask) < 1e-5
@@ -217,15 +217,20 @@ def test_blocked_kernel_really_runs_in_the_model(tiny, monkeypatch):
 
     monkeypatch.setattr(kernels, "blocked", spy)
     tokens, mask, j, g = _grouped_batch()
+
+    def trace(model, f):  # calls happen at trace time: shapes only, nothing runs
+        graphdef = nnx.graphdef(model)
+        jax.eval_shape(lambda s: f(nnx.merge(graphdef, s)), nnx.state(model))
+
     model = models.with_config(tiny, attention="blocked")
-    model.hidden(tokens, None, mask)
+    trace(model, lambda m: m.hidden(tokens, None, mask))
     assert len(calls) == CFG.num_layers
     calls.clear()
-    model.hidden_shared_prefix(tokens, mask, prefix_len=j, group_size=g)
+    trace(model, lambda m: m.hidden_shared_prefix(tokens, mask, prefix_len=j, group_size=g))
     # prompts: one causal pass per layer; responses: prompt part + own part per layer
     assert len(calls) == 3 * CFG.num_layers
     calls.clear()
-    models.with_config(tiny, attention="dense").hidden(tokens, None, mask)
+    trace(models.with_config(tiny, attention="dense"), lambda m: m.hidden(tokens, None, mask))
     assert not calls
 
 
@@ -293,14 +298,18 @@ def test_kernels_in_bf16_compute_agree_with_dense_bf16(tiny, impl):
         model = models.with_config(tiny, attention=name, compute_dtype="bfloat16")
         graphdef = nnx.graphdef(model)
 
-        def loss(state, graphdef=graphdef):
-            h = nnx.merge(graphdef, state).hidden_shared_prefix(
-                tokens, mask, prefix_len=j, group_size=g
-            )
-            return jnp.sum(jnp.where(mask[..., None], h.astype(jnp.float32), 0.0) ** 2)
+        def run(state, graphdef=graphdef):
+            def shared(s):
+                return nnx.merge(graphdef, s).hidden_shared_prefix(
+                    tokens, mask, prefix_len=j, group_size=g
+                )
 
-        h = model.hidden_shared_prefix(tokens, mask, prefix_len=j, group_size=g)
-        grads = jax.grad(loss)(nnx.state(model))
+            loss = lambda s: jnp.sum(
+                jnp.where(mask[..., None], shared(s).astype(jnp.float32), 0.0) ** 2
+            )
+            return shared(state), jax.grad(loss)(state)
+
+        h, grads = jax.jit(run)(nnx.state(model))
         assert h.dtype == jnp.bfloat16
         assert all(x.dtype == jnp.float32 and bool(jnp.isfinite(x).all())
                    for x in jax.tree.leaves(grads))  # fmt: skip
