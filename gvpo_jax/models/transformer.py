@@ -724,8 +724,16 @@ def param_count(model: nnx.Module) -> int:
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:
-    """The model with ShapeDtypeStruct parameters (no memory): for shape checks and loading."""
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    """The model with ShapeDtypeStruct parameters (no memory): for shape checks and loading.
+    Each call returns a new module; the traced structure is cached per config (tracing the
+    constructor of a 28-layer 7B model takes ~2 s, and the planner asks for it several times)."""
+    graphdef, state = _abstract_split(cfg)
+    return nnx.merge(graphdef, state)
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_split(cfg: ModelConfig):
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
 def with_config(model: Transformer, **changes) -> Transformer:
