@@ -60,10 +60,22 @@ PROMPTS, SAMPLES = 8, 4
 MiB = 2**20
 
 
-def length_mix(rows: int, new_tokens: int, seed: int = 0) -> np.ndarray:
-    """int32 [rows]: lengths evenly spaced from N/8 to N, in a seeded random row order."""
+MIXES = ("linear", "tail")
+
+
+def length_mix(rows: int, new_tokens: int, seed: int = 0, kind: str = "linear") -> np.ndarray:
+    """int32 [rows] length caps. "linear": evenly spaced from N/8 to N, in a seeded random row
+    order. "tail": long-tailed like real answers, N/32 + an exponential length with mean
+    N * 130/256, capped at N (N = 256: mean 118 tokens, as the SmolLM2 whole step's 3857 tokens
+    per 32 rows, and about 15% of the rows at the cap)."""
+    rng = np.random.default_rng(seed)
+    if kind == "tail":
+        drawn = np.round(rng.exponential(new_tokens * 130 / 256, rows)) + new_tokens // 32
+        return np.minimum(drawn, new_tokens).astype(np.int32)
+    if kind != "linear":
+        raise ValueError(f"length mix {kind!r}: use one of {MIXES}.")
     lengths = np.round(np.linspace(new_tokens / 8, new_tokens, rows)).astype(np.int32)
-    return np.random.default_rng(seed).permutation(lengths).astype(np.int32)
+    return rng.permutation(lengths).astype(np.int32)
 
 
 def new_token_kv_bytes(cfg, rows: int, new_tokens: int) -> int:
@@ -90,12 +102,14 @@ def chunked_iterations(lengths_B, rows: int) -> int:
     )
 
 
-def schedule_table(rows: int, new_tokens: int, slot_counts, orders: int = 1000) -> list[list]:
+def schedule_table(
+    rows: int, new_tokens: int, slot_counts, orders: int = 1000, kind: str = "linear"
+) -> list[list]:
     """Median decode iterations and row-iterations (iterations x rows per iteration: the time on
     a compute-bound accelerator, where a step costs in proportion to its rows) over random row
     orders of the length mix, for the static batch, S slots and chunks of S rows."""
     rng = np.random.default_rng(1)
-    mixes = [length_mix(rows, new_tokens, int(rng.integers(1 << 30))) for _ in range(orders)]
+    mixes = [length_mix(rows, new_tokens, int(rng.integers(1 << 30)), kind) for _ in range(orders)]
     out = [["static", rows, new_tokens - 1, rows * (new_tokens - 1), "1.00"]]
     static_work = rows * (new_tokens - 1)
     for s in slot_counts:
@@ -176,6 +190,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds")
     parser.add_argument("--orders", type=int, default=3, help="rollouts (row orders) per round")
     parser.add_argument("--slots", default="16,8", help="slot counts S to compare")
+    parser.add_argument("--mix", choices=MIXES, default="linear",
+                        help="row length caps: linear N/8..N, or tail (long-tailed)")  # fmt: skip
     args = parser.parse_args(argv)
 
     model = common.bench_model(quick=args.quick)
@@ -183,7 +199,7 @@ def main(argv=None) -> dict:
     n, prompt_len = (32, 16) if args.quick else (256, 64)
     rows = PROMPTS * SAMPLES
     prompt_ids = common.random_prompts(cfg.vocab_size, PROMPTS, prompt_len)
-    caps_KxB = np.stack([length_mix(rows, n, seed) for seed in range(args.orders)])
+    caps_KxB = np.stack([length_mix(rows, n, seed, args.mix) for seed in range(args.orders)])
     eos = cfg.vocab_size - 1
     settings = sampler.canonical_settings(
         max_new_tokens=n, temperature=1.0, group_size=SAMPLES, eos_ids=(eos,)
@@ -192,7 +208,7 @@ def main(argv=None) -> dict:
     slot_counts = [int(s) for s in args.slots.split(",")]
     print(
         f"{'tiny (1 layer)' if args.quick else 'bench-45m'}: {PROMPTS} prompts x {SAMPLES} "
-        f"samples, prompt {prompt_len}, N = {n}, T = 1, EOS id {eos}; row length caps "
+        f"samples, prompt {prompt_len}, N = {n}, T = 1, EOS id {eos}; {args.mix} row length caps "
         f"{caps_KxB.min()}..{caps_KxB.max()} (mean {caps_KxB.mean():.0f}); {args.orders} "
         f"rollouts (row orders, seeds 0..{args.orders - 1}) per timed round"
     )
@@ -274,17 +290,17 @@ def main(argv=None) -> dict:
     print("\n" + "\n".join(lines))
 
     print(
-        f"\nthe schedule alone, over 1000 random row orders of this length mix ({rows} rows, "
+        f"\nthe schedule alone, over 1000 random draws of this length mix ({rows} rows, "
         f"N = {n}); row-iterations = time on a compute-bound accelerator, relative to static:\n"
     )
     headers = ("schedule", "rows per iteration", "median iterations", "row-iterations", "vs static")
-    print(common.md_table(headers, schedule_table(rows, n, slot_counts)))
+    print(common.md_table(headers, schedule_table(rows, n, slot_counts, kind=args.mix)))
     paper_rows = 4096 // 32  # qwen_math: 1024 prompts x 4 over 32 devices
     print(
         f"\nthe same for one device of configs/qwen_math.py ({paper_rows} rows, N = 1024, the "
-        "same 8x length mix):\n"
+        f"same {args.mix} length mix):\n"
     )
-    print(common.md_table(headers, schedule_table(paper_rows, 1024, (64, 32))))
+    print(common.md_table(headers, schedule_table(paper_rows, 1024, (64, 32), kind=args.mix)))
 
     plan_rows = planner_kv()
     print(

@@ -487,3 +487,21 @@ def test_benchmark_quick_runs_and_reports_equal_outputs(capsys):
     assert summary["S = 16"]["same"] == "yes" and summary["S = 16"]["recompiles"] == 0
     assert summary["S = 16"]["kv"] * 2 == summary["static"]["kv"]
     assert summary["S = 16"]["iterations"] > summary["static"]["iterations"]
+
+
+def test_benchmark_length_mixes_have_their_documented_shape():
+    """linear: a permutation of N/8..N; tail: N/32 + exponential, capped at N, mean ~118 of 256
+    with ~15% at the cap; the schedule of slots beats chunks of equal memory on both."""
+    from benchmarks import continuous
+
+    lin = continuous.length_mix(32, 256, seed=3)
+    np.testing.assert_array_equal(np.sort(lin), np.round(np.linspace(32, 256, 32)).astype(int))
+    tails = np.stack([continuous.length_mix(32, 256, seed=s, kind="tail") for s in range(400)])
+    assert tails.min() >= 8 and tails.max() == 256 and tails.dtype == np.int32
+    assert 110 < tails.mean() < 126, tails.mean()
+    assert 0.12 < (tails == 256).mean() < 0.18, (tails == 256).mean()
+    for kind in continuous.MIXES:
+        table = {r[0]: float(r[2]) for r in continuous.schedule_table(32, 256, (8,), 200, kind)}
+        assert table["S = 8"] < table["chunks of 8"], (kind, table)
+    with pytest.raises(ValueError, match="length mix 'uniform'"):
+        continuous.length_mix(32, 256, kind="uniform")
