@@ -141,17 +141,23 @@ class BucketedSteps:
             )
         return self._zeros(params)
 
+    def _device_chunks(self, batch: dict, chunks: int):
+        """(rows, width, device batch) per chunk of `plan_chunks`: the rows of whole groups,
+        trimmed to the chunk's width and put on the mesh."""
+        plan = plan_chunks(batch["resp_mask"], self.group_size, chunks, self.widths)
+        for rows, width in plan:
+            host = trim(batch, rows, width, self.prompt_len)
+            yield rows, width, sharding.device_batch(host, self.mesh, group_size=self.group_size)
+
     def accumulated(self, params, batch: dict) -> tuple[dict, float]:
         """Gradients, loss and aux summed over the micro-batches of a host minibatch of whole
         groups (the `train_step.accumulate` carry), and the share of its response slots that
         were computed."""
-        M, G = self.micro_batches, self.group_size
+        M = self.micro_batches
         resp_mask = np.asarray(batch["resp_mask"])
         total_tokens = max(float(resp_mask.sum()), 1.0)
         acc, slots = None, 0
-        for rows, width in plan_chunks(resp_mask, G, M, self.widths):
-            mb = sharding.device_batch(trim(batch, rows, width, self.prompt_len), self.mesh,
-                                       group_size=G)  # fmt: skip
+        for rows, width, mb in self._device_chunks(batch, M):
             weight = 1.0
             if self.token_weighted:  # the minibatch's exact token mean (see the module doc)
                 weight = M * float(resp_mask[rows, :width].sum()) / total_tokens
@@ -171,14 +177,12 @@ class BucketedSteps:
     def logprobs(self, params, batch: dict) -> np.ndarray:
         """[B, N] response log-probs of a host batch (tokens, attn_mask, resp_mask), chunk by
         chunk; slots past a chunk's width are 0, as masked slots are."""
-        resp_mask = np.asarray(batch["resp_mask"])
-        plan = plan_chunks(resp_mask, self.group_size, self.chunks, self.widths)
         parts = []
-        for rows, width in plan:  # dispatch every chunk, then wait for all of them
-            host = trim({k: batch[k] for k in SEQUENCE_KEYS}, rows, width, self.prompt_len)
-            dev = sharding.device_batch(host, self.mesh, group_size=self.group_size)
+        sequences = {k: batch[k] for k in (*SEQUENCE_KEYS, "resp_mask")}
+        for rows, width, dev in self._device_chunks(sequences, self.chunks):
+            # dispatch every chunk, then wait for all of them
             parts.append((rows, width, self._logprobs(params, dev["tokens"], dev["attn_mask"])))
-        out = np.zeros(resp_mask.shape, np.float32)
+        out = np.zeros(np.shape(batch["resp_mask"]), np.float32)
         for rows, width, logp in parts:
             out[rows, :width] = sharding.gather(logp)
         return out
