@@ -131,19 +131,26 @@ def long_sweeps(args, base_model, cfg) -> dict:
     out = {}
     for impl in args.attention.split(","):
         model = models.with_config(base_model, attention=impl)
-        rows, ref = [], None
+        rows, ref, ref_needed = [], None, None
         for prompt_len, n in shapes if args.only != "rollout" else ():
             timing, flops, used = time_update(
                 model, prompts=cfg["prompts"], group=cfg["group"], prompt_len=prompt_len,
                 new_tokens=n, repeats=args.repeats, max_bytes=max_bytes,
             )  # fmt: skip
+            needed = common.update_flops_shared(
+                common.dims_of(model.config), cfg["prompts"], cfg["group"], prompt_len, n
+            )
             per_tflop = None if timing is None else 1e12 * timing.median / flops
+            per_needed = None if timing is None else 1e12 * timing.median / needed
             if ref is None and per_tflop is not None:
-                ref = per_tflop  # the first (shortest) prompt-64 point
+                ref, ref_needed = per_tflop, per_needed  # the first (shortest) prompt-64 point
             rows.append(dict(prompt=prompt_len, n=n, flops=flops, bytes=used,
                              timing=None if timing is None else timing.as_dict(),
                              s_per_tflop=per_tflop,
-                             ratio=None if per_tflop is None else per_tflop / ref))  # fmt: skip
+                             ratio=None if per_tflop is None else per_tflop / ref,
+                             needed_flops=needed, s_per_needed_tflop=per_needed,
+                             needed_ratio=None if per_needed is None else per_needed / ref_needed,
+                             ))  # fmt: skip
             cell = "not run" if timing is None else f"{timing.median:.2f} s"
             print(f"[{impl}] update prompt {prompt_len} N {n}: {cell}, {used / 2**30:.2f} GiB",
                   flush=True)  # fmt: skip
@@ -162,12 +169,17 @@ def long_sweeps(args, base_model, cfg) -> dict:
         out[impl] = dict(update=rows, rollout=gen_rows)
         print(f"\n## Update vs N, attention={impl} (median of {args.repeats})\n")
         print(common.md_table(
-            ["prompt", "N", "median s", "GFLOP", "s per TFLOP", "x N=128", "XLA GiB (args+temps)"],
+            ["prompt", "N", "median s", "GFLOP", "s per TFLOP", "x N=128", "needed GFLOP",
+             "s per needed TFLOP", "x N=128", "XLA GiB (args+temps)"],
             [[r["prompt"], r["n"],
               "-" if r["timing"] is None else f"{common.Timing.from_dict(r['timing']).median:.2f}",
               f"{r['flops'] / 1e9:.0f}",
               "-" if r["s_per_tflop"] is None else f"{r['s_per_tflop']:.2f}",
-              "-" if r["ratio"] is None else f"{r['ratio']:.2f}", f"{r['bytes'] / 2**30:.2f}"]
+              "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+              f"{r['needed_flops'] / 1e9:.0f}",
+              "-" if r["s_per_needed_tflop"] is None else f"{r['s_per_needed_tflop']:.2f}",
+              "-" if r["needed_ratio"] is None else f"{r['needed_ratio']:.2f}",
+              f"{r['bytes'] / 2**30:.2f}"]
              for r in rows]))  # fmt: skip
         print(f"\n## Rollout vs N, attention={impl}\n")
         print(common.md_table(

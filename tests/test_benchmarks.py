@@ -106,6 +106,19 @@ def test_tunix_worker_quick_loads_same_weights_and_samples(capsys):
     assert summary["speedups"]["tunix Sampler"] > 0
 
 
+def test_update_flops_shared_counts_each_prompt_once_and_the_head_on_responses_only():
+    dims = dict(vocab=10, d_model=4, layers=2, heads=2, kv_heads=1, head_dim=2, mlp=6)
+    n = common.matmul_weights(**dims)  # 2 * (16 + 16 + 16 + 72) + 40
+    assert n == 280
+    # No prompt: every token is a response token, so both counts agree.
+    assert common.update_flops_shared(dims, 3, 2, 0, 5) == common.update_flops(dims, 6, 5)
+    # 1 prompt of 3 tokens x 2 rows of 5 response tokens: layers (240 weights) see 3 + 10
+    # tokens, the output layer (40) 10, attention 12 * 2 * 4 * 2 * 8^2.
+    expected = 6.0 * 240 * 13 + 6.0 * 40 * 10 + 12.0 * 2 * 4 * 2 * 64
+    assert common.update_flops_shared(dims, 1, 2, 3, 5) == expected
+    assert expected < common.update_flops(dims, 2, 8)
+
+
 def test_scaling_long_quick_compares_kernels_and_skips_shapes_over_the_memory_cap(capsys):
     results = scaling.main(["--quick", "--long", "--repeats", "1", "--attention", "dense,blocked"])
     out = capsys.readouterr().out
@@ -114,6 +127,8 @@ def test_scaling_long_quick_compares_kernels_and_skips_shapes_over_the_memory_ca
         assert f"## Update vs N, attention={impl}" in out
         assert [(x["prompt"], x["n"]) for x in r["update"]] == [(8, 8), (8, 16), (16, 8)]
         assert r["update"][0]["ratio"] == 1.0 and all(x["bytes"] > 0 for x in r["update"])
+        assert r["update"][0]["needed_ratio"] == 1.0
+        assert all(0 < x["needed_flops"] < x["flops"] for x in r["update"])
         assert [x["n"] for x in r["rollout"]] == [8, 16] and r["rollout"][0]["ratio"] == 1.0
     capped = scaling.main(["--quick", "--long", "--repeats", "1", "--attention", "blocked",
                            "--max-gib", "1e-9", "--only", "update"])  # fmt: skip
