@@ -269,15 +269,15 @@ def decode_segments(slots: int, max_segments: int = 4, min_segment: int = 16) ->
 
 
 def _grow_cache(cache: list[dict[str, jax.Array]], slots: int) -> list[dict[str, jax.Array]]:
-    """Pad every layer's new-token slots ('k', 'v' [..., S, H], 'valid' [B, S]) to `slots`."""
+    """Pad every layer's new-token slots ('kT', 'vT' [..., H, S], 'valid' [B, S]) to `slots`."""
 
     def grow(layer):
         extra = slots - layer["valid"].shape[1]
-        pad_kv = [(0, 0)] * (layer["k"].ndim - 2) + [(0, extra), (0, 0)]
+        pad_kv = [(0, 0)] * (layer["kT"].ndim - 1) + [(0, extra)]  # slot-last decode layout
         return {
             **layer,
-            "k": jnp.pad(layer["k"], pad_kv),
-            "v": jnp.pad(layer["v"], pad_kv),
+            "kT": jnp.pad(layer["kT"], pad_kv),
+            "vT": jnp.pad(layer["vT"], pad_kv),
             "valid": jnp.pad(layer["valid"], ((0, 0), (0, extra))),
         }
 
@@ -399,7 +399,7 @@ def _decode_static(
     # segment only, not all N - 1 (about 40% less attention work at N = 128).
     sizes = decode_segments(max(n - 1, 1))
     model = nnx.merge(graphdef, state)
-    cache = model.share_prefix_cache(cache, g, sizes[0])
+    cache = model.share_prefix_cache(cache, g, sizes[0], decode=True)
     lens_B = jnp.repeat(lens_P, g)
     rows_B = jnp.arange(b, dtype=jnp.int32)
 

@@ -245,7 +245,7 @@ def test_bf16_compute_continuous_equals_static(peaked):
     """bf16 compute (fp32 masters cast in the graph): a bf16 slot cache, and the same tokens."""
     model16 = models.with_compute_dtype(peaked, jnp.bfloat16)
     cache = model16.slot_cache(model16.init_cache(2, 4), 2, 3)
-    assert cache[0]["k"].dtype == jnp.bfloat16
+    assert cache[0]["kT"].dtype == cache[0]["prefix_kT"].dtype == jnp.bfloat16
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
     kw = dict(max_new_tokens=N, temperature=1.0, top_k=20)
     ref = _run(model16, ids, lens, jax.random.key(8), 0, **kw)

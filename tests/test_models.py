@@ -152,9 +152,11 @@ def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
             np.testing.assert_allclose(decoded[n][b], full[n_p + n], atol=TOL, rtol=0)
 
 
-def test_shared_prefix_cache_decode_equals_full_forward(checkpoints):
+@pytest.mark.parametrize("decode", [False, True], ids=["slots-inner", "slots-last"])
+def test_shared_prefix_cache_decode_equals_full_forward(checkpoints, decode):
     """P=2 right-padded prompts prefilled once, G=3 continuations each through
-    `share_prefix_cache`: every step's logits equal the full forward of prompt + continuation."""
+    `share_prefix_cache` (both layouts): every step's logits equal the full forward of prompt +
+    continuation."""
     model = models.from_pretrained(checkpoints["qwen2-untied"][0])
     p, g, tp, steps = 2, 3, 6, 3
     prompt = _tokens((p, tp), seed=5)
@@ -162,8 +164,13 @@ def test_shared_prefix_cache_decode_equals_full_forward(checkpoints):
     valid = np.arange(tp)[None] < lens[:, None]
     pos = np.broadcast_to(np.arange(tp), (p, tp)).astype(np.int32)
     _, cache = model(jnp.asarray(prompt), pos, valid, cache=model.init_cache(p, tp), cache_index=0)
-    cache = model.share_prefix_cache(cache, g, steps)
-    assert cache[0]["prefix_k"].shape[0] == p and cache[0]["k"].shape[:4] == (p, 2, g, steps)
+    cache = model.share_prefix_cache(cache, g, steps, decode=decode)
+    if decode:  # keys and values slot-last: [P, K, H, J] and [P, K, R, H, S]
+        h = model.config.head_dim
+        assert cache[0]["prefix_kT"].shape == (p, 2, h, tp)
+        assert cache[0]["kT"].shape == cache[0]["vT"].shape == (p, 2, g, h, steps)
+    else:
+        assert cache[0]["prefix_k"].shape[0] == p and cache[0]["k"].shape[:4] == (p, 2, g, steps)
     cont = _tokens((p * g, steps), seed=6)
     decoded = []
     for n in range(steps):

@@ -86,7 +86,8 @@ def test_mesh_shape_fills_the_free_axis_and_rejects_impossible_meshes():
 
 def test_rules_name_every_model_axis_and_check_divisibility():
     names = {name for name, _ in sharding.LOGICAL_RULES}
-    assert set(models.PARAM_AXES) | set(models.ACTIVATION_AXES) | set(models.CACHE_AXES) <= names
+    axes = models.PARAM_AXES + models.ACTIVATION_AXES + models.CACHE_AXES
+    assert set(axes + models.DECODE_CACHE_AXES) <= names
     tiny = models.PRESETS["tiny"]  # 4 heads, 2 KV heads, D 64
     rules = dict(sharding.logical_rules(sharding.make_mesh(1, 2, 4), tiny))
     assert rules["heads"] == "tensor" and rules["kv_heads"] is None  # GQA: K/V replicated

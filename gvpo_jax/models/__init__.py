@@ -14,6 +14,7 @@ from gvpo_jax.models.logprobs import chunked_logprobs, naive_logprobs, token_log
 from gvpo_jax.models.transformer import (
     ACTIVATION_AXES,
     CACHE_AXES,
+    DECODE_CACHE_AXES,
     PARAM_AXES,
     Transformer,
     abstract_model,
@@ -28,6 +29,7 @@ __all__ = [
     "ACTIVATION_AXES",
     "ARCHITECTURES",
     "CACHE_AXES",
+    "DECODE_CACHE_AXES",
     "PARAM_AXES",
     "PRESETS",
     "CheckpointError",
