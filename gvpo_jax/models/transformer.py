@@ -107,6 +107,38 @@ def _two_part_softmax(pre_scores, pre_mask, new_scores, new_mask):
     return pre_weights, new_weights, total
 
 
+def _prefix_queries(q_BxTxNxH, p: int, kv: int) -> jax.Array:
+    """Queries of B = P * R rows continuing P prefixes as [P, K, R, T * G, H], scaled by
+    1/sqrt(H): per prefix and key/value head, each row's T * G query rows (t, then g)."""
+    b, t, n, h = q_BxTxNxH.shape
+    r, g = b // p, n // kv
+    q_PxKxRxQxH = q_BxTxNxH.reshape(p, r, t, kv, g, h).transpose(0, 3, 1, 2, 4, 5)
+    return q_PxKxRxQxH.reshape(p, kv, r, t * g, h) * (1.0 / math.sqrt(h))
+
+
+def _prefix_softmax(pre_PxKxRxQxJ, new_PxKxRxQxS, prefix_valid_PxJ, valid_BxS, index, t: int):
+    """`_two_part_softmax` of rows continuing shared prefixes. Every prefix key is in the past
+    of every new token, so only its validity masks it; a new slot is seen by query t when it is
+    valid and at most slot index + t."""
+    p, _, r, q, s = new_PxKxRxQxS.shape
+    g = q // t
+    pre_mask_Px1x1x1xJ = prefix_valid_PxJ[:, None, None, None, :]
+    causal_TxS = jnp.arange(s)[None, :] <= (index + jnp.arange(t))[:, None]
+    new_mask_PxRxTxS = valid_BxS.reshape(p, r, 1, s) & causal_TxS
+    new_mask_Px1xRxQxS = jnp.broadcast_to(
+        new_mask_PxRxTxS[:, None, :, :, None, :], (p, 1, r, t, g, s)
+    ).reshape(p, 1, r, q, s)
+    return _two_part_softmax(pre_PxKxRxQxJ, pre_mask_Px1x1x1xJ, new_PxKxRxQxS, new_mask_Px1xRxQxS)
+
+
+def _prefix_rows(out_PxKxRxQxH, t: int) -> jax.Array:
+    """[P, K, R, T * G, H] -> [B, T, N, H] (the inverse of `_prefix_queries`' layout)."""
+    p, kv, r, q, h = out_PxKxRxQxH.shape
+    g = q // t
+    out = out_PxKxRxQxH.reshape(p, kv, r, t, g, h).transpose(0, 2, 3, 1, 4, 5)
+    return out.reshape(p * r, t, kv * g, h)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE; K key/value heads shared by N/K query heads each."""
 
@@ -259,11 +291,7 @@ class Attention(nnx.Module):
             )  # fmt: skip
             return out_BxTxNxH, cache
 
-        q_PxKxRxQxH = (
-            q_BxTxNxH.reshape(p, r, t, kv, g, h)
-            .transpose(0, 3, 1, 2, 4, 5)
-            .reshape(p, kv, r, -1, h)
-        ) * (1.0 / math.sqrt(h))
+        q_PxKxRxQxH = _prefix_queries(q_BxTxNxH, p, kv)
         pre_PxKxRxQxJ = jnp.einsum(
             "pkxh,pkjh->pkxj",
             q_PxKxRxQxH.reshape(p, kv, -1, h),
@@ -273,16 +301,8 @@ class Attention(nnx.Module):
         new_PxKxRxQxS = jnp.einsum(
             "pkrqh,pkrsh->pkrqs", q_PxKxRxQxH, k_PxKxRxSxH, preferred_element_type=jnp.float32
         )
-        # Every prefix key is in the past of every new token: only its validity masks it. A new
-        # slot is seen by query t when it is valid and at most slot index + t.
-        pre_mask_Px1x1x1xJ = cache["prefix_valid"][:, None, None, None, :]
-        causal_TxS = jnp.arange(s)[None, :] <= (i + jnp.arange(t))[:, None]
-        new_mask_PxRxTxS = valid_BxS.reshape(p, r, 1, s) & causal_TxS
-        new_mask_Px1xRxQxS = jnp.broadcast_to(
-            new_mask_PxRxTxS[:, None, :, :, None, :], (p, 1, r, t, g, s)
-        ).reshape(p, 1, r, t * g, s)
-        pre_PxKxRxQxJ, new_PxKxRxQxS, total_PxKxRxQx1 = _two_part_softmax(
-            pre_PxKxRxQxJ, pre_mask_Px1x1x1xJ, new_PxKxRxQxS, new_mask_Px1xRxQxS
+        pre_PxKxRxQxJ, new_PxKxRxQxS, total_PxKxRxQx1 = _prefix_softmax(
+            pre_PxKxRxQxJ, new_PxKxRxQxS, cache["prefix_valid"], valid_BxS, i, t
         )
         dtype = v_PxKxRxSxH.dtype
         out_PxKxRxQxH = jnp.einsum(
@@ -297,10 +317,7 @@ class Attention(nnx.Module):
             preferred_element_type=jnp.float32,
         )
         out_PxKxRxQxH = (out_PxKxRxQxH / total_PxKxRxQx1).astype(dtype)
-        out_BxTxNxH = (
-            out_PxKxRxQxH.reshape(p, kv, r, t, g, h).transpose(0, 2, 3, 1, 4, 5).reshape(b, t, n, h)
-        )
-        return out_BxTxNxH, cache
+        return _prefix_rows(out_PxKxRxQxH, t), cache
 
     def _decode_shared_prefix(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, cache, index):
         """`_attend_shared_prefix` on a decode cache (`share_prefix_cache(..., decode=True)`):
@@ -331,12 +348,7 @@ class Attention(nnx.Module):
         v_PxKxRxHxS = write(cache["vT"], v_BxKxTxH)
         valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (zero, i))
         cache = {**cache, "kT": k_PxKxRxHxS, "vT": v_PxKxRxHxS, "valid": valid_BxS}
-        s = k_PxKxRxHxS.shape[4]
-        q_PxKxRxQxH = (
-            q_BxTxNxH.reshape(p, r, t, kv, g, h)
-            .transpose(0, 3, 1, 2, 4, 5)
-            .reshape(p, kv, r, -1, h)
-        ) * (1.0 / math.sqrt(h))
+        q_PxKxRxQxH = _prefix_queries(q_BxTxNxH, p, kv)
         pre_PxKxRxQxJ = jnp.einsum(
             "pkxh,pkhj->pkxj",
             q_PxKxRxQxH.reshape(p, kv, -1, h),
@@ -346,14 +358,8 @@ class Attention(nnx.Module):
         new_PxKxRxQxS = jnp.einsum(
             "pkrqh,pkrhs->pkrqs", q_PxKxRxQxH, k_PxKxRxHxS, preferred_element_type=jnp.float32
         )
-        pre_mask_Px1x1x1xJ = cache["prefix_valid"][:, None, None, None, :]
-        causal_TxS = jnp.arange(s)[None, :] <= (i + jnp.arange(t))[:, None]
-        new_mask_PxRxTxS = valid_BxS.reshape(p, r, 1, s) & causal_TxS
-        new_mask_Px1xRxQxS = jnp.broadcast_to(
-            new_mask_PxRxTxS[:, None, :, :, None, :], (p, 1, r, t, g, s)
-        ).reshape(p, 1, r, t * g, s)
-        pre_PxKxRxQxJ, new_PxKxRxQxS, total_PxKxRxQx1 = _two_part_softmax(
-            pre_PxKxRxQxJ, pre_mask_Px1x1x1xJ, new_PxKxRxQxS, new_mask_Px1xRxQxS
+        pre_PxKxRxQxJ, new_PxKxRxQxS, total_PxKxRxQx1 = _prefix_softmax(
+            pre_PxKxRxQxJ, new_PxKxRxQxS, cache["prefix_valid"], valid_BxS, i, t
         )
         dtype = v_PxKxRxHxS.dtype
         pre_PxKxHxX = jnp.einsum(
@@ -371,10 +377,7 @@ class Attention(nnx.Module):
         out_PxKxRxHxQ = pre_PxKxHxX.reshape(p, kv, h, r, t * g).transpose(0, 1, 3, 2, 4)
         out_PxKxRxQxH = (out_PxKxRxHxQ + new_PxKxRxHxQ).swapaxes(3, 4)
         out_PxKxRxQxH = (out_PxKxRxQxH / total_PxKxRxQx1).astype(dtype)
-        out_BxTxNxH = (
-            out_PxKxRxQxH.reshape(p, kv, r, t, g, h).transpose(0, 2, 3, 1, 4, 5).reshape(b, t, n, h)
-        )
-        return out_BxTxNxH, cache
+        return _prefix_rows(out_PxKxRxQxH, t), cache
 
     def _attend_slots(self, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, cache, index_B):
         """Attention of B decode slots, each continuing one of P stored prefixes (`slot_cache`).
