@@ -141,10 +141,10 @@ class BucketedSteps:
             )
         return self._zeros(params)
 
-    def _device_chunks(self, batch: dict, chunks: int):
-        """(rows, width, device batch) per chunk of `plan_chunks`: the rows of whole groups,
-        trimmed to the chunk's width and put on the mesh."""
-        plan = plan_chunks(batch["resp_mask"], self.group_size, chunks, self.widths)
+    def _device_chunks(self, batch: dict, resp_mask, chunks: int):
+        """(rows, width, device batch) per chunk of `plan_chunks(resp_mask, ...)`: the rows of
+        whole groups of `batch`, trimmed to the chunk's width and put on the mesh."""
+        plan = plan_chunks(resp_mask, self.group_size, chunks, self.widths)
         for rows, width in plan:
             host = trim(batch, rows, width, self.prompt_len)
             yield rows, width, sharding.device_batch(host, self.mesh, group_size=self.group_size)
@@ -157,7 +157,7 @@ class BucketedSteps:
         resp_mask = np.asarray(batch["resp_mask"])
         total_tokens = max(float(resp_mask.sum()), 1.0)
         acc, slots = None, 0
-        for rows, width, mb in self._device_chunks(batch, M):
+        for rows, width, mb in self._device_chunks(batch, resp_mask, M):
             weight = 1.0
             if self.token_weighted:  # the minibatch's exact token mean (see the module doc)
                 weight = M * float(resp_mask[rows, :width].sum()) / total_tokens
@@ -177,12 +177,13 @@ class BucketedSteps:
     def logprobs(self, params, batch: dict) -> np.ndarray:
         """[B, N] response log-probs of a host batch (tokens, attn_mask, resp_mask), chunk by
         chunk; slots past a chunk's width are 0, as masked slots are."""
+        resp_mask = np.asarray(batch["resp_mask"])
+        sequences = {k: batch[k] for k in SEQUENCE_KEYS}
         parts = []
-        sequences = {k: batch[k] for k in (*SEQUENCE_KEYS, "resp_mask")}
-        for rows, width, dev in self._device_chunks(sequences, self.chunks):
+        for rows, width, dev in self._device_chunks(sequences, resp_mask, self.chunks):
             # dispatch every chunk, then wait for all of them
             parts.append((rows, width, self._logprobs(params, dev["tokens"], dev["attn_mask"])))
-        out = np.zeros(np.shape(batch["resp_mask"]), np.float32)
+        out = np.zeros(resp_mask.shape, np.float32)
         for rows, width, logp in parts:
             out[rows, :width] = sharding.gather(logp)
         return out
