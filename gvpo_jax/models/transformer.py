@@ -107,6 +107,30 @@ def _two_part_softmax(pre_scores, pre_mask, new_scores, new_mask):
     return pre_weights, new_weights, total
 
 
+def _write_group_slots(cache, names, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, p: int) -> dict:
+    """Store T new keys/values of B = P * R rows at new-token slot `index` of a shared-prefix
+    cache: `names` ("k", "v") for slots [P, K, R, S, H], ("kT", "vT") for the decode cache's
+    slot-last [P, K, R, H, S]. Also marks the slots' validity ('valid' [B, S])."""
+    b, kv, t, h = k_BxKxTxH.shape
+    r = b // p
+    zero = jnp.zeros((), jnp.int32)
+    slot_last = names[0].endswith("T")
+
+    def write(buf, new_BxKxTxH):
+        new = new_BxKxTxH.reshape(p, r, kv, t, h).transpose(0, 2, 1, 3, 4)  # [P, K, R, T, H]
+        start = (zero, zero, zero, index, zero)
+        if slot_last:
+            new, start = new.swapaxes(3, 4), (zero, zero, zero, zero, index)
+        return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+
+    return {
+        **cache,
+        names[0]: write(cache[names[0]], k_BxKxTxH),
+        names[1]: write(cache[names[1]], v_BxKxTxH),
+        "valid": jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (zero, index)),
+    }
+
+
 def _prefix_queries(q_BxTxNxH, p: int, kv: int) -> jax.Array:
     """Queries of B = P * R rows continuing P prefixes as [P, K, R, T * G, H], scaled by
     1/sqrt(H): per prefix and key/value head, each row's T * G query rows (t, then g)."""
@@ -270,18 +294,8 @@ class Attention(nnx.Module):
         p, kv, j = pk_PxKxJxH.shape[:3]
         r, g = b // p, n // kv
         i = jnp.asarray(index, jnp.int32)
-        zero = jnp.zeros((), jnp.int32)
-
-        def write(buf_PxKxRxSxH, new_BxKxTxH):
-            new = new_BxKxTxH.reshape(p, r, kv, t, h).transpose(0, 2, 1, 3, 4)
-            return jax.lax.dynamic_update_slice(
-                buf_PxKxRxSxH, new.astype(buf_PxKxRxSxH.dtype), (zero, zero, zero, i, zero)
-            )
-
-        k_PxKxRxSxH = write(cache["k"], k_BxKxTxH)
-        v_PxKxRxSxH = write(cache["v"], v_BxKxTxH)
-        valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (zero, i))
-        cache = {**cache, "k": k_PxKxRxSxH, "v": v_PxKxRxSxH, "valid": valid_BxS}
+        cache = _write_group_slots(cache, ("k", "v"), k_BxKxTxH, v_BxKxTxH, valid_BxT, i, p)
+        k_PxKxRxSxH, v_PxKxRxSxH, valid_BxS = cache["k"], cache["v"], cache["valid"]
         s = k_PxKxRxSxH.shape[3]
         impl = self._impl(t, g, j + s)
         if impl != "dense":
@@ -336,18 +350,8 @@ class Attention(nnx.Module):
         p, kv, _, j = pk_PxKxHxJ.shape
         r, g = b // p, n // kv
         i = jnp.asarray(index, jnp.int32)
-        zero = jnp.zeros((), jnp.int32)
-
-        def write(buf_PxKxRxHxS, new_BxKxTxH):
-            new = new_BxKxTxH.reshape(p, r, kv, t, h).transpose(0, 2, 1, 4, 3)
-            return jax.lax.dynamic_update_slice(
-                buf_PxKxRxHxS, new.astype(buf_PxKxRxHxS.dtype), (zero, zero, zero, zero, i)
-            )
-
-        k_PxKxRxHxS = write(cache["kT"], k_BxKxTxH)
-        v_PxKxRxHxS = write(cache["vT"], v_BxKxTxH)
-        valid_BxS = jax.lax.dynamic_update_slice(cache["valid"], valid_BxT, (zero, i))
-        cache = {**cache, "kT": k_PxKxRxHxS, "vT": v_PxKxRxHxS, "valid": valid_BxS}
+        cache = _write_group_slots(cache, ("kT", "vT"), k_BxKxTxH, v_BxKxTxH, valid_BxT, i, p)
+        k_PxKxRxHxS, v_PxKxRxHxS, valid_BxS = cache["kT"], cache["vT"], cache["valid"]
         q_PxKxRxQxH = _prefix_queries(q_BxTxNxH, p, kv)
         pre_PxKxRxQxJ = jnp.einsum(
             "pkxh,pkhj->pkxj",
