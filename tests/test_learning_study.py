@@ -144,6 +144,25 @@ def test_confidence_intervals_use_students_t_over_seeds():
     assert lines == ["- a - b: greedy +0.210 +- 0.023 (resolved)"]
 
 
+def test_differences_also_carry_the_held_out_sets_sampling_error():
+    # p = 0.5 and 0.3 on 200 problems: 1.96 * sqrt((0.25 + 0.21) / 200) = 0.0940
+    assert ls.problems_ci95(0.5, 0.3, 200) == pytest.approx(1.96 * np.sqrt(0.46 / 200))
+    rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
+    recs = {"a": rec((0.50, 0.52, 0.51)), "b": rec((0.30, 0.31, 0.29)),
+            "c": rec((0.45, 0.46, 0.44)), "d": rec((0.40, 0.60, 0.50))}  # fmt: skip
+    lines = ls.diff_lines(recs, ["a", "b", "c", "d"], problems=200)
+    by_pair = {line.split(":")[0]: line for line in lines}
+    # 0.21 beyond the seeds' 0.023 and the problems' 0.094 combined
+    assert by_pair["- a - b"].endswith("+- 0.023 seeds, +- 0.094 problems (resolved)")
+    # 0.06: the seeds resolve it on these problems, the 200 problems do not
+    assert by_pair["- a - c"].endswith("(resolved on these problems)")
+    # seeds spread 0.4-0.6: not even resolved on these problems
+    assert by_pair["- a - d"].endswith("(not resolved)")
+    # 5000 problems resolve what 200 cannot
+    many = {line.split(":")[0]: line for line in ls.diff_lines(recs, ["a", "c"], problems=5000)}
+    assert many["- a - c"].endswith("(resolved)")
+
+
 @pytest.mark.slow
 def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
     """Part 2's code path on a tiny random Llama (no GGUF): the shared start evaluation, a
