@@ -107,14 +107,14 @@ def _two_part_softmax(pre_scores, pre_mask, new_scores, new_mask):
     return pre_weights, new_weights, total
 
 
-def _write_group_slots(cache, names, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, p: int) -> dict:
+def _write_group_slots(cache, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, p: int, slot_last: bool):
     """Store T new keys/values of B = P * R rows at new-token slot `index` of a shared-prefix
-    cache: `names` ("k", "v") for slots [P, K, R, S, H], ("kT", "vT") for the decode cache's
-    slot-last [P, K, R, H, S]. Also marks the slots' validity ('valid' [B, S])."""
+    cache: 'k'/'v' [P, K, R, S, H], or with `slot_last` the decode cache's 'kT'/'vT'
+    [P, K, R, H, S]. Also marks the slots' validity ('valid' [B, S]). Returns the cache."""
     b, kv, t, h = k_BxKxTxH.shape
     r = b // p
     zero = jnp.zeros((), jnp.int32)
-    slot_last = names[0].endswith("T")
+    names = ("kT", "vT") if slot_last else ("k", "v")
 
     def write(buf, new_BxKxTxH):
         new = new_BxKxTxH.reshape(p, r, kv, t, h).transpose(0, 2, 1, 3, 4)  # [P, K, R, T, H]
@@ -294,7 +294,7 @@ class Attention(nnx.Module):
         p, kv, j = pk_PxKxJxH.shape[:3]
         r, g = b // p, n // kv
         i = jnp.asarray(index, jnp.int32)
-        cache = _write_group_slots(cache, ("k", "v"), k_BxKxTxH, v_BxKxTxH, valid_BxT, i, p)
+        cache = _write_group_slots(cache, k_BxKxTxH, v_BxKxTxH, valid_BxT, i, p, slot_last=False)
         k_PxKxRxSxH, v_PxKxRxSxH, valid_BxS = cache["k"], cache["v"], cache["valid"]
         s = k_PxKxRxSxH.shape[3]
         impl = self._impl(t, g, j + s)
@@ -350,7 +350,7 @@ class Attention(nnx.Module):
         p, kv, _, j = pk_PxKxHxJ.shape
         r, g = b // p, n // kv
         i = jnp.asarray(index, jnp.int32)
-        cache = _write_group_slots(cache, ("kT", "vT"), k_BxKxTxH, v_BxKxTxH, valid_BxT, i, p)
+        cache = _write_group_slots(cache, k_BxKxTxH, v_BxKxTxH, valid_BxT, i, p, slot_last=True)
         k_PxKxRxHxS, v_PxKxRxHxS, valid_BxS = cache["kT"], cache["vT"], cache["valid"]
         q_PxKxRxQxH = _prefix_queries(q_BxTxNxH, p, kv)
         pre_PxKxRxQxJ = jnp.einsum(
