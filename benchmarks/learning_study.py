@@ -439,6 +439,9 @@ def cell_summary(recs: list[dict], budget: int) -> dict:
         "kl_start": float(np.nanmean([r["kl_start"] for r in recs])),
         "steps": float(np.mean([r.get("steps", 0) for r in recs])),
         "time_s": float(np.mean([r["time_s"] for r in recs])),
+        # CPU seconds of the run's process (nan for records from before they were logged): wall
+        # time includes other jobs on the cores and any pause, CPU time does not.
+        "cpu_s": float(np.mean([r.get("cpu_s", np.nan) for r in recs])),
         "ci95": ci95(final),
         # per-step means over every step of every seed (records before these were logged: nan)
         **{
@@ -489,7 +492,7 @@ def problems_ci95(pa: float, pb: float, problems: int) -> float:
 
 TABLE_HEAD = (
     "| cell | final acc (mean +- std) | 95% CI | min / max | AUC | diverged | KL to start "
-    "| grad norm (mean / max) | clipped updates | ratio-clip frac | steps | s/run |\n"
+    "| grad norm (mean / max) | clipped updates | ratio-clip frac | steps | s/run (CPU s) |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -508,7 +511,7 @@ def table(rows: list[tuple[str, dict]], start_acc: float, start: str = "the cold
             f"{s['diverged']}/{s['seeds']} | {s['kl_start']:.4f} | "
             f"{_fmt(s['grad_norm'], '.3g')} / {_fmt(s['grad_norm_max'], '.3g')} | "
             f"{_fmt(s['grad_clipped_frac'], '.2f')} | {_fmt(s['clip_frac'], '.3f')} | "
-            f"{s['steps']:.0f} | {s['time_s']:.0f} |"
+            f"{s['steps']:.0f} | {s['time_s']:.0f} ({_fmt(s['cpu_s'], '.0f')}) |"
         )
     return "\n".join(lines)
 
@@ -812,7 +815,8 @@ def smol_study(args) -> dict:
         f"{start['sampled']:.3f}. RL compute summed over runs: "
         f"{sum(r['time_s'] for v in records.values() for r in v) / 3600:.2f} h wall, "
         f"{sum(r.get('cpu_s', 0.0) for v in records.values() for r in v) / 3600:.2f} h of CPU "
-        "(s/run below is wall time: it includes other jobs on the cores and any pause).",
+        "(s/run below is wall time: it includes other jobs on the cores and any pause; CPU s "
+        "is the run's own).",
         "",
         "Greedy (every 1/5 of the budget; AUC from these):",
         "",

@@ -89,6 +89,20 @@ def test_demo_gain_stats_and_table():
     assert "0.350 -> 0.600" in row and "| 10 (8) |" in row
 
 
+def test_cell_table_reports_wall_and_cpu_seconds_per_run():
+    def rec(acc, cpu):
+        return {"curve": [(0, 0.2), (10, acc)], "kl_start": 0.1, "steps": 5, "time_s": 100.0,
+                "cpu_s": cpu, "losses": [0.1], "error": None, "skipped": 0}  # fmt: skip
+
+    s = ls.cell_summary([rec(0.5, 60.0), rec(0.7, 80.0)], budget=10)
+    assert s["cpu_s"] == pytest.approx(70.0) and s["time_s"] == pytest.approx(100.0)
+    row = ls.table([("cell a", s)], 0.2).splitlines()[-1]
+    assert row.startswith("| cell a | 0.600 +- 0.141 |") and row.endswith("| 5 | 100 (70) |")
+    # records from before CPU time was logged: the column says so instead of a number
+    old = ls.cell_summary([{k: v for k, v in rec(0.5, 0.0).items() if k != "cpu_s"}], budget=10)
+    assert ls.table([("old", old)], 0.2).splitlines()[-1].endswith("| 100 (-) |")
+
+
 @pytest.mark.slow
 def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
     # A subprocess without the suite's 8 fake devices: the study runs on one CPU device.
