@@ -516,16 +516,8 @@ def table(rows: list[tuple[str, dict]], start_acc: float, start: str = "the cold
     return "\n".join(lines)
 
 
-def plot(exp: str, series: list[tuple[str, list[dict]]], out_png: str, extra=None) -> None:
-    """Accuracy vs sampled responses: the seed mean and a min-max band per cell."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    ncols = 2 if extra else 1
-    fig = Figure(figsize=(6.5 * ncols, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, ncols, squeeze=False).ravel()
-    ax = axes[0]
+def _seed_bands(ax, series: list[tuple[str, list[dict]]], title: str) -> None:
+    """One axis: per cell the seed mean of held-out greedy accuracy and its min-max band."""
     for name, recs in series:
         grid = np.unique(np.concatenate([[p[0] for p in r["curve"]] for r in recs]))
         ys = np.stack([np.interp(grid, *np.array(r["curve"], np.float64).T) for r in recs])
@@ -533,9 +525,35 @@ def plot(exp: str, series: list[tuple[str, list[dict]]], out_png: str, extra=Non
         ax.fill_between(grid / 1000, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
     ax.set_xlabel("sampled responses (thousands)")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title(f"{exp}: mean and min-max band over seeds")
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def plot_panels(panels: list[tuple[str, list[tuple[str, list[dict]]]]], out_png: str) -> None:
+    """Side-by-side `_seed_bands` axes with a shared accuracy scale, one per (title, series)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.2 * len(panels), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False, sharey=True).ravel()
+    for ax, (title, series) in zip(axes, panels, strict=True):
+        _seed_bands(ax, series, title)
+    fig.savefig(out_png, dpi=100)
+
+
+def plot(exp: str, series: list[tuple[str, list[dict]]], out_png: str, extra=None) -> None:
+    """Accuracy vs sampled responses: the seed mean and a min-max band per cell; with `extra`
+    (name, SFT curve) pairs a second axis of SFT accuracy."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ncols = 2 if extra else 1
+    fig = Figure(figsize=(6.5 * ncols, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols, squeeze=False).ravel()
+    _seed_bands(axes[0], series, f"{exp}: mean and min-max band over seeds")
     if extra:
         ax = axes[1]
         for name, curve in extra:
@@ -708,6 +726,26 @@ def smol_cells() -> list[Cell]:
     return out
 
 
+def smol_panels(records: dict[str, list[dict]]) -> list[tuple[str, list]]:
+    """The part-2 figure's panels, one per question, each with the recorded cells it compares:
+    the methods in the official regime, GVPO's beta there, the methods on-policy."""
+    panels = [
+        ("official regime (4 minibatches x 1 epoch)",
+         [(f"{a} 4mbx1ep", f"{a} 4mbx1ep") for a in ("gvpo", "grpo", "dr_grpo")]),
+        ("GVPO's beta, official regime",
+         [("gvpo beta 0.05 4mbx1ep", "beta 0.05"), ("gvpo 4mbx1ep", "beta 0.1"),
+          ("gvpo beta 0.2 4mbx1ep", "beta 0.2")]),
+        ("on-policy (one update per rollout)",
+         [(f"{a} on-policy", f"{a} on-policy") for a in ("gvpo", "grpo", "dr_grpo")]),
+    ]  # fmt: skip
+    out = []
+    for title, cells_ in panels:
+        series = [(label, records[name]) for name, label in cells_ if name in records]
+        if series:
+            out.append((f"SmolLM2-135M: {title}", series))
+    return out
+
+
 def smol_config(quick: bool):
     """configs/smollm2_arith.py with the study's sizes (quick: a tiny random Llama instead)."""
     import importlib.util
@@ -849,8 +887,7 @@ def smol_study(args) -> dict:
         "",
         "![smollm2](smollm2.png)",
     ]
-    plot("smollm2", [(c.name, records[c.name]) for c in cells_done],
-         os.path.join(args.out, "smollm2.png"))  # fmt: skip
+    plot_panels(smol_panels(records), os.path.join(args.out, "smollm2.png"))
     summary = {
         "budget_responses": budget,
         "start": start,

@@ -158,6 +158,23 @@ def test_confidence_intervals_use_students_t_over_seeds():
     assert lines == ["- a - b: greedy +0.210 +- 0.023 (resolved)"]
 
 
+def test_smollm2_figure_has_a_panel_per_question_with_the_recorded_cells(tmp_path):
+    rec = [{"curve": [(0, 0.2), (10, x)]} for x in (0.4, 0.5)]
+    names = ["gvpo 4mbx1ep", "dr_grpo 4mbx1ep", "gvpo beta 0.2 4mbx1ep", "grpo on-policy"]
+    panels = ls.smol_panels({n: rec for n in names})
+    assert [[label for label, _ in series] for _, series in panels] == [
+        ["gvpo 4mbx1ep", "dr_grpo 4mbx1ep"],
+        ["beta 0.1", "beta 0.2"],  # the official GVPO cell is the beta 0.1 point
+        ["grpo on-policy"],
+    ]
+    assert "official" in panels[0][0] and "beta" in panels[1][0] and "on-policy" in panels[2][0]
+    # a question with no recorded cell yet gets no panel
+    only = ls.smol_panels({"grpo on-policy": rec})
+    assert len(only) == 1 and "on-policy" in only[0][0]
+    ls.plot_panels(panels, str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 1000
+
+
 def test_differences_also_carry_the_held_out_sets_sampling_error():
     # p = 0.5 and 0.3 on 200 problems: 1.96 * sqrt((0.25 + 0.21) / 200) = 0.0940
     assert ls.problems_ci95(0.5, 0.3, 200) == pytest.approx(1.96 * np.sqrt(0.46 / 200))
