@@ -490,6 +490,42 @@ def problems_ci95(pa: float, pb: float, problems: int) -> float:
     return float(1.96 * np.sqrt((pa * (1 - pa) + pb * (1 - pb)) / problems))
 
 
+def data_to_resolve(a, b, problems: int) -> tuple[float, float, int, int]:
+    """How much data would resolve mean(a) - mean(b) if it is real: seeds per cell at the two
+    cells' seed spread and held-out problems at their accuracies, with the two sources sharing
+    the combined 95% interval equally (each half-width <= |d| / sqrt(2); normal quantiles, so
+    an under-estimate for few seeds). Returns (difference, the pooled seed std, seeds, problems);
+    both counts are at least the data already used (3 seeds, `problems`)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    d = float(a.mean() - b.mean())
+    seed_var = a.var(ddof=1) + b.var(ddof=1)
+    pa, pb = float(a.mean()), float(b.mean())
+    prob_var = pa * (1 - pa) + pb * (1 - pb)
+    if d == 0:
+        return d, float(np.sqrt(seed_var / 2)), 10**9, 10**9
+    z2 = 2 * 1.96**2 / d**2
+    seeds = max(int(np.ceil(z2 * seed_var)), len(a), len(b))
+    return d, float(np.sqrt(seed_var / 2)), seeds, max(int(np.ceil(z2 * prob_var)), problems)
+
+
+def needs_lines(records: dict[str, list[dict]], pairs, problems: int) -> list[str]:
+    """For each recorded pair whose greedy difference `diff_lines` does not resolve: the seeds
+    and problems `data_to_resolve` says a difference of that size would need."""
+    out = []
+    for a, b in pairs:
+        if len(records.get(a, ())) < 2 or len(records.get(b, ())) < 2:
+            continue
+        xa = [r["curve"][-1][1] for r in records[a]]
+        xb = [r["curve"][-1][1] for r in records[b]]
+        d, h = diff_ci95(xa, xb)
+        if abs(d) > np.hypot(h, problems_ci95(float(np.mean(xa)), float(np.mean(xb)), problems)):
+            continue  # already resolved
+        d, sd, seeds, probs = data_to_resolve(xa, xb, problems)
+        out.append(f"- {a} - {b}: {d:+.3f} at a seed std of {sd:.3f}: ~{seeds} seeds per cell "
+                   f"and ~{probs} problems")  # fmt: skip
+    return out
+
+
 TABLE_HEAD = (
     "| cell | final acc (mean +- std) | 95% CI | min / max | AUC | diverged | KL to start "
     "| grad norm (mean / max) | clipped updates | ratio-clip frac | steps | s/run (CPU s) |\n"
@@ -700,6 +736,13 @@ SMOL = {  # dotted config fields on configs/smollm2_arith.py (sized in STUDY.md 
 SMOL_STEPS = 15  # rollouts per run: budget = 15 x 16 x 4 = 960 sampled responses
 SMOL_EVAL_N = 8  # avg@8 at the rollout temperature (with greedy) at the start and the end
 SMOL_EVAL_POINTS = 5  # greedy at every 1/5 of the budget
+# The method comparisons the study asks about: in each regime, and each method across regimes.
+SMOL_PAIRS = [
+    *[(f"{a} {r}", f"{b} {r}") for r in ("4mbx1ep", "on-policy")
+      for a, b in (("gvpo", "grpo"), ("gvpo", "dr_grpo"), ("grpo", "dr_grpo"))],
+    *[(f"{a} 4mbx1ep", f"{a} on-policy") for a in ("gvpo", "grpo", "dr_grpo")],
+    ("gvpo 4mbx1ep", "gvpo beta 0.05 4mbx1ep"), ("gvpo 4mbx1ep", "gvpo beta 0.2 4mbx1ep"),
+]  # fmt: skip
 
 
 def _record(rec: dict, cell: Cell, path: str) -> dict:
@@ -884,6 +927,12 @@ def smol_study(args) -> dict:
             ],
             problems=config.data.eval_size,
         ),  # fmt: skip
+        "",
+        "What would resolve the unresolved greedy differences between methods, if they are real "
+        "(`data_to_resolve`: seeds per cell at the observed seed spread and held-out problems at "
+        "the observed accuracies, the two sharing the interval equally):",
+        "",
+        *needs_lines(records, SMOL_PAIRS, config.data.eval_size),
         "",
         "![smollm2](smollm2.png)",
     ]

@@ -158,6 +158,23 @@ def test_confidence_intervals_use_students_t_over_seeds():
     assert lines == ["- a - b: greedy +0.210 +- 0.023 (resolved)"]
 
 
+def test_data_to_resolve_counts_seeds_and_problems_for_an_unresolved_difference():
+    # d = 0.1, seed variances 0.01 + 0.01; (1.96 / (0.1 / sqrt 2))^2 = 768.3
+    d, sd, seeds, probs = ls.data_to_resolve([0.5, 0.6, 0.7], [0.4, 0.5, 0.6], 200)
+    assert d == pytest.approx(0.1) and sd == pytest.approx(0.1)
+    assert seeds == 16  # ceil(768.3 * 0.02)
+    assert probs == 377  # ceil(768.3 * (0.6 * 0.4 + 0.5 * 0.5))
+    # never fewer than the data already used
+    assert ls.data_to_resolve([0.9, 0.9, 0.91], [0.1, 0.1, 0.11], 200)[2:] == (3, 200)
+    rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
+    recs = {"gvpo 4mbx1ep": rec((0.5, 0.6, 0.7)), "grpo 4mbx1ep": rec((0.4, 0.5, 0.6)),
+            "dr_grpo 4mbx1ep": rec((0.10, 0.11, 0.12))}  # fmt: skip
+    lines = ls.needs_lines(recs, ls.SMOL_PAIRS, 200)
+    # gvpo - dr_grpo and grpo - dr_grpo are resolved; pairs with unrecorded cells are left out
+    assert lines == ["- gvpo 4mbx1ep - grpo 4mbx1ep: +0.100 at a seed std of 0.100: ~16 seeds "
+                     "per cell and ~377 problems"]  # fmt: skip
+
+
 def test_smollm2_figure_has_a_panel_per_question_with_the_recorded_cells(tmp_path):
     rec = [{"curve": [(0, 0.2), (10, x)]} for x in (0.4, 0.5)]
     names = ["gvpo 4mbx1ep", "dr_grpo 4mbx1ep", "gvpo beta 0.2 4mbx1ep", "grpo on-policy"]
