@@ -856,6 +856,7 @@ def smol_study(args) -> dict:
             json.dump(start, fh)
 
     records: dict[str, list[dict]] = {}
+    runs: list[tuple[str, int, dict]] = []  # (cell, seed, record) for the per-run table
     for cell in todo:
         key = config_key(cell, config)
         recs = []
@@ -865,6 +866,7 @@ def smol_study(args) -> dict:
             if os.path.exists(cached):
                 with open(cached) as fh:
                     recs.append(json.load(fh))
+                runs.append((cell.name, seed, recs[-1]))
                 continue
             if args.report_only:
                 continue
@@ -875,6 +877,7 @@ def smol_study(args) -> dict:
                          eval_points=eval_points, start_acc=start["greedy"], eval_n=eval_n,
                          sampled_at_ends_only=True, start_sampled=start["sampled"])  # fmt: skip
             recs.append(_record(rec, cell, cached))
+            runs.append((cell.name, seed, rec))
             shutil.rmtree(wd, ignore_errors=True)  # metrics are in the record
             print(f"   greedy {rec['curve'][-1][1]:.3f}  avg@{eval_n} "
                   f"{rec['curve_sampled'][-1][1]:.3f}  kl {rec['kl_start']:.4f}  "
@@ -934,6 +937,11 @@ def smol_study(args) -> dict:
         "",
         *needs_lines(records, SMOL_PAIRS, config.data.eval_size),
         "",
+        f"Every run: greedy accuracy at each 1/{eval_points} of the budget, avg@{eval_n} at the "
+        "start and the end, KL to the start, and the run's CPU time:",
+        "",
+        runs_table(runs),
+        "",
         "![smollm2](smollm2.png)",
     ]
     plot_panels(smol_panels(records), os.path.join(args.out, "smollm2.png"))
@@ -951,6 +959,24 @@ def smol_study(args) -> dict:
         fh.write("\n".join(md) + "\n")
     print("\n".join(md))
     return summary
+
+
+def runs_table(runs: list[tuple[str, int, dict]]) -> str:
+    """Markdown, a row per (cell, seed, record): the greedy curve's points, avg@n at the start
+    and the end, KL to the start and CPU minutes."""
+    lines = [
+        "| cell | seed | greedy along the budget | avg@n start -> end | KL to start | CPU min |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, seed, r in runs:
+        greedy = " ".join(f"{a:.3f}" for _, a in r["curve"])
+        sampled = r.get("curve_sampled") or [(0, np.nan)]
+        lines.append(
+            f"| {name} | {seed} | {greedy} | {_fmt(sampled[0][1], '.3f')} -> "
+            f"{_fmt(sampled[-1][1], '.3f')} | {r['kl_start']:.3f} | "
+            f"{_fmt(r.get('cpu_s', np.nan) / 60, '.0f')} |"
+        )
+    return "\n".join(lines)
 
 
 def sampled_table(series: list[tuple[str, list[dict]]]) -> str:

@@ -175,6 +175,15 @@ def test_data_to_resolve_counts_seeds_and_problems_for_an_unresolved_difference(
                      "per cell and ~377 problems"]  # fmt: skip
 
 
+def test_runs_table_has_a_row_per_run_with_its_greedy_curve():
+    rec = {"curve": [(0, 0.185), (5, 0.3), (10, 0.59)], "curve_sampled": [(0, 0.097), (10, 0.307)],
+           "kl_start": 0.19, "cpu_s": 1620.0}  # fmt: skip
+    old = {"curve": [(0, 0.185), (10, 0.4)], "kl_start": 0.05}  # no avg@n, no CPU time logged
+    rows = ls.runs_table([("gvpo 4mbx1ep", 2, rec), ("grpo on-policy", 0, old)]).splitlines()
+    assert rows[2] == "| gvpo 4mbx1ep | 2 | 0.185 0.300 0.590 | 0.097 -> 0.307 | 0.190 | 27 |"
+    assert rows[3] == "| grpo on-policy | 0 | 0.185 0.400 | - -> - | 0.050 | - |"
+
+
 def test_smollm2_figure_has_a_panel_per_question_with_the_recorded_cells(tmp_path):
     rec = [{"curve": [(0, 0.2), (10, x)]} for x in (0.4, 0.5)]
     names = ["gvpo 4mbx1ep", "dr_grpo 4mbx1ep", "gvpo beta 0.2 4mbx1ep", "grpo on-policy"]
@@ -233,6 +242,7 @@ def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
         assert len(rec["grad_norm"]) == rec["steps"] == 2, name
     md = (out / "results.md").read_text()
     assert "| gvpo 4mbx1ep |" in md and "avg@2 at temperature 1" in md
+    assert "| gvpo 4mbx1ep | 0 |" in md and "| grpo on-policy | 0 |" in md  # the per-run rows
     assert (out / "smollm2.png").stat().st_size > 1000
     assert len(list((out / "records").glob("*_s0.json"))) == 2 and (out / "start.json").exists()
     shutil.rmtree(work)  # the scratch: records and the start live beside the results
