@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from benchmarks import learning_study as ls
+from benchmarks import study_report as report
+from benchmarks import study_runs as runs
+from benchmarks import study_smollm2 as smol
 
 
 class _FakeTask:
@@ -27,7 +30,7 @@ def _arith_examples(n):
 
 def test_noisy_task_corrupts_a_fixed_share_of_targets_and_keeps_the_gold_answer():
     examples = _arith_examples(961)  # every a+b with a, b in [0, 30]
-    noisy = ls.NoisyTask(_FakeTask(examples), 0.3)
+    noisy = runs.NoisyTask(_FakeTask(examples), 0.3)
     out = noisy.next_train(len(examples))
     wrong = [ex for ex in out if ex["solution"] != ex["answer"]]
     assert 0.25 < len(wrong) / len(out) < 0.35
@@ -40,16 +43,16 @@ def test_noisy_task_corrupts_a_fixed_share_of_targets_and_keeps_the_gold_answer(
 def test_auc_is_the_trapezoid_mean_over_the_budget():
     curve = [(0, 0.5), (100, 0.7), (300, 0.6)]
     # trapezoids: 100 * 0.6 + 200 * 0.65 = 190, over 300 responses
-    assert ls.auc(curve, 300) == pytest.approx(190 / 300)
+    assert report.auc(curve, 300) == pytest.approx(190 / 300)
 
 
 def test_divergence_rule():
     ok = {"curve": [(0, 0.5), (10, 0.3)], "losses": [1.0, 0.5], "skipped": 0, "error": None}
-    assert not ls.diverged(ok)
-    assert ls.diverged(dict(ok, curve=[(0, 0.5), (10, 0.2)]))  # below half the start
-    assert ls.diverged(dict(ok, losses=[1.0, float("nan")]))
-    assert ls.diverged(dict(ok, skipped=1))
-    assert ls.diverged(dict(ok, error="stopped"))
+    assert not report.diverged(ok)
+    assert report.diverged(dict(ok, curve=[(0, 0.5), (10, 0.2)]))  # below half the start
+    assert report.diverged(dict(ok, losses=[1.0, float("nan")]))
+    assert report.diverged(dict(ok, skipped=1))
+    assert report.diverged(dict(ok, error="stopped"))
 
 
 def test_identical_configurations_share_runs():
@@ -59,15 +62,15 @@ def test_identical_configurations_share_runs():
             ("gvpo 4mbx2ep", "gvpo lr x1 4mbx2ep"), ("gvpo", "gvpo anchor old"),
             ("gvpo 4mbx2ep", "gvpo beta 0.1 4mbx2ep")]  # fmt: skip
     for a, b in same:
-        assert ls.config_key(by_name[a], base) == ls.config_key(by_name[b], base)
-    assert ls.config_key(by_name["gvpo"], base) != ls.config_key(by_name["grpo"], base)
+        assert runs.config_key(by_name[a], base) == runs.config_key(by_name[b], base)
+    assert runs.config_key(by_name["gvpo"], base) != runs.config_key(by_name["grpo"], base)
     noisy = by_name["gvpo from noisy SFT"]
-    assert ls.config_key(noisy, base) != ls.config_key(by_name["gvpo"], base)
+    assert runs.config_key(noisy, base) != runs.config_key(by_name["gvpo"], base)
 
 
 def test_with_overrides_sets_nested_fields_and_leaves_the_base_alone():
     base = ls.base_config(quick=False)
-    c = ls.with_overrides(base, (("data.arith.max_operand", 99), ("optim.lr", 1e-4)), seed=3)
+    c = runs.with_overrides(base, (("data.arith.max_operand", 99), ("optim.lr", 1e-4)), seed=3)
     assert (c.data.arith.max_operand, c.optim.lr, c.seed) == (99, 1e-4, 3)
     assert base.to_dict() == ls.base_config(quick=False).to_dict()  # a copy was changed
 
@@ -78,13 +81,13 @@ def test_demo_gain_stats_and_table():
                 "time_s": 10.0, "cpu_s": 8.0}  # fmt: skip
 
     recs = [rec(0.5, 0.7, 0.3, 0.6), rec(0.6, 0.7, 0.4, 0.6)]
-    g = ls.gain_stats(recs, "curve")
+    g = report.gain_stats(recs, "curve")
     assert g["start"] == pytest.approx(0.55) and g["end"] == pytest.approx(0.7)
     assert g["gain"] == pytest.approx(0.15) and g["gain_min"] == pytest.approx(0.1)
     assert g["gain_std"] == pytest.approx(np.std([0.2, 0.1], ddof=1))
-    s = ls.gain_stats(recs, "curve_sampled")
+    s = report.gain_stats(recs, "curve_sampled")
     assert s["gain"] == pytest.approx(0.25) and s["end_std"] == pytest.approx(0.0)
-    row = ls.demo_table({"trial a": recs}, 16).splitlines()[-1]
+    row = report.demo_table({"trial a": recs}, 16).splitlines()[-1]
     assert row.startswith("| trial a | 2 | 0.550 -> 0.700 +- 0.000 (+0.150 +- 0.071, min +0.100)")
     assert "0.350 -> 0.600" in row and "| 10 (8) |" in row
 
@@ -94,13 +97,13 @@ def test_cell_table_reports_wall_and_cpu_seconds_per_run():
         return {"curve": [(0, 0.2), (10, acc)], "kl_start": 0.1, "steps": 5, "time_s": 100.0,
                 "cpu_s": cpu, "losses": [0.1], "error": None, "skipped": 0}  # fmt: skip
 
-    s = ls.cell_summary([rec(0.5, 60.0), rec(0.7, 80.0)], budget=10)
+    s = report.cell_summary([rec(0.5, 60.0), rec(0.7, 80.0)], budget=10)
     assert s["cpu_s"] == pytest.approx(70.0) and s["time_s"] == pytest.approx(100.0)
-    row = ls.table([("cell a", s)], 0.2).splitlines()[-1]
+    row = report.table([("cell a", s)], 0.2).splitlines()[-1]
     assert row.startswith("| cell a | 0.600 +- 0.141 |") and row.endswith("| 5 | 100 (70) |")
     # records from before CPU time was logged: the column says so instead of a number
-    old = ls.cell_summary([{k: v for k, v in rec(0.5, 0.0).items() if k != "cpu_s"}], budget=10)
-    assert ls.table([("old", old)], 0.2).splitlines()[-1].endswith("| 100 (-) |")
+    old = report.cell_summary([{k: v for k, v in rec(0.5, 0.0).items() if k != "cpu_s"}], budget=10)
+    assert report.table([("old", old)], 0.2).splitlines()[-1].endswith("| 100 (-) |")
 
 
 @pytest.mark.slow
@@ -110,7 +113,7 @@ def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "benchmarks.learning_study", "--quick"]
     cmd += ["--out", str(out), "--workdir", str(work)]
-    proc = subprocess.run(cmd, cwd=ls.REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "results.json").read_text())
     budget = summary["budget_responses"]
@@ -147,12 +150,12 @@ def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
 
 def test_confidence_intervals_use_students_t_over_seeds():
     # x = 0, 1, 2: mean 1, sample std 1; t(0.975, 2 dof) = 4.303
-    assert ls.ci95([0.0, 1.0, 2.0]) == pytest.approx(4.303 / np.sqrt(3))
-    assert np.isnan(ls.ci95([0.5]))
+    assert report.ci95([0.0, 1.0, 2.0]) == pytest.approx(4.303 / np.sqrt(3))
+    assert np.isnan(report.ci95([0.5]))
     # Equal variances and sizes: Welch's dof = 2 (n - 1) = 4, t = 2.776, se = sqrt(2 / 3)
-    d, h = ls.diff_ci95([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+    d, h = report.diff_ci95([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
     assert d == pytest.approx(1.0) and h == pytest.approx(2.776 * np.sqrt(2 / 3))
-    lines = ls.diff_lines({"a": [{"curve": [(0, 0.1), (9, x)]} for x in (0.50, 0.52, 0.51)],
+    lines = report.diff_lines({"a": [{"curve": [(0, 0.1), (9, x)]} for x in (0.50, 0.52, 0.51)],
                            "b": [{"curve": [(0, 0.1), (9, x)]} for x in (0.30, 0.31, 0.29)]},
                           ["a", "b"])  # fmt: skip
     assert lines == ["- a - b: greedy +0.210 +- 0.023 (resolved)"]
@@ -160,16 +163,16 @@ def test_confidence_intervals_use_students_t_over_seeds():
 
 def test_data_to_resolve_counts_seeds_and_problems_for_an_unresolved_difference():
     # d = 0.1, seed variances 0.01 + 0.01; (1.96 / (0.1 / sqrt 2))^2 = 768.3
-    d, sd, seeds, probs = ls.data_to_resolve([0.5, 0.6, 0.7], [0.4, 0.5, 0.6], 200)
+    d, sd, seeds, probs = report.data_to_resolve([0.5, 0.6, 0.7], [0.4, 0.5, 0.6], 200)
     assert d == pytest.approx(0.1) and sd == pytest.approx(0.1)
     assert seeds == 16  # ceil(768.3 * 0.02)
     assert probs == 377  # ceil(768.3 * (0.6 * 0.4 + 0.5 * 0.5))
     # never fewer than the data already used
-    assert ls.data_to_resolve([0.9, 0.9, 0.91], [0.1, 0.1, 0.11], 200)[2:] == (3, 200)
+    assert report.data_to_resolve([0.9, 0.9, 0.91], [0.1, 0.1, 0.11], 200)[2:] == (3, 200)
     rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
     recs = {"gvpo 4mbx1ep": rec((0.5, 0.6, 0.7)), "grpo 4mbx1ep": rec((0.4, 0.5, 0.6)),
             "dr_grpo 4mbx1ep": rec((0.10, 0.11, 0.12))}  # fmt: skip
-    lines = ls.needs_lines(recs, ls.SMOL_PAIRS, 200)
+    lines = report.needs_lines(recs, smol.SMOL_PAIRS, 200)
     # gvpo - dr_grpo and grpo - dr_grpo are resolved; pairs with unrecorded cells are left out
     assert lines == ["- gvpo 4mbx1ep - grpo 4mbx1ep: +0.100 at a seed std of 0.100: ~16 seeds "
                      "per cell and ~377 problems"]  # fmt: skip
@@ -179,7 +182,7 @@ def test_runs_table_has_a_row_per_run_with_its_greedy_curve():
     rec = {"curve": [(0, 0.185), (5, 0.3), (10, 0.59)], "curve_sampled": [(0, 0.097), (10, 0.307)],
            "kl_start": 0.19, "cpu_s": 1620.0}  # fmt: skip
     old = {"curve": [(0, 0.185), (10, 0.4)], "kl_start": 0.05}  # no avg@n, no CPU time logged
-    rows = ls.runs_table([("gvpo 4mbx1ep", 2, rec), ("grpo on-policy", 0, old)]).splitlines()
+    rows = report.runs_table([("gvpo 4mbx1ep", 2, rec), ("grpo on-policy", 0, old)]).splitlines()
     assert rows[2] == "| gvpo 4mbx1ep | 2 | 0.185 0.300 0.590 | 0.097 -> 0.307 | 0.190 | 27 |"
     assert rows[3] == "| grpo on-policy | 0 | 0.185 0.400 | - -> - | 0.050 | - |"
 
@@ -187,7 +190,7 @@ def test_runs_table_has_a_row_per_run_with_its_greedy_curve():
 def test_smollm2_figure_has_a_panel_per_question_with_the_recorded_cells(tmp_path):
     rec = [{"curve": [(0, 0.2), (10, x)]} for x in (0.4, 0.5)]
     names = ["gvpo 4mbx1ep", "dr_grpo 4mbx1ep", "gvpo beta 0.2 4mbx1ep", "grpo on-policy"]
-    panels = ls.smol_panels({n: rec for n in names})
+    panels = smol.smol_panels({n: rec for n in names})
     assert [[label for label, _ in series] for _, series in panels] == [
         ["gvpo 4mbx1ep", "dr_grpo 4mbx1ep"],
         ["beta 0.1", "beta 0.2"],  # the official GVPO cell is the beta 0.1 point
@@ -195,19 +198,19 @@ def test_smollm2_figure_has_a_panel_per_question_with_the_recorded_cells(tmp_pat
     ]
     assert "official" in panels[0][0] and "beta" in panels[1][0] and "on-policy" in panels[2][0]
     # a question with no recorded cell yet gets no panel
-    only = ls.smol_panels({"grpo on-policy": rec})
+    only = smol.smol_panels({"grpo on-policy": rec})
     assert len(only) == 1 and "on-policy" in only[0][0]
-    ls.plot_panels(panels, str(tmp_path / "f.png"))
+    report.plot_panels(panels, str(tmp_path / "f.png"))
     assert (tmp_path / "f.png").stat().st_size > 1000
 
 
 def test_differences_also_carry_the_held_out_sets_sampling_error():
     # p = 0.5 and 0.3 on 200 problems: 1.96 * sqrt((0.25 + 0.21) / 200) = 0.0940
-    assert ls.problems_ci95(0.5, 0.3, 200) == pytest.approx(1.96 * np.sqrt(0.46 / 200))
+    assert report.problems_ci95(0.5, 0.3, 200) == pytest.approx(1.96 * np.sqrt(0.46 / 200))
     rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
     recs = {"a": rec((0.50, 0.52, 0.51)), "b": rec((0.30, 0.31, 0.29)),
             "c": rec((0.45, 0.46, 0.44)), "d": rec((0.40, 0.60, 0.50))}  # fmt: skip
-    lines = ls.diff_lines(recs, ["a", "b", "c", "d"], problems=200)
+    lines = report.diff_lines(recs, ["a", "b", "c", "d"], problems=200)
     by_pair = {line.split(":")[0]: line for line in lines}
     # 0.21 beyond the seeds' 0.023 and the problems' 0.094 combined
     assert by_pair["- a - b"].endswith("+- 0.023 seeds, +- 0.094 problems (resolved)")
@@ -216,7 +219,7 @@ def test_differences_also_carry_the_held_out_sets_sampling_error():
     # seeds spread 0.4-0.6: not even resolved on these problems
     assert by_pair["- a - d"].endswith("(not resolved)")
     # 5000 problems resolve what 200 cannot
-    many = {line.split(":")[0]: line for line in ls.diff_lines(recs, ["a", "c"], problems=5000)}
+    many = {line.split(":")[0]: line for line in report.diff_lines(recs, ["a", "c"], problems=5000)}
     assert many["- a - c"].endswith("(resolved)")
 
 
@@ -229,7 +232,7 @@ def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "benchmarks.learning_study", "--smollm2", "--quick"]
     cmd += ["--out", str(out), "--workdir", str(work)]
-    proc = subprocess.run(cmd, cwd=ls.REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "results.json").read_text())
     assert set(summary["cells"]) == {"gvpo 4mbx1ep", "grpo on-policy"}
@@ -246,5 +249,5 @@ def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
     assert (out / "smollm2.png").stat().st_size > 1000
     assert len(list((out / "records").glob("*_s0.json"))) == 2 and (out / "start.json").exists()
     shutil.rmtree(work)  # the scratch: records and the start live beside the results
-    again = subprocess.run(cmd, cwd=ls.REPO, env=env, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "== smollm2" not in again.stdout

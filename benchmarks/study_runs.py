@@ -1,0 +1,313 @@
+"""One learning-study run: the study's cells, a config's cold start (SFT) and an RL run at a
+fixed rollout budget, measured by held-out accuracy and KL to the start, and written as a record.
+
+`benchmarks.learning_study` (the toy-task study) and `benchmarks.study_smollm2` (part 2) build
+their cells from these pieces; `benchmarks.study_report` turns the records into tables and plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.study_report import diverged
+from gvpo_jax import assemble, tasks, train
+from gvpo_jax import config as config_lib
+from gvpo_jax.rl_step import TrainingError, collect_groups, rl_step
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The official GVPO recipe's regime: 4 minibatches x 1 epoch per rollout (1024 prompts per
+# rollout, minibatches of 256 in the paper's verl script).
+OFFICIAL = {"algo.num_minibatches": 4, "algo.num_epochs": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One configuration of one experiment; `overrides` are dotted config fields."""
+
+    exp: str
+    name: str
+    overrides: tuple = ()
+    start: str = "clean"  # which cold-start checkpoint: clean | noisy
+
+
+def make_cell(exp, name, start="clean", **kw):
+    return Cell(exp, name, tuple(sorted((k.replace("__", "."), v) for k, v in kw.items())), start)
+
+
+def config_key(cell: Cell, base) -> str:
+    """Cells with the same effective config share runs (e.g. gvpo lr x1 and the offpolicy gvpo)."""
+    fields = dict(cell.overrides)
+    for k, v in list(fields.items()):
+        node = base
+        for part in k.split("."):
+            node = node[part]
+        if node == v:
+            del fields[k]
+    return json.dumps([cell.start, sorted(fields.items())])
+
+
+def repo_config(name: str):
+    """`get_config()` of the repository's configs/<name>.py (the file the CLI's --config runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def quiet_config(c):
+    """A config's run without export, plots, periodic checkpoints, sample logs or evaluations
+    of its own (the study evaluates), on all devices."""
+    c.train.export = False
+    c.train.plot = False
+    c.train.checkpoint_every = 10**9
+    c.train.sample_log_every = 0
+    c.train.eval_every = 0
+    if "kl_ref_metric" in c.train:  # the study measures KL to the start itself, at the end
+        c.train.kl_ref_metric = False
+    c.mesh.data = -1  # all devices: one on a plain CPU (the test runs the script without fakes)
+    return c
+
+
+def with_overrides(c, overrides, seed: int):
+    c = config_lib.set_fields(c.copy_and_resolve_references(), overrides)
+    c.seed = seed
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# The cold start (SFT, optionally on corrupted demonstrations)
+
+
+class NoisyTask:
+    """Wraps a Task: a fixed NOISE_FRAC of problems get a wrong SFT target ("solution").
+
+    The corruption is a pure function of the problem id (crc32), so a wrong problem is always
+    wrong the same way, like a flawed demonstration set. "answer" (the verifier's gold) is
+    untouched: rewards and evaluation stay exact.
+    """
+
+    def __init__(self, task, frac: float):
+        self.task, self.frac = task, frac
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def corrupt(self, ex: dict) -> dict:
+        h = zlib.crc32(ex["id"].encode())
+        if (h % 1000) / 1000.0 >= self.frac:
+            return ex
+        offsets = (1, 2, 3, 10)
+        off = offsets[(h >> 10) % len(offsets)]
+        gold = int(ex["answer"])
+        wrong = gold + off if (h >> 14) % 2 or gold - off < 0 else gold - off
+        return dict(ex, solution=str(wrong))
+
+    def next_train(self, n: int, rows=None) -> list[dict]:
+        return [self.corrupt(ex) for ex in self.task.next_train(n, rows)]
+
+
+def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, extra: int = 0):
+    """Cold-start SFT (train.run_sft's recipe, plus held-out evals) saved as step 0 in workdir.
+
+    With `extra` > 0 the SFT continues for that many steps at a constant 1/10 of the SFT
+    learning rate after the saved checkpoint (the plateau check; not saved).
+    Returns {"curve": [(sft_step, accuracy)], "extra_curve": [...], "time_s": ...}.
+    """
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    c = config.copy_and_resolve_references()
+    c.mode = "sft"
+    run_, state = assemble.assemble(c, workdir)
+    if noise:
+        run_ = dataclasses.replace(run_, task=NoisyTask(run_.task, noise))
+    try:
+        curve = [(0, held_out(run_, state.params, step=0))]
+        params, curve = _sft_phase(run_, state, steps, c.sft.lr, "cosine", eval_points, curve)
+        state = train.fresh_moments(run_, state.replace(params=params))  # fresh RL moments
+        train.save(run_, state, None, 0)
+        run_.ckpt.wait()
+        extra_curve = [(steps, curve[-1][1])]
+        if extra:
+            state = state.replace(params=params)
+            _, extra_curve = _sft_phase(
+                run_,
+                state,
+                extra,
+                c.sft.lr / 10,
+                "constant",
+                max(eval_points // 2, 1),
+                extra_curve,
+                offset=steps,
+            )
+    finally:
+        run_.writer.close()
+        run_.task.close()
+        run_.ckpt.close()
+    return {"curve": curve, "extra_curve": extra_curve, "time_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - cpu0}  # fmt: skip
+
+
+def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
+    c = run_.config
+    st, update = train.sft_updater(
+        run_,
+        state,
+        steps=steps,
+        lr=lr,
+        warmup_steps=c.sft.warmup_steps if not offset else 0,
+        schedule=schedule,
+    )
+    every = max(steps // eval_points, 1)
+    for i in range(1, steps + 1):
+        st, _ = update(st, train.sft_batch(run_, run_.task.next_train(c.sft.batch_size)))
+        if i % every == 0 or i == steps:
+            acc = held_out(run_, st.params, step=offset + i)
+            curve.append((offset + i, acc))
+            print(f"[sft] step {offset + i}: held-out greedy accuracy {acc:.3f}", flush=True)
+    return st.params, curve
+
+
+# ----------------------------------------------------------------------------------------------
+# One RL run
+
+
+def held_out(run_, params, *, step: int, n: int = 1) -> float:
+    """Held-out greedy accuracy (n = 1), or avg@n at the rollout temperature (n > 1), whatever
+    the config's own `train.eval_samples` (the demo config evaluates avg@16 by default)."""
+    c = run_.config.copy_and_resolve_references()
+    c.train.eval_samples = n
+    return train.evaluate(dataclasses.replace(run_, config=c), params, step=step)["accuracy"]
+
+
+def held_out_both(run_, params, *, step: int, n: int) -> tuple[float, float]:
+    """(greedy, avg@n at the rollout temperature) from one evaluation call."""
+    c = run_.config.copy_and_resolve_references()
+    c.train.eval_samples = n
+    r = train.evaluate(dataclasses.replace(run_, config=c), params, step=step)
+    return r["greedy"], r["accuracy"]
+
+
+def rl_run(
+    config,
+    workdir: str,
+    start_dir: str | None,
+    *,
+    budget: int,
+    eval_points: int,
+    start_acc,
+    eval_n=0,
+    sampled_at_ends_only=False,
+    start_sampled=None,
+):
+    """RL from `start_dir` until `budget` responses are sampled; returns the run's record.
+
+    Composes the trainer's public pieces (assemble, train.restore, rl_step) so that the
+    loop can stop on a response budget and measure KL to the start policy at the end. With
+    `eval_n` > 1 every evaluation also records held-out avg@eval_n at the rollout temperature
+    (`curve_sampled`), next to the greedy `curve`; with `sampled_at_ends_only` only the start
+    and the end do (`start_sampled`, when given, is the start's). `start_dir` None starts from
+    the config's own weights (a pretrained model as shipped: no checkpoint).
+    """
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    c = config.copy_and_resolve_references()
+    if start_dir is not None:
+        c.restore_from = os.path.join(start_dir, "checkpoints")
+    P, G = c.rollout.prompts_per_step, c.rollout.group_size
+    f = c.algo.replay_fraction
+    c.train.steps = int(np.ceil(1 + (budget / (P * G) - 1) / (1 - f)))  # schedule length only
+    run_, state = assemble.assemble(c, workdir)
+    rec = {"curve": [], "curve_sampled": [], "losses": [], "rewards": [], "skipped": 0,
+           "error": None, "grad_norm": [], "grad_norm_max": [], "grad_clipped_frac": [],
+           "clip_frac": []}  # fmt: skip
+    try:
+        if start_dir is not None:
+            state, ref, _, _ = train.restore(run_, state)
+        else:
+            ref = train.reference_copy(run_, state.params) if run_.needs_reference else None
+        # The checkpoint carries the SFT run's rng, data position and shuffle stream: reseed them
+        # (and rebuild the task) so that seeds differ.
+        state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))
+        run_.task.close()
+        run_ = dataclasses.replace(
+            run_, np_rng=np.random.default_rng(c.seed + 1), task=tasks.build_task(c, run_.tokenizer)
+        )
+        start_params = jax.tree.map(jnp.copy, state.params)
+        acc0 = start_acc
+        if acc0 is None:
+            acc0 = held_out(run_, state.params, step=0)
+        rec["curve"].append((0, acc0))
+        if eval_n > 1:
+            if start_sampled is None:
+                start_sampled = held_out(run_, state.params, step=0, n=eval_n)
+            rec["curve_sampled"].append((0, start_sampled))
+        responses, step, next_eval = 0, 0, 1
+        while responses < budget:
+            step += 1
+            state, m, _, _ = rl_step(run_, state, ref)
+            responses += int(m["rollout_rounds"]) * (P - int(m["replayed_groups"])) * G
+            run_.writer.write_scalars(step, m | {"responses": responses})
+            rec["losses"].append(m.get("loss", float("nan")))
+            rec["rewards"].append(m["accuracy"])
+            rec["skipped"] += int(m["skipped_updates"])
+            for k in ("grad_norm", "grad_norm_max", "grad_clipped_frac"):
+                rec[k].append(float(m[k]))
+            # the ratio clip's share of tokens (GRPO family; GSPO: sequences); GVPO has none
+            rec["clip_frac"].append(float(m.get("clip_frac", float("nan"))))
+            if responses >= next_eval * budget / eval_points or responses >= budget:
+                if eval_n > 1 and (responses >= budget or not sampled_at_ends_only):
+                    # one evaluation call scores greedy and avg@n
+                    acc, acc_n = held_out_both(run_, state.params, step=step, n=eval_n)
+                    rec["curve_sampled"].append((responses, acc_n))
+                else:
+                    acc = held_out(run_, state.params, step=step)
+                rec["curve"].append((responses, acc))
+                next_eval = int(responses * eval_points / budget) + 1
+        rec["steps"] = step
+        rec["kl_start"] = kl_to_start(run_, state.params, start_params, c.seed)
+    except TrainingError as e:
+        rec["error"] = str(e)
+        rec["kl_start"] = float("nan")
+    finally:
+        run_.writer.close()
+        run_.task.close()
+        run_.ckpt.close()
+    rec["time_s"] = time.perf_counter() - t0
+    rec["cpu_s"] = time.process_time() - cpu0
+    return rec
+
+
+def kl_to_start(run_, params, start_params, seed: int, batches: int = 2) -> float:
+    """KL(pi_final || pi_start) per response token: k3 = e^d - d - 1, d = logp_start - logp_final,
+    on responses sampled from the final policy (unbiased for the per-token KL of those tokens,
+    the same estimate as the trainer's kl_ref)."""
+    total, ntok = 0.0, 0.0
+    for i in range(batches):
+        key = jax.random.fold_in(jax.random.key(seed + 777), i)
+        P = run_.config.rollout.prompts_per_step
+        batch, *_ = collect_groups(run_, params, key, P)
+        tokens, attn, mask = batch["tokens"], batch["attn_mask"], batch["resp_mask"]
+        final = np.asarray(run_.logprobs(params, tokens, attn), np.float64)
+        start = np.asarray(run_.logprobs(start_params, tokens, attn), np.float64)
+        d = np.clip(start - final, -20, 20)
+        total += float(np.sum((np.exp(d) - d - 1.0) * mask))
+        ntok += float(mask.sum())
+    return total / max(ntok, 1.0)
+
+
+def save_record(rec: dict, cell: Cell, path: str) -> dict:
+    """Marks the run's cell and divergence and writes it where the next invocation finds it."""
+    rec["diverged"] = diverged(rec)
+    rec["cell"] = cell.name
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(rec, fh)
+    return rec
