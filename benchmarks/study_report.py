@@ -11,6 +11,8 @@ DIVERGE_RATIO = 0.5  # final accuracy below this times the start's counts as a c
 
 
 def diverged(rec: dict) -> bool:
+    """A run diverged when it errored (a trainer stop), skipped an update, logged a non-finite
+    loss, or ended below DIVERGE_RATIO times its start's accuracy."""
     losses = np.asarray(rec["losses"], np.float64)
     acc0, acc_end = rec["curve"][0][1], rec["curve"][-1][1]
     return bool(
