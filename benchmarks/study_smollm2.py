@@ -19,6 +19,7 @@ from benchmarks.study_report import (
     plot_panels,
     runs_table,
     sampled_table,
+    spread_lines,
     table,
 )
 from benchmarks.study_runs import (
@@ -228,6 +229,11 @@ def smol_study(args) -> dict:
             ],
             problems=config.data.eval_size,
         ),  # fmt: skip
+        "",
+        "Stability across seeds: the ratio of two cells' seed standard deviations of final "
+        "greedy accuracy, with its 95% interval (F distribution; 'resolved' when it excludes 1):",
+        "",
+        *spread_lines(records, SMOL_PAIRS),
         "",
         "What would resolve the unresolved greedy differences between methods, if they are real "
         "(`data_to_resolve`: seeds per cell at the observed seed spread and held-out problems at "

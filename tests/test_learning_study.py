@@ -187,6 +187,31 @@ def test_runs_table_has_a_row_per_run_with_its_greedy_curve():
     assert rows[3] == "| grpo on-policy | 0 | 0.185 0.400 | - -> - | 0.050 | - |"
 
 
+def test_spread_ratio_interval_is_the_f_distributions_and_says_what_3_seeds_resolve():
+    # equal spreads, 3 seeds each: F(0.975; 2, 2) = 39, so the std ratio's interval is 39^-+0.5
+    ratio, lo, hi = report.spread_ratio([0.0, 1.0, 2.0], [5.0, 6.0, 7.0])
+    assert ratio == pytest.approx(1.0) and lo == pytest.approx(39**-0.5, rel=1e-4)
+    assert hi == pytest.approx(39**0.5, rel=1e-4)
+    # 5 seeds against 3: F(0.975; 4, 2) = 39.25, F(0.975; 2, 4) = 10.65
+    ratio, lo, hi = report.spread_ratio([0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0])
+    assert ratio == pytest.approx(np.sqrt(2.5))
+    assert lo == pytest.approx(np.sqrt(2.5 / 39.25), rel=1e-3)
+    assert hi == pytest.approx(np.sqrt(2.5 * 10.65), rel=1e-3)
+    rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
+    recs = {"gvpo 4mbx1ep": rec((0.50, 0.51, 0.52)), "grpo 4mbx1ep": rec((0.1, 0.5, 0.9)),
+            "dr_grpo 4mbx1ep": rec((0.3, 0.5, 0.7))}  # fmt: skip
+    lines = report.spread_lines(recs, [("gvpo 4mbx1ep", "grpo 4mbx1ep"),
+                                       ("gvpo 4mbx1ep", "dr_grpo 4mbx1ep"),
+                                       ("gvpo 4mbx1ep", "gvpo on-policy")])  # fmt: skip
+    # 40x and 20x smaller stds are resolved; a pair with an unrecorded cell is left out
+    assert len(lines) == 2
+    assert lines[0] == ("- gvpo 4mbx1ep / grpo 4mbx1ep: seed std 0.010 / 0.400 = 0.03 "
+                        "(95% 0.00-0.16, resolved)")  # fmt: skip
+    near = report.spread_lines({"a": rec((0.50, 0.55, 0.60)), "b": rec((0.3, 0.5, 0.7))},
+                               [("a", "b")])  # fmt: skip
+    assert near[0].endswith("(95% 0.04-1.56, not resolved)")  # a 4x smaller std is not
+
+
 def test_smollm2_figure_has_a_panel_per_question_with_the_recorded_cells(tmp_path):
     rec = [{"curve": [(0, 0.2), (10, x)]} for x in (0.4, 0.5)]
     names = ["gvpo 4mbx1ep", "dr_grpo 4mbx1ep", "gvpo beta 0.2 4mbx1ep", "grpo on-policy"]
