@@ -83,10 +83,10 @@ def cells(lr: float) -> list[Cell]:
         out.append(make_cell("beta", f"gvpo beta {beta}", algo__name="gvpo", algo__beta=beta))
     for beta in (0.05, 0.1, 0.2):
         out.append(make_cell("beta", f"gvpo beta {beta} 4mbx2ep", algo__name="gvpo",
-                         algo__beta=beta, **off))  # fmt: skip
+                             algo__beta=beta, **off))  # fmt: skip
     out.append(make_cell("noisy", "gvpo from noisy SFT", start="noisy", algo__name="gvpo"))
     out.append(make_cell("noisy", "gvpo from noisy SFT lr x3", start="noisy", algo__name="gvpo",
-                     optim__lr=lr * 3))  # fmt: skip
+                         optim__lr=lr * 3))  # fmt: skip
     for anchor in ("old", "ref"):
         out.append(
             make_cell("anchor", f"gvpo anchor {anchor}", algo__name="gvpo", algo__anchor=anchor)
@@ -99,19 +99,19 @@ def cells(lr: float) -> list[Cell]:
         out.append(make_cell("official", f"{algo} 4mbx1ep", algo__name=algo, **official))
     for beta in (1.0, 10.0):
         out.append(make_cell("bigbeta", f"gvpo beta {beta:g} 4mbx2ep", algo__name="gvpo",
-                         algo__beta=beta, **off))  # fmt: skip
+                             algo__beta=beta, **off))  # fmt: skip
     out.append(make_cell("bigbeta", "gvpo 4mbx2ep", algo__name="gvpo", **off))
     out.append(make_cell("noclip", "dr_grpo eps 1e3 4mbx2ep", algo__name="dr_grpo",
-                     algo__eps_low=1e3, algo__eps_high=1e3, **off))  # fmt: skip
+                         algo__eps_low=1e3, algo__eps_high=1e3, **off))  # fmt: skip
     for algo in ("gvpo", "dr_grpo"):
         out.append(make_cell("noclip", f"{algo} 4mbx2ep", algo__name=algo, **off))
     for mult in (1, 3, 10):
         out.append(make_cell("nokl", f"grpo no KL lr x{mult} 4mbx2ep", algo__name="grpo",
-                         algo__kl_coef=0.0, optim__lr=lr * mult, **off))  # fmt: skip
+                             algo__kl_coef=0.0, optim__lr=lr * mult, **off))  # fmt: skip
         out.append(make_cell("nokl", f"grpo lr x{mult} 4mbx2ep", algo__name="grpo",
-                         optim__lr=lr * mult, **off))  # fmt: skip
+                             optim__lr=lr * mult, **off))  # fmt: skip
         out.append(make_cell("nokl", f"gvpo lr x{mult} 4mbx2ep", algo__name="gvpo",
-                         optim__lr=lr * mult, **off))  # fmt: skip
+                             optim__lr=lr * mult, **off))  # fmt: skip
     return out
 
 

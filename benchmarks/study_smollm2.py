@@ -68,7 +68,7 @@ def smol_cells() -> list[Cell]:
         out.append(make_cell("smollm2", f"{algo} 4mbx1ep", algo__name=algo, **official))
     for beta in (0.05, 0.2):
         out.append(make_cell("smollm2", f"gvpo beta {beta} 4mbx1ep", algo__name="gvpo",
-                         algo__beta=beta, **official))  # fmt: skip
+                             algo__beta=beta, **official))  # fmt: skip
     for algo in ("gvpo", "grpo", "dr_grpo"):
         out.append(make_cell("smollm2", f"{algo} on-policy", algo__name=algo))
     return out
