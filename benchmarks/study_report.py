@@ -150,11 +150,10 @@ def spread_lines(records: dict[str, list[dict]], pairs) -> list[str]:
     return out
 
 
-def diff_lines(
-    records: dict[str, list[dict]], names: list[str], problems: int | None = None
-) -> list[str]:
-    """Pairwise final-accuracy differences (greedy and avg@n when recorded) with 95% intervals;
-    'resolved' when the interval excludes 0.
+def diff_lines(records: dict[str, list[dict]], pairs, problems: int | None = None) -> list[str]:
+    """Final-accuracy differences of the (first, second) cell `pairs` with at least 2 recorded
+    seeds each (greedy and avg@n when recorded), with 95% intervals; 'resolved' when the
+    interval excludes 0.
 
     The seeds' interval (Welch) says whether the difference holds on the evaluated problems.
     With `problems` (the held-out set's size) each line also gives the interval the finite
@@ -162,32 +161,41 @@ def diff_lines(
     exceeds both combined (their root sum of squares); one that only the seeds resolve is
     'resolved on these problems'.
     """
-    names = [n for n in names if n in records and len(records[n]) > 1]
     out = []
-    for i, a in enumerate(names):
-        for b in names[i + 1 :]:
-            parts = []
-            for curve, label in (("curve", "greedy"), ("curve_sampled", "avg@n")):
-                xa = [r[curve][-1][1] for r in records[a] if r.get(curve)]
-                xb = [r[curve][-1][1] for r in records[b] if r.get(curve)]
-                if len(xa) < 2 or len(xb) < 2:
-                    continue
-                d, h = diff_ci95(xa, xb)
-                if problems is None:
-                    verdict = "resolved" if abs(d) > h else "not resolved"
-                    parts.append(f"{label} {d:+.3f} +- {h:.3f} ({verdict})")
-                    continue
-                hp = problems_ci95(float(np.mean(xa)), float(np.mean(xb)), problems)
-                if abs(d) > np.hypot(h, hp):
-                    verdict = "resolved"
-                elif abs(d) > h:
-                    verdict = "resolved on these problems"
-                else:
-                    verdict = "not resolved"
-                parts.append(f"{label} {d:+.3f} +- {h:.3f} seeds, +- {hp:.3f} problems ({verdict})")
-            if parts:
-                out.append(f"- {a} - {b}: " + "; ".join(parts))
+    for a, b in pairs:
+        if len(records.get(a, ())) < 2 or len(records.get(b, ())) < 2:
+            continue
+        parts = []
+        for curve, label in (("curve", "greedy"), ("curve_sampled", "avg@n")):
+            xa = [r[curve][-1][1] for r in records[a] if r.get(curve)]
+            xb = [r[curve][-1][1] for r in records[b] if r.get(curve)]
+            if len(xa) < 2 or len(xb) < 2:
+                continue
+            d, h = diff_ci95(xa, xb)
+            if problems is None:
+                verdict = "resolved" if abs(d) > h else "not resolved"
+                parts.append(f"{label} {d:+.3f} +- {h:.3f} ({verdict})")
+                continue
+            hp = problems_ci95(float(np.mean(xa)), float(np.mean(xb)), problems)
+            if abs(d) > np.hypot(h, hp):
+                verdict = "resolved"
+            elif abs(d) > h:
+                verdict = "resolved on these problems"
+            else:
+                verdict = "not resolved"
+            parts.append(f"{label} {d:+.3f} +- {h:.3f} seeds, +- {hp:.3f} problems ({verdict})")
+        if parts:
+            out.append(f"- {a} - {b}: " + "; ".join(parts))
     return out
+
+
+def chance_note(comparisons: int) -> str:
+    """What the number of 95% comparisons on show means: if no difference between the cells
+    were real, about 1 in 20 would still come out 'resolved'."""
+    return (
+        f"({comparisons} comparisons at 95% each: if none of these differences were real, "
+        f"about {comparisons / 20:.1f} of them would still come out resolved by chance.)"
+    )
 
 
 def needs_lines(records: dict[str, list[dict]], pairs, problems: int) -> list[str]:

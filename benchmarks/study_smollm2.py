@@ -14,6 +14,7 @@ import zlib
 
 from benchmarks.study_report import (
     cell_summary,
+    chance_note,
     diff_lines,
     needs_lines,
     plot_panels,
@@ -188,6 +189,8 @@ def smol_study(args) -> dict:
         return {}
     cells_done = [c for c in todo if c.name in records]
     rows = [(c.name, cell_summary(records[c.name], budget)) for c in cells_done]
+    diffs = diff_lines(records, SMOL_PAIRS, problems=config.data.eval_size)
+    spreads = spread_lines(records, SMOL_PAIRS)
     md = [
         f"# Learning study part 2: SmolLM2-135M-Instruct "
         f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)",
@@ -215,25 +218,16 @@ def smol_study(args) -> dict:
         "over-estimate, since both are scored on the same problems). 'resolved' = beyond both "
         "combined; 'resolved on these problems' = beyond the seeds' interval only.",
         "",
-        *diff_lines(
-            records,
-            [
-                "gvpo 4mbx1ep",
-                "grpo 4mbx1ep",
-                "dr_grpo 4mbx1ep",
-                "gvpo beta 0.05 4mbx1ep",
-                "gvpo beta 0.2 4mbx1ep",
-                "gvpo on-policy",
-                "grpo on-policy",
-                "dr_grpo on-policy",
-            ],
-            problems=config.data.eval_size,
-        ),  # fmt: skip
+        *diffs,
+        "",
+        chance_note(sum(1 + line.count("; ") for line in diffs)),  # greedy; avg@n per line
         "",
         "Stability across seeds: the ratio of two cells' seed standard deviations of final "
         "greedy accuracy, with its 95% interval (F distribution; 'resolved' when it excludes 1):",
         "",
-        *spread_lines(records, SMOL_PAIRS),
+        *spreads,
+        "",
+        chance_note(len(spreads)),
         "",
         "What would resolve the unresolved greedy differences between methods, if they are real "
         "(`data_to_resolve`: seeds per cell at the observed seed spread and held-out problems at "

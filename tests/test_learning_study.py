@@ -157,7 +157,7 @@ def test_confidence_intervals_use_students_t_over_seeds():
     assert d == pytest.approx(1.0) and h == pytest.approx(2.776 * np.sqrt(2 / 3))
     lines = report.diff_lines({"a": [{"curve": [(0, 0.1), (9, x)]} for x in (0.50, 0.52, 0.51)],
                            "b": [{"curve": [(0, 0.1), (9, x)]} for x in (0.30, 0.31, 0.29)]},
-                          ["a", "b"])  # fmt: skip
+                          [("a", "b")])  # fmt: skip
     assert lines == ["- a - b: greedy +0.210 +- 0.023 (resolved)"]
 
 
@@ -235,7 +235,9 @@ def test_differences_also_carry_the_held_out_sets_sampling_error():
     rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
     recs = {"a": rec((0.50, 0.52, 0.51)), "b": rec((0.30, 0.31, 0.29)),
             "c": rec((0.45, 0.46, 0.44)), "d": rec((0.40, 0.60, 0.50))}  # fmt: skip
-    lines = report.diff_lines(recs, ["a", "b", "c", "d"], problems=200)
+    pairs = [("a", "b"), ("a", "c"), ("a", "d"), ("b", "e")]  # "e" has no records: left out
+    lines = report.diff_lines(recs, pairs, problems=200)
+    assert len(lines) == 3
     by_pair = {line.split(":")[0]: line for line in lines}
     # 0.21 beyond the seeds' 0.023 and the problems' 0.094 combined
     assert by_pair["- a - b"].endswith("+- 0.023 seeds, +- 0.094 problems (resolved)")
@@ -244,8 +246,13 @@ def test_differences_also_carry_the_held_out_sets_sampling_error():
     # seeds spread 0.4-0.6: not even resolved on these problems
     assert by_pair["- a - d"].endswith("(not resolved)")
     # 5000 problems resolve what 200 cannot
-    many = {line.split(":")[0]: line for line in report.diff_lines(recs, ["a", "c"], problems=5000)}
+    many = {
+        line.split(":")[0]: line for line in report.diff_lines(recs, [("a", "c")], problems=5000)
+    }
     assert many["- a - c"].endswith("(resolved)")
+    assert report.chance_note(40).startswith("(40 comparisons at 95% each") and "about 2.0" in (
+        report.chance_note(40)
+    )
 
 
 @pytest.mark.slow
