@@ -132,15 +132,21 @@ def spread_ratio(a, b) -> tuple[float, float, float]:
     return float(np.sqrt(f)), float(np.sqrt(lo)), float(np.sqrt(hi))
 
 
+def _recorded_pairs(records: dict[str, list[dict]], pairs, curve: str = "curve"):
+    """(a, b, finals of a, finals of b) for each pair whose cells both have at least 2 seeds
+    with a recorded `curve`; finals are the curve's last values, one per seed."""
+    for a, b in pairs:
+        xa = [r[curve][-1][1] for r in records.get(a, ()) if r.get(curve)]
+        xb = [r[curve][-1][1] for r in records.get(b, ()) if r.get(curve)]
+        if len(xa) >= 2 and len(xb) >= 2:
+            yield a, b, xa, xb
+
+
 def spread_lines(records: dict[str, list[dict]], pairs) -> list[str]:
     """Per recorded pair, the ratio of the two cells' seed spreads of final greedy accuracy
     (`spread_ratio`) and whether 3 seeds resolve it: is one method more stable across seeds?"""
     out = []
-    for a, b in pairs:
-        if len(records.get(a, ())) < 2 or len(records.get(b, ())) < 2:
-            continue
-        xa = [r["curve"][-1][1] for r in records[a]]
-        xb = [r["curve"][-1][1] for r in records[b]]
+    for a, b, xa, xb in _recorded_pairs(records, pairs):
         ratio, lo, hi = spread_ratio(xa, xb)
         if not np.isfinite(ratio):
             continue
@@ -202,11 +208,7 @@ def needs_lines(records: dict[str, list[dict]], pairs, problems: int) -> list[st
     """For each recorded pair whose greedy difference `diff_lines` does not resolve: the seeds
     and problems `data_to_resolve` says a difference of that size would need."""
     out = []
-    for a, b in pairs:
-        if len(records.get(a, ())) < 2 or len(records.get(b, ())) < 2:
-            continue
-        xa = [r["curve"][-1][1] for r in records[a]]
-        xb = [r["curve"][-1][1] for r in records[b]]
+    for a, b, xa, xb in _recorded_pairs(records, pairs):
         d, h = diff_ci95(xa, xb)
         if abs(d) > np.hypot(h, problems_ci95(float(np.mean(xa)), float(np.mean(xb)), problems)):
             continue  # already resolved
