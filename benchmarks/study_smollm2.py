@@ -178,7 +178,12 @@ def smol_study(args) -> dict:
                          sampled_at_ends_only=True, start_sampled=start["sampled"])  # fmt: skip
             recs.append(save_record(rec, cell, cached))
             runs.append((cell.name, seed, rec))
-            shutil.rmtree(wd, ignore_errors=True)  # metrics are in the record
+            # The per-step metrics (e.g. GVPO's loss terms) stay beside the record: the
+            # scratch directory goes.
+            os.makedirs(os.path.join(args.out, "metrics"), exist_ok=True)
+            shutil.copyfile(os.path.join(wd, "metrics.jsonl"),
+                            os.path.join(args.out, "metrics", f"{tag}.jsonl"))  # fmt: skip
+            shutil.rmtree(wd, ignore_errors=True)
             print(f"   greedy {rec['curve'][-1][1]:.3f}  avg@{eval_n} "
                   f"{rec['curve_sampled'][-1][1]:.3f}  kl {rec['kl_start']:.4f}  "
                   f"{rec['time_s']:.0f}s", flush=True)  # fmt: skip

@@ -280,6 +280,9 @@ def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
     assert "| gvpo 4mbx1ep | 0 |" in md and "| grpo on-policy | 0 |" in md  # the per-run rows
     assert (out / "smollm2.png").stat().st_size > 1000
     assert len(list((out / "records").glob("*_s0.json"))) == 2 and (out / "start.json").exists()
+    kept = {p.name: p.read_text() for p in (out / "metrics").glob("*_s0.jsonl")}  # per-step metrics
+    assert kept.keys() == {p.name + "l" for p in (out / "records").glob("*_s0.json")}
+    assert sum('"adv_term"' in text for text in kept.values()) == 1  # GVPO's loss terms
     shutil.rmtree(work)  # the scratch: records and the start live beside the results
     again = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "== smollm2" not in again.stdout
