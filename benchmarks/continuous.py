@@ -50,6 +50,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -80,7 +81,7 @@ def length_mix(rows: int, new_tokens: int, seed: int = 0, kind: str = "linear") 
 
 def new_token_kv_bytes(cfg, rows: int, new_tokens: int) -> int:
     """Keys + values of `rows` rows x max(N - 1, 1) new-token columns over all layers."""
-    per_column = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.activation_dtype.itemsize
+    per_column = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
     return cfg.num_layers * rows * max(new_tokens - 1, 1) * per_column
 
 

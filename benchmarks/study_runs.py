@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.study_report import diverged
-from gvpo_jax import assemble, tasks, train
+from gvpo_jax import assemble, train
 from gvpo_jax import config as config_lib
-from gvpo_jax.rl_step import TrainingError, collect_groups, rl_step
+from gvpo_jax.rl_step import TrainingError, collect_groups
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The official GVPO recipe's regime: 4 minibatches x 1 epoch per rollout (1024 prompts per
@@ -112,12 +112,14 @@ class NoisyTask:
         wrong = gold + off if (h >> 14) % 2 or gold - off < 0 else gold - off
         return dict(ex, solution=str(wrong))
 
-    def next_train(self, n: int, rows=None) -> list[dict]:
-        return [self.corrupt(ex) for ex in self.task.next_train(n, rows)]
+    def next_train(self, n: int, cursor, rows=None):
+        examples, cursor = self.task.next_train(n, cursor, rows)
+        return [self.corrupt(ex) for ex in examples], cursor
 
 
 def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, extra: int = 0):
-    """Cold-start SFT (train.run_sft's recipe, plus held-out evals) saved as step 0 in workdir.
+    """Cold-start SFT (the trainer's `train.run_sft`, plus held-out evals) saved as step 0 in
+    workdir.
 
     With `extra` > 0 the SFT continues for that many steps at a constant 1/10 of the SFT
     learning rate after the saved checkpoint (the plateau check; not saved).
@@ -129,25 +131,17 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
     run_, state = assemble.assemble(c, workdir)
     if noise:
         run_ = dataclasses.replace(run_, task=NoisyTask(run_.task, noise))
+    loop = assemble.start_loop(run_)
     try:
         curve = [(0, held_out(run_, state.params, step=0))]
-        params, curve = _sft_phase(run_, state, steps, c.sft.lr, "cosine", eval_points, curve)
-        state = train.fresh_moments(run_, state.replace(params=params))  # fresh RL moments
-        train.save(run_, state, None, 0)
+        sft_state = _sft_phase(run_, state, loop, steps, c.sft.lr, "cosine", eval_points, curve)
+        state = train.fresh_moments(run_, sft_state)  # fresh RL moments
+        train.save(run_, state, loop, None)
         run_.ckpt.wait()
         extra_curve = [(steps, curve[-1][1])]
         if extra:
-            state = state.replace(params=params)
-            _, extra_curve = _sft_phase(
-                run_,
-                state,
-                extra,
-                c.sft.lr / 10,
-                "constant",
-                max(eval_points // 2, 1),
-                extra_curve,
-                offset=steps,
-            )
+            _sft_phase(run_, sft_state, loop, extra, c.sft.lr / 10, "constant",
+                       max(eval_points // 2, 1), extra_curve, offset=steps)  # fmt: skip
     finally:
         run_.writer.close()
         run_.task.close()
@@ -156,24 +150,21 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
             "cpu_s": time.process_time() - cpu0}  # fmt: skip
 
 
-def _sft_phase(run_, state, steps, lr, schedule, eval_points, curve, offset=0):
-    c = run_.config
-    st, update = train.sft_updater(
-        run_,
-        state,
-        steps=steps,
-        lr=lr,
-        warmup_steps=c.sft.warmup_steps if not offset else 0,
-        schedule=schedule,
-    )
+def _sft_phase(run_, state, loop, steps, lr, schedule, eval_points, curve, offset=0):
+    """`train.run_sft` for `steps` steps, evaluated every steps / eval_points (appended to
+    `curve`); returns the state with the new params."""
     every = max(steps // eval_points, 1)
-    for i in range(1, steps + 1):
-        st, _ = update(st, train.sft_batch(run_, run_.task.next_train(c.sft.batch_size)))
+
+    def evaluate(i, params):
         if i % every == 0 or i == steps:
-            acc = held_out(run_, st.params, step=offset + i)
+            acc = held_out(run_, params, step=offset + i)
             curve.append((offset + i, acc))
             print(f"[sft] step {offset + i}: held-out greedy accuracy {acc:.3f}", flush=True)
-    return st.params, curve
+
+    warmup = run_.config.sft.warmup_steps if not offset else 0
+    return train.run_sft(run_, state, loop, steps=steps, lr=lr, warmup_steps=warmup,
+                         schedule=schedule, log_prefix="sft_extra" if offset else "sft",
+                         on_step=evaluate)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,12 +201,13 @@ def rl_run(
 ):
     """RL from `start_dir` until `budget` responses are sampled; returns the run's record.
 
-    Composes the trainer's public pieces (assemble, train.restore, rl_step) so that the
-    loop can stop on a response budget and measure KL to the start policy at the end. With
-    `eval_n` > 1 every evaluation also records held-out avg@eval_n at the rollout temperature
-    (`curve_sampled`), next to the greedy `curve`; with `sampled_at_ends_only` only the start
-    and the end do (`start_sampled`, when given, is the start's). `start_dir` None starts from
-    the config's own weights (a pretrained model as shipped: no checkpoint).
+    The steps run in the trainer's own loop (`train.rl_loop`); its `on_step` hook counts the
+    responses, records each step, evaluates at budget / eval_points intervals and stops the
+    loop at the budget. KL to the start policy is measured at the end. With `eval_n` > 1 every
+    evaluation also records held-out avg@eval_n at the rollout temperature (`curve_sampled`),
+    next to the greedy `curve`; with `sampled_at_ends_only` only the start and the end do
+    (`start_sampled`, when given, is the start's). `start_dir` None starts from the config's own
+    weights (a pretrained model as shipped: no checkpoint).
     """
     t0, cpu0 = time.perf_counter(), time.process_time()
     c = config.copy_and_resolve_references()
@@ -230,16 +222,13 @@ def rl_run(
            "clip_frac": []}  # fmt: skip
     try:
         if start_dir is not None:
-            state, ref, _, _ = train.restore(run_, state)
+            state, ref, _ = train.restore(run_, state, assemble.start_loop(run_))
         else:
             ref = train.reference_copy(run_, state.params) if run_.needs_reference else None
-        # The checkpoint carries the SFT run's rng, data position and shuffle stream: reseed them
-        # (and rebuild the task) so that seeds differ.
+        # The checkpoint carries the SFT run's rng and loop state (data position, shuffle
+        # stream): the RL run starts its own from its seed, so that seeds differ.
         state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))
-        run_.task.close()
-        run_ = dataclasses.replace(
-            run_, np_rng=np.random.default_rng(c.seed + 1), task=tasks.build_task(c, run_.tokenizer)
-        )
+        loop = assemble.start_loop(run_)
         start_params = jax.tree.map(jnp.copy, state.params)
         acc0 = start_acc
         if acc0 is None:
@@ -249,12 +238,12 @@ def rl_run(
             if start_sampled is None:
                 start_sampled = held_out(run_, state.params, step=0, n=eval_n)
             rec["curve_sampled"].append((0, start_sampled))
-        responses, step, next_eval = 0, 0, 1
-        while responses < budget:
-            step += 1
-            state, m, _, _ = rl_step(run_, state, ref)
+        count = {"responses": 0, "next_eval": 1}
+
+        def on_step(step, state, m):
+            responses = count["responses"]
             responses += int(m["rollout_rounds"]) * (P - int(m["replayed_groups"])) * G
-            run_.writer.write_scalars(step, m | {"responses": responses})
+            count["responses"] = m["responses"] = responses  # written with the step's metrics
             rec["losses"].append(m.get("loss", float("nan")))
             rec["rewards"].append(m["accuracy"])
             rec["skipped"] += int(m["skipped_updates"])
@@ -262,7 +251,7 @@ def rl_run(
                 rec[k].append(float(m[k]))
             # the ratio clip's share of tokens (GRPO family; GSPO: sequences); GVPO has none
             rec["clip_frac"].append(float(m.get("clip_frac", float("nan"))))
-            if responses >= next_eval * budget / eval_points or responses >= budget:
+            if responses >= count["next_eval"] * budget / eval_points or responses >= budget:
                 if eval_n > 1 and (responses >= budget or not sampled_at_ends_only):
                     # one evaluation call scores greedy and avg@n
                     acc, acc_n = held_out_both(run_, state.params, step=step, n=eval_n)
@@ -270,9 +259,17 @@ def rl_run(
                 else:
                     acc = held_out(run_, state.params, step=step)
                 rec["curve"].append((responses, acc))
-                next_eval = int(responses * eval_points / budget) + 1
-        rec["steps"] = step
-        rec["kl_start"] = kl_to_start(run_, state.params, start_params, c.seed)
+                count["next_eval"] = int(responses * eval_points / budget) + 1
+            return responses >= budget
+
+        state, preempted = train.rl_loop(run_, state, loop, ref, on_step=on_step)
+        if preempted or count["responses"] < budget:
+            raise TrainingError(
+                f"stopped at step {loop.step} after {count['responses']} of {budget} responses"
+                + (" (preempted)" if preempted else "")
+            )
+        rec["steps"] = loop.step
+        rec["kl_start"] = kl_to_start(run_, loop, state.params, start_params, c.seed)
     except TrainingError as e:
         rec["error"] = str(e)
         rec["kl_start"] = float("nan")
@@ -285,7 +282,7 @@ def rl_run(
     return rec
 
 
-def kl_to_start(run_, params, start_params, seed: int, batches: int = 2) -> float:
+def kl_to_start(run_, loop, params, start_params, seed: int, batches: int = 2) -> float:
     """KL(pi_final || pi_start) per response token: k3 = e^d - d - 1, d = logp_start - logp_final,
     on responses sampled from the final policy (unbiased for the per-token KL of those tokens,
     the same estimate as the trainer's kl_ref)."""
@@ -293,7 +290,7 @@ def kl_to_start(run_, params, start_params, seed: int, batches: int = 2) -> floa
     for i in range(batches):
         key = jax.random.fold_in(jax.random.key(seed + 777), i)
         P = run_.config.rollout.prompts_per_step
-        batch, *_ = collect_groups(run_, params, key, P)
+        batch, *_ = collect_groups(run_, params, loop, key, P)
         tokens, attn, mask = batch["tokens"], batch["attn_mask"], batch["resp_mask"]
         final = np.asarray(run_.logprobs(params, tokens, attn), np.float64)
         start = np.asarray(run_.logprobs(start_params, tokens, attn), np.float64)

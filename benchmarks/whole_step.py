@@ -84,6 +84,8 @@ def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0):
     c.optim.length_buckets = min(length_buckets, c.rollout.max_new_tokens)
     c.train.eval_every = 0
     c.train.log_every = 10**6
+    c.train.sample_log_every = 0
+    c.train.checkpoint_every = 10**9
     if quick:  # the tiny random model with the character tokenizer, same step
         c.model.gguf = ""
         c.model.preset = "tiny"
@@ -113,9 +115,10 @@ def prepare(out_dir: str, settings: dict, total_steps: int) -> dict:
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
     c = our_config(settings, "grpo", quick=False)
     task = tasks.build_task(c, tok)
-    rows = []
+    rows, cursor = [], task.start
     for step in range(total_steps):  # the order our trainer draws them in: next_train(P)
-        for ex in task.next_train(settings["prompts"]):
+        examples, cursor = task.next_train(settings["prompts"], cursor)
+        for ex in examples:
             ids = [int(i) for i in ex["prompt_ids"]]
             rows.append(dict(step=step, prompt_ids=ids, answer=str(ex["answer"]),
                              prompt=tok.decode(ids, skip_special_tokens=False)))  # fmt: skip
@@ -188,17 +191,23 @@ class Worker(workers.LineWorker):
 
 
 def ours_worker(args) -> None:
-    """gvpo_jax's trainer step (`rl_step`), with its own per-stage timers."""
+    """gvpo_jax's trainer loop (`train.rl_loop`), one step per driver command, with the step's
+    own per-stage timers."""
     import jax
     import numpy as np
 
-    from gvpo_jax import assemble, tasks, train
-    from gvpo_jax.rl_step import rl_step
+    from gvpo_jax import assemble, train
 
     settings = json.loads(args.settings)
     c = our_config(settings, args.algo, args.quick, args.length_buckets)
+    if args.total_steps > c.train.steps:  # the loop (and its learning-rate schedule) ends there
+        raise SystemExit(
+            f"--total_steps {args.total_steps} is more than the config's train.steps "
+            f"{c.train.steps}; run fewer steps."
+        )
     workdir = tempfile.mkdtemp(prefix=f"whole_step_{args.algo}_")
     run, state = assemble.assemble(c, workdir)
+    loop = assemble.start_loop(run)
     ref = train.reference_copy(run, state.params) if run.needs_reference else None
     info = dict(impl=f"gvpo_jax {args.algo}", jax=jax.__version__,
                 length_buckets=c.optim.length_buckets)  # fmt: skip
@@ -210,16 +219,16 @@ def ours_worker(args) -> None:
         info["logits_error"] = logits_error(logits, args.dir)
         # The trainer draws the prompts the driver wrote down, in the same order.
         first = read_prompts(args.dir)[: settings["prompts"]]
-        probe = tasks.build_task(c, run.tokenizer).next_train(settings["prompts"])
+        probe, _ = run.task.next_train(settings["prompts"], loop.data)
         assert [p["prompt_ids"] for p in first] == [list(map(int, e["prompt_ids"])) for e in probe]
     emit(info)
-    for command in commands():
-        if command != "step":
-            break
-        t0, c0 = time.perf_counter(), time.process_time()
-        state, m, _, _ = rl_step(run, state, ref)
+    driver = commands()
+    clock = [time.perf_counter(), time.process_time()]  # the current step's start
+
+    def on_step(step, state, m) -> bool:
+        """Reports the step just taken, then waits for the driver: True (stop) unless 'step'."""
         jax.block_until_ready(state.params)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        wall, cpu = time.perf_counter() - clock[0], time.process_time() - clock[1]
         rows = settings["prompts"] * settings["samples"]
         emit(dict(
             step_s=wall, cpu_s=cpu, rollout_s=m["rollout_time_s"], reward_s=m["reward_time_s"],
@@ -227,6 +236,13 @@ def ours_worker(args) -> None:
             tokens=m["response_len_mean"] * rows, reward_mean=m["reward_mean"],
             update_slot_frac=m.get("update_slot_frac", 1.0),
         ))  # fmt: skip
+        go = next(driver, "close") == "step"
+        clock[:] = [time.perf_counter(), time.process_time()]
+        return not go
+
+    if next(driver, "close") == "step":
+        clock[:] = [time.perf_counter(), time.process_time()]
+        train.rl_loop(run, state, loop, ref, on_step=on_step)
     emit(dict(closed=True))
 
 

@@ -1,7 +1,8 @@
 """One assembly: a config becomes a frozen `Run` (model, tokenizer, task, mesh, jitted functions,
-checkpoints, writer) and its first `TrainState`.
+checkpoints, writer) and its first `TrainState`; `start_loop` gives the run's first loop state.
 
     run, state = assemble.assemble(config, workdir)
+    loop = assemble.start_loop(run)  # data position, shuffle stream, replay buffer
 
 The trainer, `plan --compile` (through `step_functions`), the learning study, the benchmarks and
 the tests all build their runs here; nothing assigns fields on a `Run` afterwards (use
@@ -36,12 +37,13 @@ from gvpo_jax import (
 )
 from gvpo_jax.buckets import BucketedSteps
 from gvpo_jax.replay import ReplayBuffer
-from gvpo_jax.rl_step import StepSettings
+from gvpo_jax.rl_step import LoopState, StepSettings
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """Everything of one run that is not a jax pytree; built once by `assemble`."""
+    """Everything of one run that never changes; built once by `assemble`. What changes is in
+    the `TrainState` (device arrays) and the `rl_step.LoopState` (host side)."""
 
     config: ml_collections.ConfigDict  # read by the trainer's loop only
     workdir: str
@@ -54,8 +56,6 @@ class Run:
     step: StepSettings  # what one RL step does
     writer: metrics.MetricWriter
     ckpt: checkpoint.Checkpointer
-    replay: ReplayBuffer | None  # GVPO's replay buffer (None: off)
-    np_rng: np.random.Generator  # minibatch shuffles (its state is checkpointed)
     tx: optax.GradientTransformation  # the RL optimizer
     state_shardings: train_step.TrainState  # NamedShardings of the train state
     update: object  # jitted (state, batch) -> (state, metrics), state donated
@@ -179,6 +179,17 @@ def sampling_settings(config: ml_collections.ConfigDict, tokenizer) -> sampler.S
     )
 
 
+def start_loop(run: Run) -> LoopState:
+    """The loop state of a run's start: step 0, the start of the task's stream, the shuffle
+    stream seeded from the config's seed, an empty replay buffer (when the config has one)."""
+    return LoopState(
+        step=0,
+        data=run.task.start,
+        np_rng=np.random.default_rng(run.config.seed + 1),
+        replay=make_replay(run.config),
+    )
+
+
 def make_replay(config: ml_collections.ConfigDict) -> ReplayBuffer | None:
     if config.algo.name == "gvpo" and config.algo.replay_fraction > 0:
         return ReplayBuffer(
@@ -245,31 +256,26 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
 
 
 def check_mesh(config: ml_collections.ConfigDict, mesh) -> None:
-    """Batch shapes the mesh can split into whole groups (ShardingError otherwise)."""
+    """Batch shapes the mesh can split into whole groups (ShardingError otherwise): the
+    trainer's check before anything compiles, and the planner's verdict on a mesh."""
     c = config
     P, G = c.rollout.prompts_per_step, c.rollout.group_size
     sharding.check_batch((P // c.algo.num_minibatches) * G, G, mesh, c.optim.micro_batches)
-    shards = sharding.batch_shards(mesh)
     fresh = P - int(round(c.algo.replay_fraction * P))
-    sizes = [("rollout.prompts_per_step", P), ("fresh groups per step", fresh)]
+    fix = "change prompts_per_step (or replay_fraction) or config.mesh"
+    sizes = [("config.rollout.prompts_per_step", P), ("fresh groups per step", fresh)]
     if c.train.eval_chunk:
-        sizes.append(("train.eval_chunk", c.train.eval_chunk))
+        sizes.append(("config.train.eval_chunk", c.train.eval_chunk))
     if c.sft.steps:
-        sizes.append(("sft.batch_size", c.sft.batch_size))
+        sizes.append(("config.sft.batch_size", c.sft.batch_size))
     for name, n in sizes:
-        if n % shards:
-            raise sharding.ShardingError(
-                f"{name} = {n} is not a multiple of the {shards} data x fsdp shards of the "
-                "mesh; change prompts_per_step (or replay_fraction) or config.mesh."
-            )
+        sharding.check_split(n, mesh, name, fix)
+    # Each row shard refills its own decode slots.
     for name in ("rollout.num_slots", "train.eval_num_slots"):
         slots = c.rollout.num_slots if name == "rollout.num_slots" else c.train.eval_num_slots
-        if slots % shards:
-            raise sharding.ShardingError(
-                f"config.{name} = {slots} decode slots do not split over the {shards} data x "
-                f"fsdp shards of the mesh (each shard refills its own slots); use a multiple "
-                f"of {shards}, or 0 for one slot per row."
-            )
+        sharding.check_split(
+            slots, mesh, f"config.{name} (decode slots)", "use a multiple, or 0 for one per row"
+        )
 
 
 def step_functions(config: ml_collections.ConfigDict, graphdef, params, rng, mesh, rules):
@@ -371,8 +377,6 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
             save_every=config.train.checkpoint_every,
             keep=config.train.keep_checkpoints,
         ),
-        replay=make_replay(config),
-        np_rng=np.random.default_rng(config.seed + 1),
         tx=tx,
         state_shardings=shardings,
         update=update,

@@ -189,7 +189,7 @@ def kv_cache_bytes(
     shards = sizes["data"] * sizes["fsdp"]
     t = sizes["tensor"]
     k = cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads
-    per_slot = 2 * k * cfg.head_dim * cfg.activation_dtype.itemsize
+    per_slot = 2 * k * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
     rows = prompts * group
     prompt_part = math.ceil(prompts / shards) * prompt_len * (per_slot + 1)
     if 0 < num_slots < rows:
@@ -219,7 +219,7 @@ def activation_bytes(
     figure: this stays an upper bound.
     """
     b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
-    t, a, T = sizes["tensor"], cfg.activation_dtype.itemsize, length
+    t, a, T = sizes["tensor"], jnp.dtype(cfg.compute_dtype).itemsize, length
     d, f, n, k, h = (
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -266,7 +266,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     # The sampler casts the masters to the compute dtype once per rollout (a materialised copy,
     # in the parameters' shards); the update casts each weight where it is used, which XLA may
     # keep alive from the forward to the backward pass: counted once for both (an upper bound).
-    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.activation_dtype), params)
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), params)
     compute_bytes = tree_bytes(compute, mesh, rules) if cfg.compute_dtype != cfg.param_dtype else 0
     # FSDP: a layer's weights are all-gathered (still split over tensor) where they are used.
     # One layer at a time is the least any schedule needs (a lower bound); with remat tied to
@@ -287,19 +287,9 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
             "projections and the KV cache are replicated over the tensor axis."
         )
     try:  # the layout the trainer will insist on, reported here before any pod is booked
-        sharding.check_batch(P * G // c.algo.num_minibatches, G, mesh, c.optim.micro_batches)
+        assemble.check_mesh(c, mesh)
     except sharding.ShardingError as e:
         notes.append(f"NOT RUNNABLE on this mesh: {e}")
-    if P % (data * fsdp):
-        notes.append(
-            f"NOT RUNNABLE on this mesh: the rollout's {P} prompts do not split over "
-            f"data x fsdp = {data * fsdp} shards; make rollout.prompts_per_step a multiple."
-        )
-    if c.rollout.num_slots % (data * fsdp):
-        notes.append(
-            f"NOT RUNNABLE on this mesh: rollout.num_slots={c.rollout.num_slots} does not split "
-            f"over data x fsdp = {data * fsdp} shards; use a multiple (or 0)."
-        )
     return MemoryPlan(
         mesh=sizes,
         params=param_bytes,

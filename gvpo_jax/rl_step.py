@@ -1,8 +1,10 @@
 """One RL step on one page: rollout, rewards, filters, replay, log-probs, updates, metrics.
 
-`rl_step(run, state, ref_params)` is the whole step of `python -m gvpo_jax.main`; `run` is the
-frozen object of `gvpo_jax.assemble` (jitted functions, task, sampler settings, mesh), and every
-setting the step reads is in `run.step` (`StepSettings`), never in the config.
+`rl_step(run, state, loop, ref_params)` is the whole step of `python -m gvpo_jax.main`; `run`
+is the frozen object of `gvpo_jax.assemble` (jitted functions, task, sampler settings, mesh),
+`state` the `train_step.TrainState` (device arrays), `loop` the host side of what changes
+(`LoopState`: data position, shuffle stream, replay buffer), and every setting the step reads is
+in `run.step` (`StepSettings`), never in the config.
 
 Multi-process runs: each process samples and scores only the rows it feeds; the small host batch
 of a round (tokens, rewards, log-probs) is then all-gathered, so dynamic sampling, the replay
@@ -18,7 +20,8 @@ import time
 import jax
 import numpy as np
 
-from gvpo_jax import losses, rollout, sampler, sharding, train_step
+from gvpo_jax import rewards, rollout, sampler, sharding, tasks, train_step
+from gvpo_jax.replay import ReplayBuffer
 
 
 class TrainingError(RuntimeError):
@@ -51,32 +54,63 @@ class StepSettings:
     grad_clip: float = 0.0  # the optimizer's global-norm clip (0: off), for grad_clipped_frac
 
 
-def rl_step(run, state, ref_params):
-    """One RL step from `state` (a `train_step.TrainState`); `ref_params` is the frozen reference
-    (None when the run needs none). Returns (state, metrics, completions, examples): completions
-    and examples are this process's rows of the first rollout round (for sample logging)."""
+@dataclasses.dataclass
+class LoopState:
+    """What changes during a run besides the `TrainState`, on the host: threaded through the
+    trainer's loop (`rl_step` and `train.run_sft` advance it in place) and checkpointed with
+    the train state (`state_dict` / `load_state_dict`), so a resumed run continues bit for bit.
+    `assemble.Run` holds only what never changes."""
+
+    step: int  # the last finished RL step (0 before the first)
+    data: tasks.DataCursor  # the position in the task's training stream
+    np_rng: np.random.Generator  # minibatch shuffles
+    replay: ReplayBuffer | None  # GVPO's replay buffer (None: off)
+
+    def state_dict(self) -> dict:
+        """JSON-able: the step, the data position and the shuffle stream (the replay buffer's
+        arrays are saved beside it: `replay.state_dict()`)."""
+        return {
+            "step": self.step,
+            "data": self.data.state_dict(),
+            "np_rng": self.np_rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, meta: dict, replay: dict | None) -> None:
+        self.step = int(meta["step"])
+        self.data = tasks.DataCursor.from_state_dict(meta["data"])
+        self.np_rng.bit_generator.state = meta["np_rng"]
+        if replay and self.replay is not None:
+            self.replay.load_state_dict(replay)
+
+
+def rl_step(run, state, loop: LoopState, ref_params):
+    """One RL step from `state` (a `train_step.TrainState`) and `loop` (advanced in place);
+    `ref_params` is the frozen reference (None when the run needs none). Returns (state,
+    metrics, completions, examples): completions and examples are this process's rows of the
+    first rollout round (for sample logging)."""
     s = run.step
     G, P = s.group_size, s.prompts_per_step
     rng, roll_rng = jax.random.split(state.rng)
     state = state.replace(rng=rng)
 
     # 1. How many of the P groups come from the replay buffer (none until it holds enough).
-    n_replay = int(round(s.replay_fraction * P)) if run.replay is not None else 0
-    if run.replay is not None and len(run.replay) < n_replay:
+    replay = loop.replay
+    n_replay = int(round(s.replay_fraction * P)) if replay is not None else 0
+    if replay is not None and len(replay) < n_replay:
         n_replay = 0  # buffer still filling: a fresh-only batch (one extra compile at most)
 
     # 2. Rollout and rewards: P - n_replay fresh groups (dynamic sampling may run more rounds).
     fresh, completions, examples, metrics = collect_groups(
-        run, state.params, roll_rng, P - n_replay
+        run, state.params, loop, roll_rng, P - n_replay
     )
 
     # 3. Replay: the update batch is the fresh groups plus replayed ones; the fresh go in.
     t0 = time.perf_counter()
     batch = {k: fresh[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
     if n_replay:
-        batch = rollout.concat_batches([batch, run.replay.sample(n_replay)])
-    if run.replay is not None:
-        run.replay.add(fresh, G)
+        batch = rollout.concat_batches([batch, replay.sample(n_replay)])
+    if replay is not None:
+        replay.add(fresh, G)
 
     # 4. Log-probs: pi_old (GVPO's anchor "old") and the reference for every row, replayed ones
     #    included, one forward each with the parameters the rollout used. With one update per
@@ -96,7 +130,7 @@ def rl_step(run, state, ref_params):
     if single_update:
         rows_total = len(batch["rewards"])
         pad = rows_total - len(fresh["sampled"])  # replayed rows: not this step's samples
-        batch["sample_logp"] = np.pad(fresh["sample_logp"], ((0, pad), (0, 0)))
+        batch["rollout_logp"] = np.pad(fresh["rollout_logp"], ((0, pad), (0, 0)))
         batch["sampled"] = np.pad(fresh["sampled"], (0, pad))
     else:
         batch["old_logp"] = logprobs(state.params)
@@ -109,7 +143,7 @@ def rl_step(run, state, ref_params):
     update_metrics = []
     for _ in range(s.num_epochs):
         for groups in rollout.minibatch_groups(len(batch["rewards"]) // G, s.num_minibatches,
-                                               run.np_rng):  # fmt: skip
+                                               loop.np_rng):  # fmt: skip
             mb = batch
             if s.num_minibatches > 1 or s.num_epochs > 1:
                 mb = rollout.select_groups(batch, groups, G)
@@ -133,15 +167,15 @@ def rl_step(run, state, ref_params):
         entropy_mc = -float(u["sampled_logp_sum"]) / max(float(u["sampled_tokens"]), 1.0)
         gap_max = float(u["sampler_logp_gap_max"])
     else:
-        old = np.asarray(batch["old_logp"])[: fresh["sample_logp"].shape[0]]
+        old = np.asarray(batch["old_logp"])[: fresh["rollout_logp"].shape[0]]
         entropy_mc = float(-np.sum(old * sampled) / max(float(sampled.sum()), 1.0))
-        gap_max = float((np.abs(old - fresh["sample_logp"]) * sampled).max())
+        gap_max = float((np.abs(old - fresh["rollout_logp"]) * sampled).max())
     metrics.update(
         {
             "reward_mean": float(np.mean(fresh["rewards"])),
             "reward_std": float(np.std(fresh["rewards"])),
             "accuracy": float(np.mean(r[is_sampled] >= 1.0)),  # the policy's, not the demos'
-            "equal_reward_group_frac": float(np.mean(~rollout.informative_mask(r, G))),
+            "equal_reward_group_frac": float(np.mean(~rollout.informative_groups(r, G))),
             "response_len_mean": float(np.mean(fresh["lengths"][is_sampled])),
             "response_len_max": float(np.max(fresh["lengths"][is_sampled])),
             "entropy_mc": entropy_mc,
@@ -174,13 +208,16 @@ def rl_step(run, state, ref_params):
     return state, metrics, completions, examples
 
 
-def next_examples(task, mesh, n: int) -> list[dict]:
-    """This process's rows of the next global batch of n training examples."""
-    return task.next_train(n, rows=sharding.process_rows(n, mesh).rows)
+def next_examples(task, mesh, loop: LoopState, n: int) -> list[dict]:
+    """This process's rows of the next global batch of n training examples (advances
+    `loop.data`)."""
+    examples, loop.data = task.next_train(n, loop.data, rows=sharding.process_rows(n, mesh).rows)
+    return examples
 
 
-def collect_groups(run, params, rng: jax.Array, num_prompts: int):
+def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: int):
     """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones.
+    Reads the next training prompts at `loop.data` (advanced).
 
     Returns (batch, completions, examples, metrics): `batch` is the global batch (every row, on
     every process); completions / examples are this process's rows of the first round.
@@ -191,17 +228,15 @@ def collect_groups(run, params, rng: jax.Array, num_prompts: int):
     num_kept, rounds_run = 0, 0
     for r in range(1 + (s.max_extra_rounds if s.dynamic_sampling else 0)):
         rounds_run += 1
-        examples = next_examples(run.task, run.mesh, num_prompts)
+        examples = next_examples(run.task, run.mesh, loop, num_prompts)
         batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r))
         batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
         info["truncated"] = batch.pop("truncated")
         batch["task_rewards"] = batch["rewards"].copy()
         if s.overlong is not None:  # DAPO's soft overlong penalty on the response lengths
             max_len, cache_len, factor = s.overlong
-            batch["rewards"] = batch["rewards"] + np.asarray(
-                losses.overlong_penalty(
-                    batch["lengths"], max_len=max_len, cache_len=cache_len, factor=factor
-                )
+            batch["rewards"] = batch["rewards"] + rewards.overlong_penalty(
+                batch["lengths"], max_len=max_len, cache_len=cache_len, factor=factor
             )
         for k, v in info.items():
             info_acc.setdefault(k, []).append(v)
@@ -211,7 +246,7 @@ def collect_groups(run, params, rng: jax.Array, num_prompts: int):
             kept.append(batch)
             num_kept = num_prompts
             break
-        good = np.flatnonzero(rollout.informative_mask(batch["task_rewards"], G))
+        good = np.flatnonzero(rollout.informative_groups(batch["task_rewards"], G))
         take = good[: num_prompts - num_kept]
         if len(take):
             kept.append(rollout.select_groups(batch, take, G))
@@ -219,7 +254,7 @@ def collect_groups(run, params, rng: jax.Array, num_prompts: int):
         if num_kept == num_prompts:
             break
     if num_kept < num_prompts:  # bound reached: fill with uninformative groups (zero advantage)
-        good = rollout.informative_mask(first_round["task_rewards"], G)
+        good = rollout.informative_groups(first_round["task_rewards"], G)
         fill = np.flatnonzero(~good)[: num_prompts - num_kept]
         kept.append(rollout.select_groups(first_round, fill, G))
     metrics = {
@@ -238,8 +273,10 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     demonstration in each group's last slot, score, and lay out the update rows.
 
     Returns (batch, completions, info): `batch` holds tokens / attn_mask / resp_mask / rewards /
-    lengths / truncated, the sampler's own log-probs (`sample_logp`, only a consistency metric:
-    pi_old is recomputed in one forward) and `sampled` (0 on demonstration rows).
+    lengths / truncated, `rollout_logp` (the sampler's `logp_BxN`: the sampling policy's own
+    log-probs at T = 1, not those of the tempered / truncated distribution it drew from; only a
+    consistency metric: pi_old is recomputed in one forward) and `sampled` (0 on demonstration
+    rows).
     """
     settings, G = run.sampling, run.step.group_size
     prompts = [ex["prompt_ids"] for ex in examples]
@@ -249,7 +286,7 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     )
     rollout_s = time.perf_counter() - t0
     tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
-    sample_logp = np.asarray(out.logp_BxN, np.float32)
+    rollout_logp = np.asarray(out.logp_BxN, np.float32)
     sampled = np.ones(len(lengths), np.float32)  # 0: a demonstration, not the sampler's
     if run.step.demo_slot:
         demo_tokens, demo_mask = rollout.encode_answers(
@@ -263,13 +300,13 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
         tokens, mask, lengths = tokens.copy(), mask.copy(), lengths.copy()
         tokens[rows], mask[rows] = demo_tokens, demo_mask
         lengths[rows] = demo_mask.sum(-1).astype(lengths.dtype)
-        sample_logp = sample_logp.copy()
-        sample_logp[rows] = 0.0
+        rollout_logp = rollout_logp.copy()
+        rollout_logp[rows] = 0.0
         sampled[rows] = 0.0
     completions = rollout.decode(run.tokenizer, tokens, lengths)
     golds = [str(examples[b // G]["answer"]) for b in range(len(completions))]
     t1 = time.perf_counter()
-    rewards, reward_info = run.task.score(completions, golds)
+    scores, reward_info = run.task.score(completions, golds)
     reward_s = time.perf_counter() - t1
     batch = rollout.layout_batch(
         prompts, tokens, mask, group_size=G, prompt_len=run.step.prompt_len, pad_id=settings.pad_id
@@ -278,8 +315,8 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     for eos in settings.eos_ids:
         ended |= (tokens == eos).any(-1)
     batch.update(
-        rewards=np.asarray(rewards, np.float32),
-        sample_logp=sample_logp,
+        rewards=np.asarray(scores, np.float32),
+        rollout_logp=rollout_logp,
         sampled=sampled,
         lengths=np.asarray(lengths, np.int32),
         truncated=(~ended).astype(np.float32),

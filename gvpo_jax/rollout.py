@@ -6,8 +6,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gvpo_jax import losses
-
 
 def layout_batch(
     prompts: Sequence[Sequence[int]],
@@ -67,9 +65,14 @@ def select_groups(batch: dict[str, np.ndarray], groups: np.ndarray, group_size: 
     return {k: v[rows] for k, v in batch.items()}
 
 
-def informative_mask(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
-    """DAPO dynamic sampling on the host: True for groups whose rewards are not all equal."""
-    return np.asarray(losses.informative_groups(rewards_B, group_size))
+def informative_groups(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
+    """DAPO dynamic sampling on the host: bool [P], True for groups whose rewards are not all
+    equal (the numpy twin of `gvpo_jax.losses.informative_groups`)."""
+    rewards_B = np.asarray(rewards_B)
+    if rewards_B.ndim != 1 or len(rewards_B) % group_size:
+        raise ValueError(f"{rewards_B.shape} rewards are not whole groups of {group_size}.")
+    r_PxG = rewards_B.reshape(-1, group_size)
+    return np.any(r_PxG != r_PxG[:, :1], axis=1)
 
 
 def minibatch_groups(num_groups: int, num_minibatches: int, rng: np.random.Generator):

@@ -268,22 +268,6 @@ def decode_segments(slots: int, max_segments: int = 4, min_segment: int = 16) ->
     return tuple(-(-slots * (j + 1) // count) for j in range(count))
 
 
-def _grow_cache(cache: list[dict[str, jax.Array]], slots: int) -> list[dict[str, jax.Array]]:
-    """Pad every layer's new-token slots ('kT', 'vT' [..., H, S], 'valid' [B, S]) to `slots`."""
-
-    def grow(layer):
-        extra = slots - layer["valid"].shape[1]
-        pad_kv = [(0, 0)] * (layer["kT"].ndim - 1) + [(0, extra)]  # slot-last decode layout
-        return {
-            **layer,
-            "kT": jnp.pad(layer["kT"], pad_kv),
-            "vT": jnp.pad(layer["vT"], pad_kv),
-            "valid": jnp.pad(layer["valid"], ((0, 0), (0, extra))),
-        }
-
-    return [grow(layer) for layer in cache]
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -345,7 +329,7 @@ def generate_split(
     # Decoding runs in the model's compute dtype: cast the (master) parameters once here, in
     # their shards, rather than at every decode step; the KV cache is in that dtype too. Logits,
     # sampling and the returned log-probs stay fp32.
-    dtype = nnx.merge(graphdef, state).config.activation_dtype
+    dtype = nnx.merge(graphdef, state).config.compute_dtype
     state = jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state
     )
@@ -454,7 +438,7 @@ def _decode_static(
     final = append(start, logits_BxV)
     for j, slots in enumerate(sizes):
         if j:
-            final = final.replace(cache=_grow_cache(final.cache, slots))
+            final = final.replace(cache=[layer.grow(slots) for layer in final.cache])
         final = jax.lax.while_loop(functools.partial(keep_going, slots=slots), decode_step, final)
     return _output(final.tokens_BxN, final.logp_BxN, final.sample_logp_BxN, final.lengths_B), (
         final.step - 1
@@ -516,8 +500,7 @@ def _decode_continuous(
     r, s_per, p_per = b // d, slots // d, p // d
     columns = max(n - 1, 1)
     model = nnx.merge(graphdef, state)
-    cache = model.slot_cache(cache, slots, columns, groups=d)
-    cache = [{k: v for k, v in layer.items() if k != "prefix_index"} for layer in cache]
+    cache = model.slot_cache(cache, slots, columns, queues=d)
 
     # Token 0 of every item, one prompt of each queue (D x G rows) at a time: the [B, V] logits
     # of the static sampler are never held, and the loop runs along the queues' prompts, not
@@ -581,7 +564,7 @@ def _decode_continuous(
         prompt_DxS = item_DxS // g
         positions_DxS = jnp.take_along_axis(lens_DxP, prompt_DxS, axis=1) + st.pos_DxS - 1
         column_S = jnp.clip(st.pos_DxS - 1, 0, columns - 1).reshape(slots)
-        layers = [{**layer, "prefix_index": prompt_DxS} for layer in st.cache]
+        layers = [layer.replace(prefix_index=prompt_DxS) for layer in st.cache]
         logits_Sx1xV, layers = nnx.merge(graphdef, state)(
             jnp.where(active_DxS, st.fed_DxS, 0).reshape(slots, 1),
             positions_DxS.reshape(slots, 1),
@@ -589,7 +572,6 @@ def _decode_continuous(
             cache=layers,
             cache_index=column_S,
         )
-        cache = [{k: v for k, v in layer.items() if k != "prefix_index"} for layer in layers]
         rows_DxS = jnp.arange(d, dtype=jnp.int32)[:, None] * r + item_DxS  # output row
         keys_S = token_keys(rng, rows_DxS.reshape(slots), st.pos_DxS.reshape(slots))
         tokens_S, logp_S, sample_logp_S = select(logits_Sx1xV[:, 0], keys_S)
@@ -610,7 +592,7 @@ def _decode_continuous(
                 st.sample_logp_DxRxN, write_DxS, st.pos_DxS, sample_logp_S.reshape(d, s_per)
             ),
             lengths_DxR=lengths_DxR,
-            cache=cache,
+            cache=layers,
         )
         return refill(st, ended_DxS | ~active_DxS)
 
@@ -684,22 +666,14 @@ def generate_sharded(
     `sharding.local_rows`.
     """
     canon = canonical_settings(**settings)
-    shards = sharding.batch_shards(mesh)
     canon["num_slots"] = resolve_slots(
         canon["num_slots"], prompt_ids.shape[0] * canon["group_size"]
     )
     graphdef, state = nnx.split(model)
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    if prompt_ids.shape[0] % shards:
-        raise sharding.ShardingError(
-            f"{prompt_ids.shape[0]} prompts cannot be split over {shards} "
-            "data x fsdp shards; sample a multiple of that many prompts."
-        )
-    if canon["num_slots"] % shards:
-        raise sharding.ShardingError(
-            f"num_slots={canon['num_slots']} decode slots cannot be split over {shards} "
-            "data x fsdp shards; use a multiple of that many slots."
-        )
+    sharding.check_split(prompt_ids.shape[0], mesh, "prompts", "sample a multiple of that many")
+    sharding.check_split(canon["num_slots"], mesh, "num_slots (decode slots)",
+                         "use a multiple of that many slots")  # fmt: skip
     fn = _jitted_generate(graphdef, mesh, rules, _Hashable(shardings), tuple(canon.items()))
     return fn(state, prompt_ids, prompt_lens, rng, max_lengths)
 

@@ -300,6 +300,19 @@ def batch_shards(mesh) -> int:
     return sizes["data"] * sizes["fsdp"]
 
 
+def check_split(count: int, mesh, what: str, fix: str) -> None:
+    """Raises ShardingError unless `count` (rows, prompts, slots) splits evenly over the row
+    shards (data x fsdp). The one divisibility check of the package: the config's batch sizes
+    (`assemble.check_mesh`, also the planner's verdict), the sampler and the data loading use
+    it. `what` names the quantity (e.g. "config.rollout.num_slots"), `fix` says what to do."""
+    shards = batch_shards(mesh)
+    if count % shards:
+        raise ShardingError(
+            f"{what} = {count} cannot be split over the {shards} data x fsdp shards of the "
+            f"mesh; {fix}."
+        )
+
+
 def check_batch(num_rows: int, group_size: int, mesh, micro_batches: int = 1) -> None:
     """Raises ShardingError unless every (shard, micro-batch) slice holds whole groups."""
     shards = batch_shards(mesh)
@@ -352,11 +365,8 @@ def process_rows(num_rows: int, mesh) -> ProcessRows:
     at global row `rows[i]`. Processes that are replicas of the same rows must feed identical
     data. With one process: all rows, index 0 of 1.
     """
+    check_split(num_rows, mesh, "rows", "use a multiple")
     shards = batch_shards(mesh)
-    if num_rows % shards:
-        raise ShardingError(
-            f"{num_rows} rows cannot be split over {shards} data x fsdp shards; use a multiple."
-        )
     distinct, mine = _row_shard_sets(mesh)
     per = num_rows // shards
     rows = np.concatenate([np.arange(s * per, (s + 1) * per) for s in mine])

@@ -1,7 +1,12 @@
-"""A run's task: the training stream (grain, exact resume), the held-out set, and the reward."""
+"""A run's task: the training stream (grain, exact resume), the held-out set, and the reward.
+
+The task never changes during a run; where the run is in its stream is a `DataCursor`, part of
+the loop state (`rl_step.LoopState`): `examples, cursor = task.next_train(n, cursor)`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +42,21 @@ def eos_ids(tokenizer) -> tuple[int, ...]:
 def parse_reward_specs(text: str) -> list[tuple[str, float]]:
     """ "math:1,format:0.1" -> [("math", 1.0), ("format", 0.1)] (`rewards.parse_specs`)."""
     return rewards.parse_specs(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataCursor:
+    """Where a run is in its training stream; identical on every process, checkpointed."""
+
+    position: int = 0  # global stream position of the next unread example
+    dropped: int = 0  # examples skipped for not fitting max_prompt_len (held-out ones included)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "dropped": self.dropped}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> DataCursor:
+        return cls(position=int(state["position"]), dropped=int(state["dropped"]))
 
 
 class _Concat:
@@ -116,17 +136,11 @@ class Task:
         if len(train_source) == 0:
             raise DataError(f"the training set of data.task={name!r} is empty; check data.path.")
         self._stream = make_stream(train_source, seed=seed)
-        self.position = 0  # global stream position of the next unread example
-        self.dropped = 0  # examples skipped for not fitting max_prompt_len (all processes)
-        self.eval_examples = self._encode(list(held_out))
+        kept, self.eval_examples = self._encode_kept(list(held_out))
         if not self.eval_examples:
             raise DataError(f"no held-out example of {name!r} fits data.max_prompt_len.")
-
-    def _encode(self, examples: Sequence[dict]) -> list[dict]:
-        """The examples that fit, with their prompt ids (drops counted)."""
-        kept, out = self._encode_kept(examples)
-        self.dropped += len(examples) - len(kept)
-        return out
+        # A run starts at the stream's beginning, with the held-out drops already counted.
+        self.start = DataCursor(position=0, dropped=len(held_out) - len(kept))
 
     def _encode_kept(self, examples: Sequence[dict]) -> tuple[list[int], list[dict]]:
         try:
@@ -136,8 +150,11 @@ class Task:
         kept = [int(i) for i in kept]
         return kept, [dict(examples[i], prompt_ids=p) for i, p in zip(kept, ids, strict=True)]
 
-    def next_train(self, n: int, rows: Sequence[int] | None = None) -> list[dict]:
-        """Rows `rows` (default: all) of the next global batch of n training examples.
+    def next_train(
+        self, n: int, cursor: DataCursor, rows: Sequence[int] | None = None
+    ) -> tuple[list[dict], DataCursor]:
+        """Rows `rows` (default: all) of the global batch of the n training examples after
+        `cursor`, and the cursor after them.
 
         The global batch is the next n examples of the stream that fit max_prompt_len (longer
         ones dropped and counted), whatever the number of processes; a process loads only the
@@ -145,17 +162,22 @@ class Task:
         split: with several data shards every process checks a slice of the candidates and the
         fit masks are all-gathered, so all processes agree on the batch and the position).
         """
+        position, dropped = cursor.position, cursor.dropped
         if self.shard_count == 1:
             out: list[dict] = []
             while len(out) < n:
-                start, self.position = self.position, self.position + n - len(out)
-                out += self._encode([self._stream[k] for k in range(start, self.position)])
-            return out if rows is None else [out[int(r)] for r in rows]
+                start, position = position, position + n - len(out)
+                examples = [self._stream[k] for k in range(start, position)]
+                kept, encoded = self._encode_kept(examples)
+                dropped += len(examples) - len(kept)
+                out += encoded
+            out = out if rows is None else [out[int(r)] for r in rows]
+            return out, DataCursor(position, dropped)
         kept: list[int] = []
         cache: dict[int, dict] = {}
         while len(kept) < n:
             m = n - len(kept)
-            start, self.position = self.position, self.position + m
+            start, position = position, position + m
             per = -(-m // self.shard_count)  # contiguous blocks of the candidates per shard
             lo = start + min(self.shard_index * per, m)
             hi = start + min((self.shard_index + 1) * per, m)
@@ -168,11 +190,11 @@ class Task:
             by_shard = {int(f[0]): f[1:] for f in self._allgather(fits)}
             mask = np.concatenate([by_shard[i] for i in range(self.shard_count)])[:m]
             kept += [start + int(j) for j in np.flatnonzero(mask)]
-            self.dropped += int(m - mask.sum())
+            dropped += int(m - mask.sum())
         wanted = range(n) if rows is None else rows
         missing = [kept[int(r)] for r in wanted if kept[int(r)] not in cache]
         cache.update(zip(missing, self._encode_each(missing), strict=True))
-        return [cache[kept[int(r)]] for r in wanted]
+        return [cache[kept[int(r)]] for r in wanted], DataCursor(position, dropped)
 
     def _encode_each(self, positions) -> list[dict | None]:
         """Stream examples at `positions`, encoded; None where a prompt does not fit (the caller
@@ -200,13 +222,6 @@ class Task:
         if len(self.reward_specs) == 1 and self.reward_specs[0][1] == 1.0:
             return self.reward_specs[0][0]
         return lambda completion, gold: float(self.score([completion], [gold])[0][0])
-
-    def get_state(self) -> dict:
-        """The data position (identical on every process): stream position and drop count."""
-        return {"position": self.position, "dropped": self.dropped}
-
-    def set_state(self, state: dict) -> None:
-        self.position, self.dropped = int(state["position"]), int(state["dropped"])
 
     def close(self) -> None:
         rewards.close_pools()

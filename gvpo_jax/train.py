@@ -2,8 +2,12 @@
 work: cold-start SFT, the RL loop over `rl_step.rl_step`, evaluation, export.
 
 Resume order: `config.restore_from` > the latest checkpoint in the workdir > a fresh start. A
-checkpoint holds the train state, the frozen reference (when the run keeps one), the data
-position, the shuffle stream and the replay buffer, so a resumed run continues bit for bit.
+checkpoint holds the train state, the frozen reference (when the run keeps one) and the loop
+state (`rl_step.LoopState`: step, data position, shuffle stream, replay buffer), so a resumed
+run continues bit for bit.
+
+`rl_loop` is the one RL loop: the CLI's run (`train_rl`), the learning study and the benchmarks
+drive their steps through it (`on_step` lets them record, evaluate or stop).
 """
 
 from __future__ import annotations
@@ -21,63 +25,89 @@ import tqdm
 
 from gvpo_jax import assemble, checkpoint, metrics, models, rollout, sharding, train_step
 from gvpo_jax import eval as eval_lib
-from gvpo_jax.rl_step import TrainingError, next_examples, rl_step
+from gvpo_jax.rl_step import LoopState, TrainingError, next_examples, rl_step
 
-__all__ = ["TrainingError", "run"]
+__all__ = ["TrainingError", "rl_loop", "run"]
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs the configured mode in `workdir`; returns the final summary metrics."""
     run_, state = assemble.assemble(config, workdir)
     try:
-        return _run_mode(run_, state)
+        return _run_mode(run_, state, assemble.start_loop(run_))
     finally:
         run_.writer.close()
         run_.task.close()
         run_.ckpt.close()
 
 
-def _run_mode(run_: assemble.Run, state: train_step.TrainState) -> dict:
+def _run_mode(run_: assemble.Run, state: train_step.TrainState, loop: LoopState) -> dict:
     c = run_.config
-    state, ref, start, resumed = restore(run_, state)
+    state, ref, resumed = restore(run_, state, loop)
     summary: dict = {}
     if c.mode == "eval":
-        return evaluate(run_, state.params, step=start)
+        return evaluate(run_, state.params, step=loop.step)
     if c.mode == "export":
         return export(run_, state.params)
     if c.sft.steps and not resumed:
         _record_eval(summary, "eval_before_sft", run_, state.params, step=0)
-        state = run_sft(run_, state, steps=c.sft.steps)
+        state = run_sft(run_, state, loop, steps=c.sft.steps)
         state = fresh_moments(run_, state)
     if run_.needs_reference and not resumed:
         ref = reference_copy(run_, state.params)
     if c.mode == "sft":
         _record_eval(summary, "eval_after_sft", run_, state.params, step=0)
-        save(run_, state, ref, 0)
+        save(run_, state, loop, ref)
         finish(run_, state.params, summary)
         return summary
-    return train_rl(run_, state, ref, start, summary)
+    return train_rl(run_, state, loop, ref, summary)
 
 
-def train_rl(run_: assemble.Run, state, ref, start: int, summary: dict) -> dict:
-    """RL steps start+1 .. train.steps, with logging, evaluation, checkpoints and preemption."""
+def train_rl(run_: assemble.Run, state, loop: LoopState, ref, summary: dict) -> dict:
+    """RL from `loop.step` to train.steps between two held-out evaluations, then the run's end
+    (export, curves, summary)."""
     c = run_.config
-    _record_eval(summary, "eval_start", run_, state.params, step=start)
+    _record_eval(summary, "eval_start", run_, state.params, step=loop.step)
+    state, preempted = rl_loop(run_, state, loop, ref)
+    if preempted:
+        summary["preempted_at"] = loop.step
+        return summary
+    _record_eval(summary, "eval_end", run_, state.params, step=c.train.steps)
+    finish(run_, state.params, summary)
+    if sharding.is_primary():
+        with open(os.path.join(run_.workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return summary
+
+
+def rl_loop(run_: assemble.Run, state, loop: LoopState, ref, *, on_step=None):
+    """RL steps loop.step + 1 .. train.steps, with logging, sample logs, periodic evaluation,
+    checkpoints and preemption (SIGTERM: save and stop). `loop` is advanced in place.
+
+    `on_step(step, state, metrics) -> bool`, when given, runs after each step before its
+    metrics are written (it may add entries to `metrics`); True ends the loop there without a
+    checkpoint (e.g. the learning study's response budget). Returns (state, preempted).
+    """
+    c = run_.config
     guard = checkpoint.PreemptionGuard()
-    bar = metrics.Progress(c.train.steps, start, c.train.log_every)
+    bar = metrics.Progress(c.train.steps, loop.step, c.train.log_every)
     with guard:
-        for step in range(start + 1, c.train.steps + 1):
+        for step in range(loop.step + 1, c.train.steps + 1):
             try:
-                state, m, completions, examples = rl_step(run_, state, ref)
+                state, m, completions, examples = rl_step(run_, state, loop, ref)
             except TrainingError as e:  # log the step that stopped the run, then stop
                 if e.metrics is not None:
                     run_.writer.write_scalars(step, e.metrics)
                     run_.writer.flush()
                 bar.close()
                 raise TrainingError(f"step {step}: {e}", e.metrics) from e
+            loop.step = step
+            done = bool(on_step(step, state, m)) if on_step is not None else False
             if step % c.train.log_every == 0:
                 run_.writer.write_scalars(step, m)
             bar.update(step, m)
+            if done:
+                break
             if c.train.sample_log_every and step % c.train.sample_log_every == 0:
                 texts = metrics.sample_texts(examples, completions, run_.step.group_size)
                 run_.writer.write_texts(step, texts)
@@ -86,21 +116,15 @@ def train_rl(run_: assemble.Run, state, ref, start: int, summary: dict) -> dict:
             last = step == c.train.steps
             stop = guard.should_stop()  # a collective in multi-process runs: every process calls
             if last or stop or run_.ckpt.should_save(step):
-                save(run_, state, ref, step)
+                save(run_, state, loop, ref)
             if stop and not last:
                 run_.ckpt.wait()
                 bar.close()
                 if sharding.is_primary():
                     print(f"Preempted: saved step {step} in {run_.workdir}; exiting.", flush=True)
-                summary["preempted_at"] = step
-                return summary
+                return state, True
     bar.close()
-    _record_eval(summary, "eval_end", run_, state.params, step=c.train.steps)
-    finish(run_, state.params, summary)
-    if sharding.is_primary():
-        with open(os.path.join(run_.workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2, default=str)
-    return summary
+    return state, False
 
 
 def fresh_moments(run_: assemble.Run, state: train_step.TrainState) -> train_step.TrainState:
@@ -169,15 +193,31 @@ def sft_updater(run_: assemble.Run, state, *, steps: int, lr: float, warmup_step
     return sft_state, update
 
 
-def run_sft(run_: assemble.Run, state, *, steps: int, log_prefix: str = "sft"):
-    """Cross-entropy on prompt + answer pairs with the response mask; returns the new params."""
+def run_sft(
+    run_: assemble.Run,
+    state,
+    loop: LoopState,
+    *,
+    steps: int,
+    lr: float | None = None,
+    warmup_steps: int | None = None,
+    schedule: str = "cosine",
+    log_prefix: str = "sft",
+    on_step=None,
+):
+    """Cross-entropy on prompt + answer pairs with the response mask, on the training stream at
+    `loop.data` (advanced). lr / warmup_steps default to config.sft's. `on_step(i, params)`, when
+    given, runs after update i (1-based; the learning study evaluates there). Returns `state`
+    with the new params."""
     c = run_.config
     sft_state, update = sft_updater(
-        run_, state, steps=steps, lr=c.sft.lr, warmup_steps=c.sft.warmup_steps
-    )
+        run_, state, steps=steps, lr=c.sft.lr if lr is None else lr,
+        warmup_steps=c.sft.warmup_steps if warmup_steps is None else warmup_steps,
+        schedule=schedule,
+    )  # fmt: skip
     t0 = time.perf_counter()
     for i in range(steps):
-        examples = next_examples(run_.task, run_.mesh, c.sft.batch_size)
+        examples = next_examples(run_.task, run_.mesh, loop, c.sft.batch_size)
         batch = sharding.device_batch(sft_batch(run_, examples), run_.mesh, group_size=1,
                                       local=True)  # fmt: skip
         sft_state, m = update(sft_state, batch)
@@ -190,22 +230,26 @@ def run_sft(run_: assemble.Run, state, *, steps: int, log_prefix: str = "sft"):
             )
             if sharding.is_primary():
                 print(f"[sft] step {i + 1}/{steps}  nll {float(m['nll']):.4f}", flush=True)
+        if on_step is not None:
+            on_step(i + 1, sft_state.params)
     return state.replace(params=sft_state.params)
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints: state + reference + data position + shuffle stream + replay buffer + config.
+# Checkpoints: state + reference + loop state (step, data position, shuffle stream, replay) +
+# config.
 
 
-def restore(run_: assemble.Run, state):
-    """Resume order: config.restore_from > latest in workdir > nothing.
+def restore(run_: assemble.Run, state, loop: LoopState):
+    """Resume order: config.restore_from > latest in workdir > nothing; `loop` is set to the
+    checkpoint's (untouched when there is none).
 
-    Returns (state, ref, step, resumed); ref is the frozen reference (None when the run keeps
-    none, or has not made it yet).
+    Returns (state, ref, resumed); ref is the frozen reference (None when the run keeps none,
+    or has not made it yet).
     """
     found = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
     if found is None:
-        return state, None, 0, False
+        return state, None, False
     directory, step = found
     # A checkpoint may or may not hold a reference copy (an SFT start has none, a GRPO run has
     # one); the run may or may not need one. Try the run's own layout first, then the other.
@@ -229,13 +273,10 @@ def restore(run_: assemble.Run, state):
             if restored["ref"] is not None
             else reference_copy(run_, restored["state"].params)
         )
-    run_.task.set_state(meta["data"])
-    run_.np_rng.bit_generator.state = meta["np_rng"]
-    if replay and run_.replay is not None:
-        run_.replay.load_state_dict(replay)
+    loop.load_state_dict(meta, replay)
     if sharding.is_primary():
         print(f"Resumed from {directory} at step {step}.", flush=True)
-    return restored["state"], ref, step, True
+    return restored["state"], ref, True
 
 
 def abstract_target(run_: assemble.Run, state, ref):
@@ -247,15 +288,11 @@ def abstract_target(run_: assemble.Run, state, ref):
     }
 
 
-def save(run_: assemble.Run, state, ref, step: int) -> None:
-    meta = {
-        "step": step,
-        "data": run_.task.get_state(),
-        "np_rng": run_.np_rng.bit_generator.state,
-        "config": json.loads(run_.config.to_json_best_effort()),
-    }
-    replay = run_.replay.state_dict() if run_.replay is not None else None
-    run_.ckpt.save(step, {"state": state, "ref": ref}, meta=meta, replay=replay, force=True)
+def save(run_: assemble.Run, state, loop: LoopState, ref) -> None:
+    """Checkpoint `state`, `ref` and `loop` as step `loop.step`."""
+    meta = loop.state_dict() | {"config": json.loads(run_.config.to_json_best_effort())}
+    replay = loop.replay.state_dict() if loop.replay is not None else None
+    run_.ckpt.save(loop.step, {"state": state, "ref": ref}, meta=meta, replay=replay, force=True)
 
 
 # ----------------------------------------------------------------------------------------------

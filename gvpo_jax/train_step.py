@@ -198,12 +198,12 @@ def rl_loss(
         **loss_kwargs,
     )
     aux = dict(aux)
-    if "sample_logp" in batch:  # the sampler's own log-probs vs this forward, sampled rows
+    if "rollout_logp" in batch:  # the sampler's own log-probs vs this forward, sampled rows
         sampled_BxN = mask_BxN * batch["sampled"][:, None]
         logp = jax.lax.stop_gradient(logp_BxN)
         aux["sampled_logp_sum"] = jnp.sum(logp * sampled_BxN)
         aux["sampled_tokens"] = jnp.sum(sampled_BxN)
-        gap = jnp.abs(logp - batch["sample_logp"]) * sampled_BxN
+        gap = jnp.abs(logp - batch["rollout_logp"]) * sampled_BxN
         aux["sampler_logp_gap_max"] = jnp.max(gap)
     if "ref_logp" in batch:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens
         diff = batch["ref_logp"] - logp_BxN

@@ -10,18 +10,17 @@ from jax.test_util import check_grads
 
 from gvpo_jax import models, sampler
 from gvpo_jax.models import attention as kernels
-from gvpo_jax.models import fused
 
 KERNELS = ("blocked", "xla", "splash")
 
 
 def _reference(q, k, v, q_slot, k_slot, k_valid):
-    """float64 numpy: softmax over visible keys (masked scores at fused.MASKED, as dense)."""
+    """float64 numpy: softmax over visible keys (masked scores at kernels.MASKED, as dense)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     s = np.einsum("bkqh,bksh->bkqs", q, k) / np.sqrt(q.shape[-1])
     seen = (np.asarray(k_valid)[:, None, :] & (np.asarray(k_slot)[:, None, :]
             <= np.asarray(q_slot)[:, :, None]))[:, None]  # fmt: skip
-    s = np.where(seen, s, fused.MASKED)
+    s = np.where(seen, s, kernels.MASKED)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - m)
     out = np.einsum("bkqs,bksh->bkqh", e / e.sum(-1, keepdims=True), v)
@@ -86,7 +85,7 @@ def test_blocked_gradients_match_autodiff_of_the_reference_and_finite_difference
         def dense(q, k, v):
             s = jnp.einsum("bkqh,bksh->bkqs", q, k) / np.sqrt(q.shape[-1])
             seen = (valid[:, None, :] & (k_slot[:, None, :] <= q_slot[:, :, None]))[:, None]
-            s = jnp.where(seen, s, fused.MASKED)
+            s = jnp.where(seen, s, kernels.MASKED)
             return jnp.einsum("bkqs,bksh->bkqh", jax.nn.softmax(s, -1), v), jax.nn.logsumexp(s, -1)
 
         def loss(fn):
@@ -137,7 +136,7 @@ def test_blocked_gradient_holds_no_score_matrix():
         return compiled.memory_analysis().temp_size_in_bytes
 
     mask = (k_slot[:, None, :] <= jnp.arange(t)[None, :, None]) & valid[:, None, :]
-    dense = temp_bytes(lambda q, k, v: fused.attention(q, k, v, mask))
+    dense = temp_bytes(lambda q, k, v: kernels.dense(q, k, v, mask))
     blocked = temp_bytes(lambda q, k, v: kernels.blocked(q, k, v, q_slot, k_slot, valid)[0])
     scores = b * kv * g * t * t * 4
     assert dense > scores  # the dense path keeps [Q, S] fp32 weights for its backward
@@ -279,8 +278,8 @@ def test_update_step_same_with_dense_and_blocked():
 
     results = {}
     for name in ("dense", "blocked"):
-        run, state, ref = make_run(toy_config("gvpo", **{"model.attention": name}))
-        state, metrics, _, _ = rl_step(run, state, ref)
+        run, state, loop, ref = make_run(toy_config("gvpo", **{"model.attention": name}))
+        state, metrics, _, _ = rl_step(run, state, loop, ref)
         results[name] = (metrics["loss"], jax.tree.leaves(state.params))
     assert abs(results["dense"][0] - results["blocked"][0]) < 1e-5
     for a, b in zip(results["dense"][1], results["blocked"][1], strict=True):

@@ -48,7 +48,9 @@ def _varied_batch(run, state, ref, seed):
     lengths are imposed on its samples) with random rewards and the reference's log-probs."""
     c = run.config
     P, G = c.rollout.prompts_per_step, c.rollout.group_size
-    fresh, _, _, _ = collect_groups(run, state.params, jax.random.key(seed), P)
+    fresh, _, _, _ = collect_groups(
+        run, state.params, assemble.start_loop(run), jax.random.key(seed), P
+    )
     rng = np.random.default_rng(seed)
     group_len = rng.choice([3, 6, 11, N], size=P, replace=False)  # one short group at least
     lengths = np.minimum(rng.integers(1, N + 1, size=P * G), np.repeat(group_len, G))
@@ -74,7 +76,7 @@ def test_bucketed_update_has_the_full_width_single_batch_gradient(algo):
     weighted by their tokens), so accumulating sorted, trimmed micro-batches gives the gradient
     and loss of one full-width pass over the minibatch; and the update applies it."""
     c = _bucketed(algo)
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     batch = _varied_batch(run, state, ref, seed=3)
     acc, slot_frac = run.buckets.accumulated(state.params, batch)
     assert slot_frac < 0.9  # the short groups' micro-batch was cut to 8 of 16 slots
@@ -97,7 +99,7 @@ def test_bucketed_update_has_the_full_width_single_batch_gradient(algo):
 
 def test_bucketed_logprobs_equal_the_full_width_pass():
     c = _bucketed("grpo", **{"algo.num_minibatches": 2})
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     batch = _varied_batch(run, state, ref, seed=4)
     full = np.asarray(run.logprobs(state.params, batch["tokens"], batch["attn_mask"]))
     bucketed = run.buckets.logprobs(state.params, batch)
@@ -108,7 +110,7 @@ def test_bucketed_logprobs_equal_the_full_width_pass():
 def test_bucketed_steps_compile_at_most_one_shape_per_width():
     """New lengths every call, never a new compile beyond one per bucket width."""
     c = _bucketed("gvpo", **{"algo.num_minibatches": 2, "train.kl_ref_metric": False})
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     for seed in range(5):
         batch = _varied_batch(run, state, ref, seed=seed)
         batch["old_logp"] = run.buckets.logprobs(state.params, batch)
@@ -124,7 +126,7 @@ def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
     """rl_step with optim.length_buckets: the pi_old and reference passes and every update go
     through `run.buckets` (the plain jitted update is never called)."""
     c = _bucketed(algo, **{"algo.num_minibatches": 2, "algo.num_epochs": 2})
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     calls = {"update": 0, "logprobs": 0}
     real_update, real_logprobs = run.buckets.update, run.buckets.logprobs
 
@@ -139,7 +141,7 @@ def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
     run.buckets.update, run.buckets.logprobs = update, logprobs
     run = run.__class__(**{**run.__dict__, "update": None})  # the plain update must not run
     before = _flat(state.params)
-    state, metrics, _, _ = rl_step(run, state, ref)
+    state, metrics, _, _ = rl_step(run, state, loop, ref)
     assert calls == {"update": 4, "logprobs": 1 + (ref is not None)}
     assert 0 < metrics["update_slot_frac"] <= 1 and np.isfinite(metrics["loss"])
     assert np.abs(_flat(state.params) - before).max() > 1e-5

@@ -245,7 +245,7 @@ def test_bf16_compute_continuous_equals_static(peaked):
     """bf16 compute (fp32 masters cast in the graph): a bf16 slot cache, and the same tokens."""
     model16 = models.with_compute_dtype(peaked, jnp.bfloat16)
     cache = model16.slot_cache(model16.init_cache(2, 4), 2, 3)
-    assert cache[0]["kT"].dtype == cache[0]["prefix_kT"].dtype == jnp.bfloat16
+    assert cache[0].k.dtype == cache[0].prefix_k.dtype == jnp.bfloat16
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
     kw = dict(max_new_tokens=N, temperature=1.0, top_k=20)
     ref = _run(model16, ids, lens, jax.random.key(8), 0, **kw)
@@ -293,7 +293,7 @@ def test_slot_equal_to_rows_is_the_static_program():
 
 
 def test_slot_cache_attention_equals_the_full_forward():
-    """The model's slot path on its own (2 groups of 2 slots over 2 x 2 prefixes): slots that
+    """The model's slot path on its own (2 queues of 2 slots over 2 x 2 prefixes): slots that
     switch prefix and restart at column 0 over an earlier item's keys, next to slots that go on
     at their own columns, give the full forward's logits of their current sequences."""
     model = _model(2.0, seed=3)
@@ -309,7 +309,7 @@ def test_slot_cache_attention_equals_the_full_forward():
         cache=cache,
         cache_index=0,
     )
-    cache = model.slot_cache(cache, 4, 6, groups=2)
+    cache = model.slot_cache(cache, 4, 6, queues=2)
 
     @nnx.jit
     def decode(model, tokens_S, positions_S, cache, columns_S):
@@ -319,14 +319,14 @@ def test_slot_cache_attention_equals_the_full_forward():
         )  # fmt: skip
 
     seqs = [[] for _ in range(4)]  # each slot's continuation tokens so far
-    index_DxS = np.array([[0, 1], [1, 0]], np.int32)  # slot -> prefix within its group
+    index_DxS = np.array([[0, 1], [1, 0]], np.int32)  # slot -> prefix within its queue
     got, full = [], []
 
     def step(columns_S):
         nonlocal cache
         prefix_S = (np.arange(2)[:, None] * 2 + index_DxS).reshape(4)
         tokens_S = rng.integers(1, VOCAB, 4)
-        layers = [{**c, "prefix_index": jnp.asarray(index_DxS)} for c in cache]
+        layers = [c.replace(prefix_index=jnp.asarray(index_DxS)) for c in cache]
         logits, cache = decode(model, jnp.asarray(tokens_S), jnp.asarray(lens_P[prefix_S] +
                                columns_S), layers, jnp.asarray(columns_S, jnp.int32))  # fmt: skip
         for s in range(4):
@@ -385,7 +385,7 @@ def test_sharded_continuous_equals_one_device():
         max_lengths=caps, **kw,
     )  # fmt: skip
     _assert_same(*(jax.tree.map(np.asarray, x) for x in (out, ref)), atol=1e-4)
-    with pytest.raises(sharding.ShardingError, match="num_slots=6 decode slots cannot be split"):
+    with pytest.raises(sharding.ShardingError, match=r"slots\) = 6 cannot be split"):
         sampler.generate_sharded(
             model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), num_slots=6, **kw
         )
@@ -416,7 +416,8 @@ def test_config_fields_reach_the_sampler_and_the_planner():
     # 16 rows per shard (static) vs 8 slots per shard, 7 new-token columns each.
     assert static - half == 7 * (16 * (per_column + 1) - 8 * per_column)
     c.rollout.num_slots = 6
-    assert any("num_slots=6 does not split" in n for n in plan.plan_memory(c, 4).notes)
+    notes = plan.plan_memory(c, 4).notes
+    assert any("NOT RUNNABLE" in n and "rollout.num_slots (decode slots) = 6" in n for n in notes)
 
 
 def test_planner_sizes_the_evaluation_kv_cache_from_its_chunk_samples_and_slots():
@@ -442,10 +443,10 @@ def test_planner_sizes_the_evaluation_kv_cache_from_its_chunk_samples_and_slots(
 def test_num_slots_not_splitting_over_the_mesh_is_a_sharding_error():
     c = _config(**{"rollout.num_slots": 6})
     config_lib.validate(c, check_paths=False)
-    with pytest.raises(sharding.ShardingError, match="rollout.num_slots = 6 decode slots do not"):
+    with pytest.raises(sharding.ShardingError, match=r"rollout.num_slots \(decode slots\) = 6"):
         assemble.check_mesh(c, sharding.make_mesh(4, 1, 1, devices=jax.devices()[:4]))
     c = _config(**{"train.eval_num_slots": 2})
-    with pytest.raises(sharding.ShardingError, match="train.eval_num_slots = 2 decode slots"):
+    with pytest.raises(sharding.ShardingError, match=r"eval_num_slots \(decode slots\) = 2"):
         assemble.check_mesh(c, sharding.make_mesh(4, 1, 1, devices=jax.devices()[:4]))
     assemble.check_mesh(_config(**{"rollout.num_slots": 8}), sharding.make_mesh(4, 1, 1,
                         devices=jax.devices()[:4]))  # fmt: skip

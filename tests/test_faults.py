@@ -26,12 +26,12 @@ def _nan_at(task, calls_to_poison):
 
 def test_nan_step_is_skipped_counted_and_training_continues():
     c = toy_config("gvpo")
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     _nan_at(run.task, {2})
     history = []
     for _ in range(3):
         before = _flat(state.params)
-        state, metrics, _, _ = rl_step(run, state, ref)
+        state, metrics, _, _ = rl_step(run, state, loop, ref)
         history.append((before, _flat(state.params), metrics))
     (_, _, m1), (b2, a2, m2), (b3, a3, m3) = history
     assert m1["skipped_updates"] == 0 and m3["skipped_updates"] == 0
@@ -44,12 +44,12 @@ def test_nan_step_is_skipped_counted_and_training_continues():
 
 def test_consecutive_nan_steps_stop_the_run():
     c = toy_config("gvpo", **{"train.max_bad_steps": 2})
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     _nan_at(run.task, set(range(1, 100)))
-    state, m, _, _ = rl_step(run, state, ref)
+    state, m, _, _ = rl_step(run, state, loop, ref)
     assert m["skipped_updates"] == 1
     with pytest.raises(TrainingError, match="2 consecutive non-finite updates"):
-        rl_step(run, state, ref)
+        rl_step(run, state, loop, ref)
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_reward_timeouts_and_errors_score_zero_and_the_run_goes_on(bad_rewards):
     from gvpo_jax import tasks
 
     c = toy_config("gvpo", **{"train.reward_timeout_s": 0.2})
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     real = tasks.Task.score
     specs = [("test_sleepy", 1.0), ("test_broken", 1.0)]
 
@@ -85,12 +85,12 @@ def test_reward_timeouts_and_errors_score_zero_and_the_run_goes_on(bad_rewards):
     run.task.score = lambda comp, golds: real(Shim, comp, golds)
     t0 = time.perf_counter()
     before = _flat(state.params)
-    state, m, _, _ = rl_step(run, state, ref)
+    state, m, _, _ = rl_step(run, state, loop, ref)
     elapsed = time.perf_counter() - t0
     B = c.rollout.prompts_per_step * c.rollout.group_size
     assert m["reward/timeouts"] == B and m["reward/errors"] == B
     assert m["reward_mean"] == 0.0
     assert elapsed < 0.2 * B + 20  # each sleeper is cut at its 0.2 s deadline, not 30 s
-    state, m, _, _ = rl_step(run, state, ref)  # the run goes on
+    state, m, _, _ = rl_step(run, state, loop, ref)  # the run goes on
     assert np.isfinite(_flat(state.params)).all() and _flat(state.params).shape == before.shape
     jax.block_until_ready(state.params)

@@ -68,7 +68,130 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_run_is_frozen_and_the_step_reads_no_config():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        assemble.Run.__new__(assemble.Run).replay = None
+        assemble.Run.__new__(assemble.Run).task = None
     source = pathlib.Path(rl_step.__file__).read_text()
     assert ".config" not in source and "ConfigDict" not in source
     assert not any(f.name == "session.py" for f in ROOT.iterdir())
+
+
+def _assigned_attributes(path: pathlib.Path) -> dict[str, set[str]]:
+    """Function name -> the `self.<attr>` / `<name>.<attr>` targets it assigns (a static read)."""
+    out: dict[str, set[str]] = {}
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            for t in targets:
+                for leaf in ast.walk(t):
+                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name):
+                        out.setdefault(fn.name, set()).add(f"{leaf.value.id}.{leaf.attr}")
+    return out
+
+
+def test_the_run_holds_nothing_a_run_changes():
+    """What changes during a run (replay buffer, shuffle stream, data position, step) lives in
+    rl_step.LoopState, threaded through the loop and checkpointed; `Run` and its task hold only
+    what never changes."""
+    fields = {f.name: str(f.type) for f in dataclasses.fields(assemble.Run)}
+    for name, kind in fields.items():
+        assert not any(t in kind for t in ("ReplayBuffer", "Generator", "LoopState")), name
+    loop_fields = {f.name for f in dataclasses.fields(rl_step.LoopState)}
+    assert loop_fields == {"step", "data", "np_rng", "replay"}
+    # The task assigns its own attributes in its constructor only (no cursor inside it).
+    task_writes = _assigned_attributes(ROOT / "tasks.py")
+    assert {f for f, attrs in task_writes.items() if any(a.startswith("self.") for a in attrs)} <= {
+        "__init__"
+    }
+    # The step and the trainer's loop never assign on the run.
+    for module in ("rl_step.py", "train.py"):
+        writes = set().union(*_assigned_attributes(ROOT / module).values())
+        assert not {w for w in writes if w.split(".")[0] in ("run", "run_")}, module
+
+
+def test_the_assigned_attributes_reader_sees_an_assignment():
+    code = "class T:\n    def go(self):\n        self.position += 1\n        run.x = 2\n"
+    path = pathlib.Path(__import__("tempfile").mkdtemp()) / "m.py"
+    path.write_text(code)
+    assert _assigned_attributes(path) == {"go": {"self.position", "run.x"}}
+
+
+def _sources() -> dict[str, str]:
+    return {str(f.relative_to(ROOT.parent)): f.read_text() for f in ROOT.rglob("*.py")}
+
+
+def test_one_name_per_thing():
+    """Names retired for a second name of the same thing stay retired in the package."""
+    retired = {
+        "activation_dtype": "the compute dtype is `compute_dtype`",
+        "storage_dtype": "the parameters' dtype is `param_dtype`",
+        "informative_mask": "the group filter is `informative_groups`",
+        '"sample_logp"': "the batch holds the sampler's logp_BxN as `rollout_logp`",
+        "num_samples": "the G responses of a prompt are `group_size`",
+        "groups=": "continuous batching's row shards are `queues`",
+    }
+    for path, text in _sources().items():
+        for name, why in retired.items():
+            assert name not in text, f"{path} uses {name}: {why}"
+
+
+def test_caches_are_typed_and_attention_lives_with_them():
+    """KV caches are dataclasses (models/cache.py), never dicts whose keys pick the code path;
+    the kernels are in models/attention.py only."""
+    from gvpo_jax.models import cache
+
+    for cls in (cache.KVCache, cache.SharedPrefixCache, cache.SlotCache):
+        assert dataclasses.is_dataclass(cls) and callable(cls.attend)
+    for path, text in _sources().items():
+        for key in ('"prefix_', '"kT"', '"vT"', '["k"]', '["v"]', '["valid"]'):
+            assert key not in text, f"{path} indexes a cache by {key}"
+    assert not (ROOT / "models" / "fused.py").exists()
+
+
+def test_one_mesh_divisibility_check():
+    """Row-shard divisibility is checked in one place (sharding.check_split): no other module
+    takes a count modulo the row shards."""
+    for path, text in _sources().items():
+        if path.endswith("sharding.py"):
+            continue
+        for pattern in ("% shards", "% sharding.batch_shards", "% (data * fsdp)"):
+            assert pattern not in text, f"{path}: {pattern}"
+
+
+def _module_imports() -> list[str]:
+    """`module -> imports` lines of docs/architecture.md: the package's top-level modules with
+    its subpackages as one (data/, models/, rewards/), then the modules inside models/."""
+
+    packages = {f.name for f in ROOT.iterdir() if (f / "__init__.py").exists()}
+
+    def room(name: str) -> str:
+        part = name.split(".")[1]
+        return part + "/" if part in packages else part
+
+    graph = {k: v for k, v in _imports().items() if k != "gvpo_jax"}
+    rooms: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        deps_rooms = {room(d) for d in deps if d != "gvpo_jax"}
+        rooms.setdefault(room(name), set()).update(deps_rooms - {room(name)})
+    lines = [f"{k} -> {', '.join(sorted(v))}".rstrip() for k, v in sorted(rooms.items())]
+    inner = {k: v for k, v in graph.items() if k.startswith("gvpo_jax.models.")}
+    short = lambda n: "models/" + n.split(".")[-1]  # noqa: E731
+    for name, deps in sorted(inner.items()):
+        within = sorted(short(d) for d in deps if d.startswith("gvpo_jax.models."))
+        lines.append(f"{short(name)} -> {', '.join(within)}".rstrip())
+    return lines
+
+
+def test_the_architecture_doc_lists_the_imports_the_code_has():
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    block = doc.split("<!-- imports:begin -->")[1].split("<!-- imports:end -->")[0]
+    listed = [line for line in block.strip().strip("`").strip().splitlines()]
+    assert listed == _module_imports(), "\n".join(
+        ["regenerate with:", "python -m tests.test_layout"]
+    )
+
+
+if __name__ == "__main__":  # prints the import list of docs/architecture.md
+    print("\n".join(_module_imports()))

@@ -19,8 +19,9 @@ class _FakeTask:
     def __init__(self, examples):
         self.examples = examples
 
-    def next_train(self, n, rows=None):
-        return self.examples[:n] if rows is None else [self.examples[int(r)] for r in rows]
+    def next_train(self, n, cursor, rows=None):
+        out = self.examples[:n] if rows is None else [self.examples[int(r)] for r in rows]
+        return out, cursor
 
 
 def _arith_examples(n):
@@ -31,13 +32,13 @@ def _arith_examples(n):
 def test_noisy_task_corrupts_a_fixed_share_of_targets_and_keeps_the_gold_answer():
     examples = _arith_examples(961)  # every a+b with a, b in [0, 30]
     noisy = runs.NoisyTask(_FakeTask(examples), 0.3)
-    out = noisy.next_train(len(examples))
+    out, _ = noisy.next_train(len(examples), None)
     wrong = [ex for ex in out if ex["solution"] != ex["answer"]]
     assert 0.25 < len(wrong) / len(out) < 0.35
     for ex, orig in zip(out, examples, strict=True):
         assert ex["answer"] == orig["answer"]  # the verifier's gold is untouched
         assert int(ex["solution"]) >= 0
-    assert noisy.next_train(len(examples)) == out  # a pure function of the problem id
+    assert noisy.next_train(len(examples), None)[0] == out  # a pure function of the problem id
 
 
 def test_auc_is_the_trapezoid_mean_over_the_budget():

@@ -390,6 +390,31 @@ def test_overlong_penalty_follows_dapo_soft_punishment():
     np.testing.assert_allclose(penalty, 0.5 * np.array([0, 0, -0.2, -0.6, -1.0, -1.0, -1.0]))
 
 
+def test_the_hosts_numpy_twins_give_the_loss_librarys_values():
+    """The trainer's host code scores in numpy (rewards.overlong_penalty,
+    rollout.informative_groups); the loss library keeps the jax versions for JAX users."""
+    from gvpo_jax import rewards, rollout
+
+    lengths = np.arange(0, 45, dtype=np.int32)
+    for max_len, cache_len, factor in ((20, 5, 0.5), (32, 8, 1.0), (7, 7, 0.3)):
+        kw = dict(max_len=max_len, cache_len=cache_len, factor=factor)
+        host = rewards.overlong_penalty(lengths, **kw)
+        assert host.dtype == np.float32
+        # float32 either way; XLA may turn the division by the constant cache_len into a
+        # product with its reciprocal (1 ulp apart), numpy divides
+        np.testing.assert_allclose(
+            host, np.asarray(losses.overlong_penalty(lengths, **kw)), rtol=3e-7, atol=0
+        )
+    with pytest.raises(ValueError, match="cache_len"):
+        rewards.overlong_penalty(lengths, max_len=8, cache_len=16)
+    r = np.random.default_rng(0).integers(0, 2, 60).astype(np.float32)
+    np.testing.assert_array_equal(
+        rollout.informative_groups(r, 3), np.asarray(losses.informative_groups(r, 3))
+    )
+    with pytest.raises(ValueError, match="whole groups of 7"):
+        rollout.informative_groups(r, 7)
+
+
 def test_informative_groups_flags_groups_whose_rewards_differ(data):
     flags = losses.informative_groups(jnp.asarray(data["rewards"]), G)
     np.testing.assert_array_equal(flags, [True, False, True])

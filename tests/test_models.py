@@ -130,9 +130,7 @@ def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
 
     graphdef, state = nnx.split(model)
     cache = model.init_cache(2, s)
-    assert (
-        cache[0]["k"].shape == (2, 2, s, model.config.head_dim) and cache[0]["valid"].dtype == bool
-    )
+    assert cache[0].k.shape == (2, 2, s, model.config.head_dim) and cache[0].valid.dtype == bool
     logits, cache = step(graphdef, state, prompt, prompt_pos, prompt_mask, cache, 0)
     decoded = []
     for n in range(steps):
@@ -167,10 +165,10 @@ def test_shared_prefix_cache_decode_equals_full_forward(checkpoints, decode):
     cache = model.share_prefix_cache(cache, g, steps, decode=decode)
     if decode:  # keys and values slot-last: [P, K, H, J] and [P, K, R, H, S]
         h = model.config.head_dim
-        assert cache[0]["prefix_kT"].shape == (p, 2, h, tp)
-        assert cache[0]["kT"].shape == cache[0]["vT"].shape == (p, 2, g, h, steps)
+        assert cache[0].prefix_k.shape == (p, 2, h, tp)
+        assert cache[0].k.shape == cache[0].v.shape == (p, 2, g, h, steps)
     else:
-        assert cache[0]["prefix_k"].shape[0] == p and cache[0]["k"].shape[:4] == (p, 2, g, steps)
+        assert cache[0].prefix_k.shape[0] == p and cache[0].k.shape[:4] == (p, 2, g, steps)
     cont = _tokens((p * g, steps), seed=6)
     decoded = []
     for n in range(steps):
@@ -238,7 +236,7 @@ def test_hidden_with_cache_and_unembed_match_call(checkpoints):
     hidden, cache = model.hidden(tokens, pos, cache=model.init_cache(2, 8), cache_index=0)
     logits, _ = model(tokens, pos, cache=model.init_cache(2, 8), cache_index=0)
     np.testing.assert_allclose(model.unembed(hidden), logits, atol=1e-6)
-    assert bool(cache[1]["valid"][:, :5].all()) and not bool(cache[1]["valid"][:, 5:].any())
+    assert bool(cache[1].valid[:, :5].all()) and not bool(cache[1].valid[:, 5:].any())
     with pytest.raises(ValueError, match="positions_BxT"):
         model(tokens, cache=cache, cache_index=5)
 

@@ -344,18 +344,20 @@ def test_task_stream_is_the_one_process_grain_stream():
     c = _task_config(max_prompt_len=5)
     tok = data.build_char_tokenizer()
     task = tasks.build_task(c, tok)
-    held_out_drops = task.dropped  # the held-out set's own drops, counted at construction
-    got = [ex["id"] for ex in task.next_train(6) + task.next_train(10)]
+    held_out_drops = task.start.dropped  # the held-out set's own drops, counted at construction
+    first, cursor = task.next_train(6, task.start)
+    second, cursor = task.next_train(10, cursor)
+    got = [ex["id"] for ex in first + second]
     it = data.make_iterator(tasks._load(c, "train"), seed=c.seed, batch_size=1, shard_index=0,
                             shard_count=1)  # fmt: skip
-    stream = [next(it)[0] for _ in range(task.position)]
+    stream = [next(it)[0] for _ in range(cursor.position)]
     fits = [ex["id"] for ex in stream if len(tok.encode(ex["prompt"])) <= 5]
-    assert got == fits and task.dropped - held_out_drops == len(stream) - len(fits) > 0
-    state = task.get_state()
-    after = [ex["id"] for ex in task.next_train(7)]
+    assert got == fits and cursor.dropped - held_out_drops == len(stream) - len(fits) > 0
+    state = cursor.state_dict()
+    after = [ex["id"] for ex in task.next_train(7, cursor)[0]]
     resumed = tasks.build_task(c, tok)
-    resumed.set_state(json.loads(json.dumps(state)))
-    assert [ex["id"] for ex in resumed.next_train(7)] == after
+    saved = tasks.DataCursor.from_state_dict(json.loads(json.dumps(state)))
+    assert [ex["id"] for ex in resumed.next_train(7, saved)[0]] == after
 
 
 @pytest.mark.parametrize("rows_of", [
@@ -367,16 +369,17 @@ def test_two_data_shards_compose_the_one_process_batch(rows_of):
     c = _task_config(max_prompt_len=5)
     tok = data.build_char_tokenizer()
     single = tasks.build_task(c, tok)
-    held_out_drops = single.dropped
+    held_out_drops = single.start.dropped
     exchange = _Exchange(2)
     shards = [tasks.build_task(c, tok, shard=(i, 2), allgather=exchange.allgather(i))
               for i in range(2)]  # fmt: skip
+    cursor, cursors = single.start, [task.start for task in shards]
     for n in (8, 16, 4, 8):
-        want = single.next_train(n)
+        want, cursor = single.next_train(n, cursor)
         got: list = [None, None]
 
         def read(i, n=n, got=got):
-            got[i] = shards[i].next_train(n, rows=rows_of(n, i))
+            got[i], cursors[i] = shards[i].next_train(n, cursors[i], rows=rows_of(n, i))
 
         threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
         for t in threads:
@@ -391,6 +394,6 @@ def test_two_data_shards_compose_the_one_process_batch(rows_of):
         assert all(
             ex["prompt_ids"] == w["prompt_ids"] for ex, w in zip(composed, want, strict=True)
         )
-        for task in shards:  # the data position (checkpointed by process 0) is global
-            assert task.get_state() == single.get_state()
-    assert single.dropped > held_out_drops  # the batches had prompts to skip
+        for shard_cursor in cursors:  # the data position (checkpointed by process 0) is global
+            assert shard_cursor == cursor
+    assert cursor.dropped > held_out_drops  # the batches had prompts to skip

@@ -152,7 +152,7 @@ def test_bf16_greedy_matches_transformers_in_bf16(hf_and_model):
     assert compared >= n * len(PROMPTS) // 2, compared
     # The bf16 cache really is bf16 (half the memory of the fp32 one).
     cache = model16.init_cache(1, 4)
-    assert cache[0]["k"].dtype == jnp.bfloat16
+    assert cache[0].k.dtype == jnp.bfloat16
 
 
 def _reference_dist(logits_V, temperature, top_k, top_p, min_p):

@@ -305,7 +305,7 @@ def test_greedy_sampling_under_a_mesh_matches_one_device():
     for out in (prop, explicit):
         np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN))
         np.testing.assert_allclose(np.asarray(out.logp_BxN), np.asarray(ref.logp_BxN), atol=1e-4)
-    with pytest.raises(sharding.ShardingError, match="3 prompts cannot be split over 4"):
+    with pytest.raises(sharding.ShardingError, match="prompts = 3 cannot be split over the 4"):
         sampler.generate_sharded(model, ids[:3], lens[:3], mesh=mesh, rules=rules, rng=None, **kw)
 
 

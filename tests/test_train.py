@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gvpo_jax import assemble, losses, rollout, sharding, train, train_step
+from gvpo_jax import assemble, losses, rollout, sharding, tasks, train, train_step
 from gvpo_jax import config as config_lib
 from gvpo_jax.replay import ReplayBuffer
 from gvpo_jax.rl_step import collect_groups, rl_step
@@ -31,9 +31,11 @@ class ToyTask:
         ids = self.tokenizer.encode(text)
         return {"prompt": text, "answer": TARGET, "prompt_ids": ids}
 
-    def next_train(self, n, rows=None):
+    start = tasks.DataCursor()
+
+    def next_train(self, n, cursor, rows=None):
         batch = [self._example() for _ in range(n)]
-        return batch if rows is None else [batch[int(r)] for r in rows]
+        return (batch if rows is None else [batch[int(r)] for r in rows]), cursor
 
     def score(self, completions, golds):
         self.calls += 1
@@ -42,12 +44,6 @@ class ToyTask:
 
     eval_reward = staticmethod(lambda c, g: float(c.count(TARGET) / max(len(c), 1)))
     timeout_s, num_workers = 5.0, 0
-
-    def get_state(self):
-        return {}
-
-    def set_state(self, state):
-        pass
 
     def close(self):
         pass
@@ -80,12 +76,12 @@ def toy_config(algo="gvpo", **changes):
 
 
 def make_run(config):
-    """The trainer's own assembly with the toy task and no writer: (run, state, ref)."""
+    """The trainer's own assembly with the toy task and no writer: (run, state, loop, ref)."""
     run, state = assemble.assemble(config, tempfile.mkdtemp(prefix="gvpo_test_"))
     run.task.close()
     run = dataclasses.replace(run, task=ToyTask(run.tokenizer), writer=NullWriter())
     ref = train.reference_copy(run, state.params) if run.needs_reference else None
-    return run, state, ref
+    return run, state, assemble.start_loop(run), ref
 
 
 def _flat(params):
@@ -95,10 +91,10 @@ def _flat(params):
 @pytest.mark.parametrize("algo", ["gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token"])
 def test_every_algorithm_runs_and_changes_the_policy(algo):
     c = toy_config(algo, **({"algo.num_minibatches": 2} if algo != "gvpo" else {}))
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     before = _flat(state.params)
     for _ in range(2):
-        state, metrics, _, _ = rl_step(run, state, ref)
+        state, metrics, _, _ = rl_step(run, state, loop, ref)
     after = _flat(state.params)
     assert np.isfinite(after).all()
     assert np.abs(after - before).max() > 1e-5
@@ -123,8 +119,8 @@ def test_grad_clipped_frac_counts_the_updates_the_norm_clip_acted_on(clip):
     rewards has a zero gradient at the first update)."""
     c = toy_config("grpo", **{"algo.num_minibatches": 2, "algo.num_epochs": 2,
                               "optim.grad_clip": clip})  # fmt: skip
-    run, state, ref = make_run(c)
-    _, m, _, _ = rl_step(run, state, ref)
+    run, state, loop, ref = make_run(c)
+    _, m, _, _ = rl_step(run, state, loop, ref)
     assert 0 < m["grad_norm"] <= m["grad_norm_max"] < 1e6
     if clip < 1:
         assert m["grad_clipped_frac"] in (0.25, 0.5, 0.75, 1.0)
@@ -144,12 +140,12 @@ def test_eval_chunk_sets_the_evaluation_batch_and_keeps_the_greedy_scores(monkey
         return real(*args, **kw)
 
     monkeypatch.setattr(eval_lib, "evaluate_policy", spy)
-    run, state, _ = make_run(toy_config(**{"train.eval_chunk": 8}))
+    run, state, loop, _ = make_run(toy_config(**{"train.eval_chunk": 8}))
     wide = train.evaluate(run, state.params, step=0)
     narrow = train.evaluate(dataclasses.replace(run, config=toy_config()), state.params, step=0)
     assert chunks == [8, 4]
     assert wide["greedy"] == narrow["greedy"]
-    with pytest.raises(sharding.ShardingError, match="train.eval_chunk = 3 is not a multiple"):
+    with pytest.raises(sharding.ShardingError, match="config.train.eval_chunk = 3 cannot be split"):
         c = toy_config(**{"train.eval_chunk": 3, "rollout.prompts_per_step": 4})
         assemble.check_mesh(c, sharding.make_mesh(2, 1, 1, devices=jax.devices()[:2]))
 
@@ -158,10 +154,10 @@ def test_eval_chunk_sets_the_evaluation_batch_and_keeps_the_greedy_scores(monkey
 @pytest.mark.parametrize("algo", ["gvpo", "grpo"])
 def test_reward_rises_on_toy_task(algo):
     c = toy_config(algo, **{"rollout.prompts_per_step": 8, "optim.lr": 1e-2})
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     rewards = []
     for _ in range(30):
-        state, metrics, _, _ = rl_step(run, state, ref)
+        state, metrics, _, _ = rl_step(run, state, loop, ref)
         rewards.append(metrics["reward_mean"])
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
     # A random policy over the character vocabulary scores ~0.03; measured with this seed both
@@ -172,9 +168,9 @@ def test_reward_rises_on_toy_task(algo):
 def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
     """With logp == anchor, dL/d seq_logp_i = -beta * a_i / (G-1) / P, checked on parameters."""
     c = toy_config("gvpo")
-    run, state, _ = make_run(c)
+    run, state, loop, _ = make_run(c)
     G, P, beta = c.rollout.group_size, c.rollout.prompts_per_step, c.algo.beta
-    batch, _, _, _ = collect_groups(run, state.params, jax.random.key(1), P)
+    batch, _, _, _ = collect_groups(run, state.params, loop, jax.random.key(1), P)
     batch["rewards"] = np.random.default_rng(0).random(P * G).astype(np.float32)
     kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk)
     batch["old_logp"] = run.logprobs(state.params, batch["tokens"], batch["attn_mask"])
@@ -209,8 +205,8 @@ def test_replayed_groups_use_current_anchor_logprobs():
             "train.kl_ref_metric": False,
         },
     )
-    run, state, ref = make_run(c)
-    assert isinstance(run.replay, ReplayBuffer)
+    run, state, loop, ref = make_run(c)
+    assert isinstance(loop.replay, ReplayBuffer)
     seen = []
     real = run.logprobs
 
@@ -221,14 +217,14 @@ def test_replayed_groups_use_current_anchor_logprobs():
 
     run = dataclasses.replace(run, logprobs=spy)
     for _ in range(3):
-        state, metrics, _, _ = rl_step(run, state, ref)
+        state, metrics, _, _ = rl_step(run, state, loop, ref)
     assert metrics["replayed_groups"] == 2.0
     tokens3, old3, params3 = seen[-1]
     assert tokens3.shape[0] == 4 * c.rollout.group_size  # 2 fresh + 2 replayed groups
     # The buffer stores no log-probs, so the replayed rows' anchor log-probs in this step were
     # recomputed under the current parameters: they differ from the values of the step that
     # sampled them.
-    assert not any("logp" in k for k in run.replay.state_dict())
+    assert not any("logp" in k for k in loop.replay.state_dict())
     replayed = slice(2 * c.rollout.group_size, None)
     earlier = {tuple(t): lp for toks, lps, _ in seen[:-1] for t, lp in zip(toks, lps, strict=True)}
     changed = [
@@ -246,18 +242,20 @@ def test_single_update_takes_pi_old_from_its_own_forward(algo):
     (the reference pass stays) and the update equals the one with an explicit old_logp; the
     sampler consistency and entropy metrics come from the update's forward instead."""
     c = toy_config(algo, **{"optim.micro_batches": 2})
-    run, state, ref = make_run(c)
+    run, state, loop, ref = make_run(c)
     assert run.step.num_epochs * run.step.num_minibatches == 1
     start = jax.tree.map(jnp.copy, state)  # (updates donate their state)
     calls = []
     real = run.logprobs
     spy = lambda params, tokens, attn: calls.append(1) or real(params, tokens, attn)  # noqa: E731
-    _, metrics, _, _ = rl_step(dataclasses.replace(run, logprobs=spy), state, ref)
+    _, metrics, _, _ = rl_step(dataclasses.replace(run, logprobs=spy), state, loop, ref)
     assert len(calls) == (1 if run.needs_reference else 0)  # the reference's pass only
     assert metrics["sampler_logp_gap_max"] < 1e-4 and metrics["entropy_mc"] > 0
 
     # One batch, updated without and with old_logp from the separate pass: the same update.
-    fresh, _, _, _ = collect_groups(run, start.params, jax.random.key_data(jax.random.key(5)), 4)
+    fresh, _, _, _ = collect_groups(
+        run, start.params, loop, jax.random.key_data(jax.random.key(5)), 4
+    )
     batch = {k: fresh[k] for k in ("tokens", "attn_mask", "resp_mask")}
     batch["rewards"] = np.random.default_rng(0).normal(size=len(fresh["rewards"])).astype("f4")
     if ref is not None:
@@ -280,7 +278,7 @@ def test_single_update_takes_pi_old_from_its_own_forward(algo):
 
 def test_dynamic_sampling_keeps_informative_groups_and_stops_at_bound():
     c = toy_config("dapo", **{"algo.max_extra_rounds": 2})
-    run, state, _ = make_run(c)
+    run, state, loop, _ = make_run(c)
     G, P = c.rollout.group_size, c.rollout.prompts_per_step
     # Reward 1 for every response in even-numbered calls -> those groups are uninformative.
     task = run.task
@@ -291,15 +289,15 @@ def test_dynamic_sampling_keeps_informative_groups_and_stops_at_bound():
         return next(pattern).astype(np.float32), {"timeouts": 0, "errors": 0}
 
     task.score = score
-    batch, _, _, m = collect_groups(run, state.params, jax.random.key(0), P)
+    batch, _, _, m = collect_groups(run, state.params, loop, jax.random.key(0), P)
     assert m["rollout_rounds"] == 2.0  # round 1 all-equal, round 2 fills the batch
     assert losses.informative_groups(batch["task_rewards"], G).all()
     # Never informative: stops after 1 + max_extra_rounds rounds and fills with what it has.
     task.score = lambda comp, golds: (np.ones(len(comp), np.float32), {"timeouts": 0, "errors": 0})
-    batch, _, _, m = collect_groups(run, state.params, jax.random.key(1), P)
+    batch, _, _, m = collect_groups(run, state.params, loop, jax.random.key(1), P)
     assert m["rollout_rounds"] == 3.0
     assert batch["rewards"].shape[0] == P * G
-    assert rollout.informative_mask(batch["task_rewards"], G).sum() == 0
+    assert rollout.informative_groups(batch["task_rewards"], G).sum() == 0
 
 
 def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
@@ -308,9 +306,9 @@ def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
     masters and bf16 compute one trainer update changes (almost) every master entry, in the
     direction of the fp32-compute update."""
     c32 = toy_config("gvpo", **{"optim.lr": 1e-6})
-    run32, state32, _ = make_run(c32)
+    run32, state32, loop32, _ = make_run(c32)
     P, G = c32.rollout.prompts_per_step, c32.rollout.group_size
-    batch, _, _, _ = collect_groups(run32, state32.params, jax.random.key(1), P)
+    batch, _, _, _ = collect_groups(run32, state32.params, loop32, jax.random.key(1), P)
     batch["rewards"] = np.random.default_rng(0).random(P * G).astype(np.float32)
     deltas = {}
     pure = {"model.param_dtype": "bfloat16", "model.allow_bf16_params": True}
@@ -320,7 +318,7 @@ def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
         ("pure_bf16", {"model.compute_dtype": "bfloat16", **pure}),
     ]:
         c = toy_config("gvpo", **{"optim.lr": 1e-6, **changes})
-        run, state, _ = make_run(c)
+        run, state, loop, _ = make_run(c)
         master = jnp.bfloat16 if name == "pure_bf16" else jnp.float32
         assert all(x.dtype == master for x in jax.tree.leaves(state.params))
         ub = {k: batch[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}

@@ -329,7 +329,7 @@ def test_demonstration_fills_the_last_slot_of_every_group(gvpo_runs):
 
 
 def test_sampler_consistency_metric_ignores_demonstrations(gvpo_runs):
-    """Demonstration rows were never sampled (sample_logp = 0): the sampler-vs-recompute gap
+    """Demonstration rows were never sampled (rollout_logp = 0): the sampler-vs-recompute gap
     and the entropy estimate cover the sampled responses only."""
     for step, row in rl_rows(gvpo_runs["straight"]).items():
         assert row["sampler_logp_gap_max"] < 1e-4, (step, row["sampler_logp_gap_max"])

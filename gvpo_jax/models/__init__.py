@@ -1,5 +1,17 @@
-"""Decoder-only transformer (Qwen2/Qwen2.5, Llama) in Flax NNX with HF import/export."""
+"""Decoder-only transformer (Qwen2/Qwen2.5, Llama) in Flax NNX with HF import/export.
 
+`transformer` is the model, `cache` its typed KV caches and the attention that reads them,
+`attention` the kernels, `remat` the per-block rematerialisation.
+"""
+
+from gvpo_jax.models.attention import attention_mask
+from gvpo_jax.models.cache import (
+    CACHE_AXES,
+    DECODE_CACHE_AXES,
+    KVCache,
+    SharedPrefixCache,
+    SlotCache,
+)
 from gvpo_jax.models.config import (
     ARCHITECTURES,
     PRESETS,
@@ -13,12 +25,9 @@ from gvpo_jax.models.hf import from_pretrained, save_pretrained, tensor_maps
 from gvpo_jax.models.logprobs import chunked_logprobs, naive_logprobs, token_logprobs
 from gvpo_jax.models.transformer import (
     ACTIVATION_AXES,
-    CACHE_AXES,
-    DECODE_CACHE_AXES,
     PARAM_AXES,
     Transformer,
     abstract_model,
-    attention_mask,
     default_positions,
     param_count,
     with_compute_dtype,
@@ -33,7 +42,10 @@ __all__ = [
     "PARAM_AXES",
     "PRESETS",
     "CheckpointError",
+    "KVCache",
     "ModelConfig",
+    "SharedPrefixCache",
+    "SlotCache",
     "Transformer",
     "abstract_model",
     "attention_mask",

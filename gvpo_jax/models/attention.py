@@ -1,9 +1,11 @@
-"""Attention kernels behind `ModelConfig.attention`: blocked (flash-style), XLA's, Pallas splash.
+"""The attention kernels behind `ModelConfig.attention`: dense, blocked (flash-style), XLA's,
+Pallas splash, and the one entry point (`causal`) that the model and the caches call.
 
-`Attention` (models/transformer.py) computes q, k, v and the mask; this module holds the
-implementations that replace its dense [T, S] score matrices for sequences of more than one
-query token (prefill, the update's forward, plain causal forwards). Decode steps (one query
-token) always use the dense path: their scores are [1, S] per head.
+`Attention` (models/transformer.py) computes q, k, v; the caches (models/cache.py) store keys
+and values in their layouts; this module holds the arithmetic. Decode steps (one query token)
+always use the dense path: their scores are [1, S] per head (`choose`).
+
+- `dense`: one [Q, S] score matrix per key/value head, with a hand-written backward.
 
 - `blocked`: an online softmax over key blocks with a hand-written backward (FlashAttention-2's
   recurrences in plain JAX loops): O(block_q x block_k) scores live at a time instead of
@@ -23,10 +25,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gvpo_jax.models import fused
 from gvpo_jax.models.config import ATTENTION_IMPLEMENTATIONS
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "blocked", "causal", "merge", "resolve", "shared_prefix"]
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "MASKED",
+    "attention_mask",
+    "blocked",
+    "causal",
+    "choose",
+    "dense",
+    "merge",
+    "resolve",
+    "shared_prefix",
+]
+
+# Finite, so a fully masked row (a padding query) stays NaN-free: it attends uniformly.
+MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 BLOCK_Q = 512  # query rows per block (rows = positions x the G query heads of a KV head)
 BLOCK_K = 512  # keys per block
@@ -54,6 +69,114 @@ def resolve(impl: str, *, q_rows: int, keys: int, platform: str | None = None) -
     return "blocked" if q_rows * keys >= AUTO_CPU_BLOCKED_MIN else "dense"
 
 
+def choose(impl: str, *, t: int, g: int, keys: int) -> str:
+    """The kernel for T query tokens (G query heads per key/value head) x `keys` keys: dense for
+    a decode step (T = 1), else what `impl` resolves to."""
+    if t == 1:
+        return "dense"
+    return resolve(impl, q_rows=t * g, keys=keys)
+
+
+def attention_mask(
+    valid_BxS: jax.Array, query_slot_T: jax.Array, key_slot_S: jax.Array
+) -> jax.Array:
+    """bool [B, T, S]: query t sees key s iff key s is valid and not in the future (s <= t).
+
+    The single definition of the mask for both the full forward (slots = 0..T-1) and the cached
+    forward (query slots i..i+T-1 against cache slots 0..S-1).
+    """
+    causal_TxS = key_slot_S[None, :] <= query_slot_T[:, None]
+    return valid_BxS[:, None, :] & causal_TxS[None, :, :]
+
+
+def _acc(dtype) -> jnp.dtype:
+    """Accumulation / softmax dtype: fp32 for bf16 and fp32 inputs, fp64 for fp64 (tests)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense attention
+
+
+def _per_query_row(mask_BxTxS, kv: int, rows: int) -> jax.Array:
+    """The [B, T, S] mask for the Q = G * T query rows of each key/value head: [B, K, Q, S]."""
+    b, t, s = mask_BxTxS.shape
+    mask_BxKxGxTxS = jnp.broadcast_to(mask_BxTxS[:, None, None], (b, kv, rows // t, t, s))
+    return mask_BxKxGxTxS.reshape(b, kv, rows, s)
+
+
+def _probs(q_BxKxQxH, k_BxKxSxH, mask_BxTxS):
+    """Softmax weights [B, K, Q, S] (fp32; fp64 for fp64 inputs), Q = G * T query rows."""
+    b, kv, q, h = q_BxKxQxH.shape
+    scores_BxKxQxS = jnp.einsum(
+        "bkqh,bksh->bkqs", q_BxKxQxH, k_BxKxSxH, preferred_element_type=_acc(q_BxKxQxH.dtype)
+    )
+    mask_BxKxQxS = _per_query_row(mask_BxTxS, kv, q)
+    scores_BxKxQxS = jnp.where(mask_BxKxQxS, scores_BxKxQxS * (1.0 / math.sqrt(h)), MASKED)
+    return jax.nn.softmax(scores_BxKxQxS, axis=-1)
+
+
+@jax.custom_vjp
+def dense(q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS):
+    """softmax(q k^T / sqrt(H) masked) v for grouped queries: [B, K, Q, H] -> [B, K, Q, H].
+
+    q holds the G query heads of each of the K key/value heads stacked as Q = G * T rows
+    (head-major: row g * T + t); `mask_BxTxS` (bool) says which key each query position sees
+    and is shared by the G heads. The weights are rounded to v's dtype before the weighted sum
+    (bf16 models keep bf16 matmuls). The backward pass uses the saved weights P and
+    dS = P * (dP - rowsum(dO * O)) (rowsum over H, not S), and plain batched matmuls for
+    dq, dk, dv. XLA's own derivative of the masked softmax fuses a longer quotient-rule chain
+    (two [B, K, Q, S] reductions) into the dO @ v^T matmul; this one and `transformer.swiglu`
+    together
+    make the bench-45m update step ~9% faster on CPU (A/B runs in BENCHMARKS.md). A fully
+    masked query row (padding) attends uniformly and gets no gradient, as with autodiff.
+    """
+    return _dense_fwd(q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS)[0]
+
+
+def _dense_fwd(q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS):
+    probs_BxKxQxS = _probs(q_BxKxQxH, k_BxKxSxH, mask_BxTxS).astype(v_BxKxSxH.dtype)
+    out_BxKxQxH = jnp.einsum("bkqs,bksh->bkqh", probs_BxKxQxS, v_BxKxSxH)
+    return out_BxKxQxH, (q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS, probs_BxKxQxS, out_BxKxQxH)
+
+
+def _dense_bwd(res, dout_BxKxQxH):
+    q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS, probs_BxKxQxS, out_BxKxQxH = res
+    acc = _acc(q_BxKxQxH.dtype)
+    dv_BxKxSxH = jnp.einsum(
+        "bkqs,bkqh->bksh", probs_BxKxQxS, dout_BxKxQxH, preferred_element_type=acc
+    )
+    dprobs_BxKxQxS = jnp.einsum(
+        "bkqh,bksh->bkqs", dout_BxKxQxH, v_BxKxSxH, preferred_element_type=acc
+    )
+    # sum_s P * dP = sum_h dO * O, since O = P v: an [B, K, Q] reduction over H instead of S.
+    rowsum_BxKxQx1 = jnp.sum(
+        dout_BxKxQxH.astype(acc) * out_BxKxQxH.astype(acc), axis=-1, keepdims=True
+    )
+    scale = 1.0 / math.sqrt(q_BxKxQxH.shape[-1])
+    dscores_BxKxQxS = (probs_BxKxQxS.astype(acc) * (dprobs_BxKxQxS - rowsum_BxKxQx1)) * scale
+    # Masked scores are constants: no gradient. This only matters for a fully masked (padding)
+    # query row, whose uniform weights are not 0 at its masked keys.
+    mask_BxKxQxS = _per_query_row(mask_BxTxS, q_BxKxQxH.shape[1], q_BxKxQxH.shape[2])
+    dscores_BxKxQxS = jnp.where(mask_BxKxQxS, dscores_BxKxQxS, 0.0)
+    dscores_BxKxQxS = dscores_BxKxQxS.astype(q_BxKxQxH.dtype)
+    dq_BxKxQxH = jnp.einsum(
+        "bkqs,bksh->bkqh", dscores_BxKxQxS, k_BxKxSxH, preferred_element_type=acc
+    )
+    dk_BxKxSxH = jnp.einsum(
+        "bkqs,bkqh->bksh", dscores_BxKxQxS, q_BxKxQxH, preferred_element_type=acc
+    )
+    return (
+        dq_BxKxQxH.astype(q_BxKxQxH.dtype),
+        dk_BxKxSxH.astype(k_BxKxSxH.dtype),
+        dv_BxKxSxH.astype(v_BxKxSxH.dtype),
+        None,
+    )
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
 # ----------------------------------------------------------------------------------------------
 # Blocked attention
 
@@ -70,14 +193,14 @@ def _pad_to(x, axis: int, multiple: int, value):
 
 def _block_scores(q_blk, k_blk, q_slot_blk, k_slot_blk, k_valid_blk, k_real_blk, scale):
     """Masked scores [B, K, bq, bk] (fp32 or fp64) and the visibility mask [B, 1, bq, bk]."""
-    acc = fused._acc(q_blk.dtype)
+    acc = _acc(q_blk.dtype)
     s = jnp.einsum("bkqh,bksh->bkqs", q_blk, k_blk, preferred_element_type=acc) * scale
     seen = k_valid_blk[:, None, :] & (k_slot_blk[:, None, :] <= q_slot_blk[:, :, None])
     seen = seen[:, None]
     # Padding keys added to fill the last block count for nothing (weight 0 below); masked
     # real keys get the dense path's finite MASKED, so a query row with no visible key attends
     # uniformly to the real keys of the blocks it visits, as the dense path does to all keys.
-    return jnp.where(seen, s, fused.MASKED), seen, k_real_blk[:, None, None, :]
+    return jnp.where(seen, s, MASKED), seen, k_real_blk[:, None, None, :]
 
 
 def _layout(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
@@ -108,7 +231,7 @@ def _zero_from(x):
     """A scalar 0 computed from x (XLA does not fold x * 0 for floats). Loop accumulators start
     from it, so they cannot be created before x exists: XLA CPU otherwise materialised every
     layer's zero-filled accumulators at the start of the update and kept them all live."""
-    return (x.reshape(-1)[0] * 0).astype(fused._acc(x.dtype))
+    return (x.reshape(-1)[0] * 0).astype(_acc(x.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -129,7 +252,7 @@ def blocked(q, k, v, q_slot, k_slot, k_valid, block_q=BLOCK_Q, block_k=BLOCK_K):
 
 def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
     b, kv, q_rows, h = q.shape
-    acc = fused._acc(q.dtype)
+    acc = _acc(q.dtype)
     scale = 1.0 / math.sqrt(h)
     arrays, (bq, bk, nq, nk, need_q, _) = _layout(
         q, k, v, q_slot, k_slot, k_valid, block_q, block_k
@@ -187,7 +310,7 @@ def _blocked_bwd(block_q, block_k, res, cotangents):
     dout, dlse = cotangents
     b, kv, q_rows, h = q.shape
     s_len = k.shape[2]
-    acc = fused._acc(q.dtype)
+    acc = _acc(q.dtype)
     scale = 1.0 / math.sqrt(h)
     arrays, (bq, bk, nq, nk, _, first_q) = _layout(
         q, k, v, q_slot, k_slot, k_valid, block_q, block_k
@@ -264,7 +387,7 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 
 # ----------------------------------------------------------------------------------------------
-# The Attention module's entry points
+# The entry points of the model and the caches
 
 
 def _rows_t_major(q_BxTxNxH, kv: int):
@@ -289,12 +412,23 @@ def _static_int(x) -> int | None:
 def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_slot_T,
            key_slot_S, *, cache_index=0):  # fmt: skip
     """Attention of T query tokens at slots `query_slot_T` to S keys at `key_slot_S` (query t
-    sees valid keys at slots <= its own), with `impl` in blocked | xla | splash. Returns
-    [B, T, N, H]. Rows of padding queries (valid_q False) are unspecified: no loss reads them.
+    sees valid keys at slots <= its own), with `impl` in dense | blocked | xla | splash (see
+    `choose`). Returns [B, T, N, H]. Rows of padding queries (valid_q False) are unspecified: no
+    loss reads them.
     """
     b, t, n, h = q_BxTxNxH.shape
     kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
     g = n // kv
+    if impl == "dense":
+        mask_BxTxS = attention_mask(valid_BxS, query_slot_T, key_slot_S)
+        # The G query heads sharing a key/value head are stacked along the query axis, so the
+        # scores and the weighted sum are plain batched matmuls over (B, K): Q = G * T rows.
+        q_BxKxQxH = (
+            q_BxTxNxH.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
+        )
+        out_BxKxQxH = dense(q_BxKxQxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS)
+        out_BxTxNxH = out_BxKxQxH.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4)
+        return out_BxTxNxH.reshape(b, t, n, h)
     if impl == "splash":
         offset = _static_int(cache_index)
         if offset is not None and offset + t <= s:
@@ -320,7 +454,7 @@ def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_
 
 def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_PxKxRxSxH,
                   v_PxKxRxSxH, valid_q_BxT, valid_BxS, index):  # fmt: skip
-    """Attention of B = P * R rows continuing P shared prefixes (`Attention._attend_shared_prefix`
+    """Attention of B = P * R rows continuing P shared prefixes (`cache.SharedPrefixCache`
     layout): row p * R + r sees prefix p's valid keys and its own valid new keys at slots <=
     index + t. blocked: one pass over the prefixes for all R rows of a prompt at once (the
     prefix is read once per prompt, as in the dense path) and one over each row's own keys,

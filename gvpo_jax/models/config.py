@@ -79,16 +79,6 @@ class ModelConfig:
                     f"ModelConfig.{name}={getattr(self, name)!r}; use 'float32' or 'bfloat16'."
                 )
 
-    @property
-    def storage_dtype(self) -> jnp.dtype:
-        """Parameter storage dtype (`param_dtype` as a jnp dtype)."""
-        return jnp.dtype(self.param_dtype)
-
-    @property
-    def activation_dtype(self) -> jnp.dtype:
-        """Compute dtype of weights in use, activations and the KV cache (`compute_dtype`)."""
-        return jnp.dtype(self.compute_dtype)
-
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

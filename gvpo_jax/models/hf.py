@@ -177,7 +177,7 @@ def load_tensors(
                 f"{source}: tensor '{m.hf_name}' has shape {tuple(arr.shape)} but config.json "
                 f"implies {m.hf_shape}; the config does not match the weights."
             )
-        value = np.asarray(m.to_model(arr)).astype(cfg.storage_dtype)
+        value = np.asarray(m.to_model(arr)).astype(cfg.param_dtype)
         if target is None:
             placed = jnp.asarray(value)
         else:

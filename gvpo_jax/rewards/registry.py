@@ -191,7 +191,7 @@ def score_batch(
     "refused": int (answers the guard would not evaluate, included in timeouts), "components":
     {name: float32 [B] unweighted}, "overlong": float32 [B] (if used)}. `num_workers`: see the
     module docstring. `overlong=(max_len, cache_len, factor)` adds DAPO's soft overlong penalty
-    (`gvpo_jax.losses.overlong_penalty`) computed from `response_lens` (tokens).
+    (`overlong_penalty`) computed from `response_lens` (tokens).
     """
     B = len(completions)
     if len(golds) != B:
@@ -223,18 +223,29 @@ def score_batch(
     if overlong is not None:
         if response_lens is None:
             raise ValueError("overlong=(max_len, cache_len, factor) needs response_lens.")
-        from gvpo_jax import losses  # lazy: keeps jax out of the reward workers
-
         max_len, cache_len, factor = overlong
-        penalty_B = np.asarray(
-            losses.overlong_penalty(
-                np.asarray(response_lens), max_len=max_len, cache_len=cache_len, factor=factor
-            ),
-            np.float64,
-        )
+        penalty_B = overlong_penalty(
+            response_lens, max_len=max_len, cache_len=cache_len, factor=factor
+        ).astype(np.float64)
         info["overlong"] = penalty_B.astype(np.float32)
         total_B += penalty_B
     return total_B.astype(np.float32), info
+
+
+def overlong_penalty(lengths_B, *, max_len: int, cache_len: int, factor: float = 1.0):
+    """DAPO's soft overlong punishment on the host, float32 [B] (<= 0), added to the reward: 0
+    up to max_len - cache_len tokens, then a ramp to -1 at max_len, -1 beyond; times `factor`.
+
+    The numpy twin of `gvpo_jax.losses.overlong_penalty` (the loss library's, for JAX users),
+    with the same float32 values up to the rounding of the division (tested), so the trainer's
+    host code needs no jax."""
+    if not 0 < cache_len <= max_len:
+        raise ValueError(f"`cache_len`={cache_len} must be in (0, `max_len`={max_len}].")
+    L_B = np.asarray(lengths_B).astype(np.float32)
+    start = max_len - cache_len
+    ramp_B = -(L_B - start) / cache_len
+    penalty_B = np.where(L_B <= start, 0.0, np.where(L_B <= max_len, ramp_B, -1.0))
+    return (factor * penalty_B).astype(np.float32)
 
 
 def extract_batch(

@@ -1,11 +1,13 @@
-"""fused.attention and fused.swiglu: values and hand-written gradients vs float64 references."""
+"""The hand-written backward passes (dense attention, SwiGLU): values and gradients against
+float64 references."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gvpo_jax.models import fused
+from gvpo_jax.models import attention as kernels
+from gvpo_jax.models.transformer import swiglu
 
 B, K, G, T, H = 2, 2, 3, 5, 4
 
@@ -31,7 +33,7 @@ def _attention_np(q, k, v, mask):
             for row in range(G * T):
                 t = row % T  # rows are head-major: g * T + t
                 s = q[b, kh, row] @ k[b, kh].T / np.sqrt(H)
-                s = np.where(mask[b, t], s, fused.MASKED)
+                s = np.where(mask[b, t], s, kernels.MASKED)
                 w = np.exp(s - s.max())
                 out[b, kh, row] = (w / w.sum()) @ v[b, kh]
     return out
@@ -44,7 +46,7 @@ def _loss_np(q, k, v, mask, cot):
 def test_attention_matches_float64_reference():
     q, k, v, mask = _inputs(0)
     with jax.enable_x64(True):
-        out = np.asarray(fused.attention(q, k, v, jnp.asarray(mask)))
+        out = np.asarray(kernels.dense(q, k, v, jnp.asarray(mask)))
     np.testing.assert_allclose(out, _attention_np(q, k, v, mask), rtol=0, atol=1e-12)
 
 
@@ -52,7 +54,7 @@ def test_attention_gradients_match_finite_differences_float64():
     q, k, v, mask = _inputs(1)
     cot = np.random.default_rng(2).normal(size=q.shape)
     with jax.enable_x64(True):
-        loss = lambda q, k, v: jnp.sum(fused.attention(q, k, v, jnp.asarray(mask)) * cot)
+        loss = lambda q, k, v: jnp.sum(kernels.dense(q, k, v, jnp.asarray(mask)) * cot)
         grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     eps = 1e-6
     for which, (x, g) in enumerate(zip((q, k, v), grads, strict=True)):
@@ -74,11 +76,11 @@ def test_attention_gradients_equal_autodiff_of_the_plain_formula():
     def plain(q, k, v):
         s = jnp.einsum("bkqh,bksh->bkqs", q, k) / np.sqrt(H)
         m = jnp.broadcast_to(mask[:, None, None], (B, K, G, T, T)).reshape(B, K, G * T, T)
-        p = jax.nn.softmax(jnp.where(m, s, fused.MASKED), axis=-1)
+        p = jax.nn.softmax(jnp.where(m, s, kernels.MASKED), axis=-1)
         return jnp.einsum("bkqs,bksh->bkqh", p, v)
 
     with jax.enable_x64(True):
-        ours = jax.grad(lambda *a: jnp.sum(fused.attention(*a, mask) * cot), (0, 1, 2))(q, k, v)
+        ours = jax.grad(lambda *a: jnp.sum(kernels.dense(*a, mask) * cot), (0, 1, 2))(q, k, v)
         ref = jax.grad(lambda *a: jnp.sum(plain(*a) * cot), (0, 1, 2))(q, k, v)
     for a, b in zip(ours, ref, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-12)
@@ -87,10 +89,10 @@ def test_attention_gradients_equal_autodiff_of_the_plain_formula():
 def test_attention_keeps_bf16_inputs_in_bf16_and_close_to_fp32():
     q, k, v, mask = _inputs(5, np.float32)
     cot = np.random.default_rng(6).normal(size=q.shape).astype(np.float32)
-    loss = lambda *a: jnp.sum(fused.attention(*a, mask).astype(jnp.float32) * cot)
+    loss = lambda *a: jnp.sum(kernels.dense(*a, mask).astype(jnp.float32) * cot)
     g32 = jax.grad(loss, (0, 1, 2))(q, k, v)
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)]
-    assert fused.attention(*bf, mask).dtype == jnp.bfloat16
+    assert kernels.dense(*bf, mask).dtype == jnp.bfloat16
     g16 = jax.grad(loss, (0, 1, 2))(*bf)
     for a, b in zip(g16, g32, strict=True):
         assert a.dtype == jnp.bfloat16
@@ -107,7 +109,7 @@ def test_swiglu_value_and_gradients_match_float64_reference(dtype):
     ref_dup = d * gate * sig
     with jax.enable_x64(dtype == np.float64):
         g, u = jnp.asarray(gate, dtype), jnp.asarray(up, dtype)
-        out, vjp = jax.vjp(fused.swiglu, g, u)
+        out, vjp = jax.vjp(swiglu, g, u)
         dgate, dup = vjp(jnp.asarray(d, dtype))
     tol = 1e-12 if dtype == np.float64 else 1e-5
     np.testing.assert_allclose(np.asarray(out), ref_out, rtol=tol, atol=tol)
