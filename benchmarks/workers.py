@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 
@@ -27,7 +28,12 @@ class LineWorker:
                  sep: str = " / "):  # fmt: skip
         self.name, self.tail, self.sep = name, tail, sep
         full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, **(env or {}))
-        full_env.pop("XLA_FLAGS", None)
+        # The real CPU: a fake device count is dropped, other XLA flags (e.g. the test suite's
+        # compile flags) are kept.
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                       full_env.pop("XLA_FLAGS", "")).strip()  # fmt: skip
+        if flags:
+            full_env["XLA_FLAGS"] = flags
         self.stderr = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
             argv, cwd=REPO, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -9,14 +9,14 @@ operands in [0, 99]: 10,000 problems, too many for the model to memorise, so wha
 training problems transfers to the 200 held-out ones) are generated on the fly. A short cold-start
 SFT phase teaches the format and most of the algorithm, then GVPO (beta 0.1, k = 4, 128 prompts
 per step, anchor = rollout policy) trains on exact-match reward at temperature 1.
-Expect on a 2-core CPU: about 2 minutes in all (measured 1 min 48 s wall, 181 s CPU). Every
-evaluation prints held-out avg@16 at temperature 1 (the headline, as the GVPO paper's avg@32) and
-greedy accuracy; the end prints both before SFT (0 / 0), after SFT = the RL start (0.659 / 0.915
-for seed 0) and at the end (0.764 / 0.915), and writes
-metrics.jsonl, curves.png, checkpoints and the exported Hugging Face directory. RL sharpens the
-sampled distribution: avg@16 rose by +0.12 +- 0.05 over 3 seeds (every seed >= +0.063) at
-`d0253f0`, an earlier version of the model code; greedy accuracy, already high after SFT, by
-+0.08 +- 0.055 (STUDY.md, "The demo recipe").
+Expect on a 2-core CPU: about 1-2 minutes in all. Every evaluation prints held-out avg@16 at
+temperature 1 (the headline, as the GVPO paper's avg@32) and greedy accuracy; the end prints both
+before SFT (0 / 0), after SFT = the RL start and at the end, and writes metrics.jsonl,
+curves.png, checkpoints and the exported Hugging Face directory. What a run printed, with its
+commit, time and numbers, is the README's demo block (generated from docs/demo/record.json by
+`python -m benchmarks.readme_demo`). RL sharpens the sampled distribution: avg@16 rose by
++0.12 +- 0.05 over 3 seeds (every seed >= +0.063) at `d0253f0`, an earlier version of the model
+code; greedy accuracy, already high after SFT, by +0.08 +- 0.055 (STUDY.md, "The demo recipe").
 """
 
 from gvpo_jax.config import base_config

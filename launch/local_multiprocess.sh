@@ -56,8 +56,12 @@ process_env() {
     "JAX_PROCESS_ID=${i}"
   )
   if [[ "$platform" == cpu ]]; then
+    # The caller's other XLA flags are kept; its fake device count is replaced.
+    local flags
+    flags=$(sed -E 's/--xla_force_host_platform_device_count=[^ ]*//g; s/^ +//; s/ +$//' \
+            <<< "${XLA_FLAGS:-}")
     proc_env+=("JAX_PLATFORMS=cpu"
-               "XLA_FLAGS=--xla_force_host_platform_device_count=${devices_per_process}")
+               "XLA_FLAGS=${flags:+$flags }--xla_force_host_platform_device_count=${devices_per_process}")
   else
     local first=$((i * devices_per_process)) ids="" d
     for ((d = first; d < first + devices_per_process; d++)); do ids+="${ids:+,}${d}"; done

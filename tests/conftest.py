@@ -1,5 +1,13 @@
-"""Test set-up: fake 8 CPU devices (before jax is imported), keep runs deterministic, and share
-compiled programs through JAX's persistent compilation cache.
+"""Test set-up: fake 8 CPU devices (before jax is imported), keep runs deterministic, compile
+fast, and share compiled programs through JAX's persistent compilation cache.
+
+Compile time is most of the suite's time (tiny shapes, many programs), so the suite compiles
+with LLVM's optimisations off (`--xla_backend_optimization_level=0`; XLA's default is 3): the
+programs are the same HLO, fused and scheduled the same way, only their machine code is less
+optimised. A first run with an empty cache took 10 min 46 s at the default level and 8 min 15 s
+with this flag in the in-process tests (BENCHMARKS.md, "Test suite time").
+`GVPO_TEST_XLA_OPT_LEVEL=3` runs the suite on the programs exactly as the trainer compiles them.
+Subprocesses the tests start take the same flags through `child_env`.
 
 The cache lives in a per-user directory outside the clone (`GVPO_TEST_JAX_CACHE`, default
 `~/.cache/gvpo_jax/jax_tests`); it is set through environment variables, so the trainer
@@ -11,7 +19,11 @@ is never used; deleting the directory only costs time.
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite's compile flags (see above), for this process and every subprocess (`child_env`).
+TEST_XLA_FLAGS = (
+    f"--xla_backend_optimization_level={os.environ.get('GVPO_TEST_XLA_OPT_LEVEL', '0')}"
+)
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -26,3 +38,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def child_env(devices: int | None = None, **changes: str) -> dict[str, str]:
+    """The environment of a subprocess the suite starts: this process's (compilation cache
+    included), the suite's XLA compile flags, and `devices` fake CPU devices (None: the one real
+    CPU device, e.g. a trainer run as `make demo` runs it). `changes` are set on top."""
+    env = dict(os.environ, **changes)
+    devices_flag = "" if devices is None else f"--xla_force_host_platform_device_count={devices} "
+    env["XLA_FLAGS"] = devices_flag + TEST_XLA_FLAGS
+    return env

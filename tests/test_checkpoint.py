@@ -23,6 +23,7 @@ from gvpo_jax.checkpoint import (
     checkpoint_dir,
     resolve_restore,
 )
+from tests.conftest import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 _ONE_DEVICE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -243,8 +244,8 @@ for step in range(1, 100000):
 
 
 def _python(script: str, *args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)  # one device is enough in the child and starts faster
+    # one device is enough in the child and starts faster
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script), *args], env=env, cwd=REPO, **kw
     )

@@ -13,6 +13,7 @@ from benchmarks import learning_study as ls
 from benchmarks import study_report as report
 from benchmarks import study_runs as runs
 from benchmarks import study_smollm2 as smol
+from tests.conftest import child_env
 
 
 class _FakeTask:
@@ -111,7 +112,7 @@ def test_cell_table_reports_wall_and_cpu_seconds_per_run():
 def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
     # A subprocess without the suite's 8 fake devices: the study runs on one CPU device.
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, "-m", "benchmarks.learning_study", "--quick"]
     cmd += ["--out", str(out), "--workdir", str(work)]
     proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -262,7 +263,7 @@ def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
     recorded run per cell, avg@n at the start and end only, greedy at every evaluation, and a
     second invocation that reruns nothing."""
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, "-m", "benchmarks.learning_study", "--smollm2", "--quick"]
     cmd += ["--out", str(out), "--workdir", str(work)]
     proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -11,6 +11,7 @@ import pytest
 
 from gvpo_jax import config as config_lib
 from gvpo_jax import models
+from tests.conftest import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -28,7 +29,7 @@ def demo_run(tmp_path_factory):
     ]  # fmt: skip
     # One CPU device, as `make demo` runs (the suite's 8 fake devices split 128 prompts 8 ways
     # on 2 cores; the trainer on a mesh is tested in test_wiring / test_multiprocess).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return workdir, proc
 

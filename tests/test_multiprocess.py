@@ -22,6 +22,7 @@ from safetensors.numpy import load_file
 from gvpo_jax import config as config_lib
 from gvpo_jax import data, tasks
 from tests import mp_worker
+from tests.conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -111,7 +112,10 @@ def test_local_launcher_dry_run():
             "JAX_NUM_PROCESSES=3",
             f"JAX_PROCESS_ID={i}",
         ]
-        assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in words
+        (flags,) = [w for w in words if w.startswith("XLA_FLAGS=")]
+        # the caller's fake device count replaced, its other XLA flags (the suite's) kept
+        assert flags.endswith(" --xla_force_host_platform_device_count=4")
+        assert flags.count("device_count") == 1 and "xla_backend_optimization_level" in flags
         cmd = words[words.index(sys.executable) :]
         assert cmd[:4] == [sys.executable, "-m", "gvpo_jax.main", "--config=configs/arith_tiny.py"]
         assert line.endswith(f"| sed 's/^/[p{i}] /' &")
@@ -239,8 +243,8 @@ def test_trainer_two_processes_match_one_process(tmp_path):
     process with 4 fake devices; same mesh (data 2 x fsdp 2: parameters split over fsdp inside
     a process, rows over both processes) and global batch."""
     one, two = tmp_path / "one", tmp_path / "two"
-    env1 = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env1.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env1 = child_env(4, JAX_PLATFORMS="cpu")
+    env1 = {k: v for k, v in env1.items() if not k.startswith("JAX_") or k == "JAX_PLATFORMS"}
     cmd1 = [sys.executable, "-m", "gvpo_jax.main", *MAIN_ARGS, f"--workdir={one}"]
     t0 = time.perf_counter()
     single = subprocess.Popen(cmd1, cwd=ROOT, env=env1, stdout=subprocess.PIPE,

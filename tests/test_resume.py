@@ -14,6 +14,8 @@ import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file
 
+from tests.conftest import child_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Volatile metrics: wall-clock times differ between runs; everything else must be identical.
 VOLATILE = ("time", "tokens_per_s")
@@ -29,9 +31,7 @@ RUN_ARGS = [
 
 
 def _env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = ""  # one CPU device: resume is not about the mesh, and it is faster
-    return env
+    return child_env()  # one CPU device: resume is not about the mesh, and it is faster
 
 
 def _start(workdir, *extra):
