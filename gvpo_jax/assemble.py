@@ -376,6 +376,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
             checkpoint.checkpoint_dir(workdir),
             save_every=config.train.checkpoint_every,
             keep=config.train.keep_checkpoints,
+            verify=config.train.verify_checkpoints,
         ),
         tx=tx,
         state_shardings=shardings,

@@ -18,9 +18,15 @@ EXIT_BAD_INPUT = 2
 
 
 def bad_input(sentence: str):
-    """Ends the process the way every bad input ends: `error: <one sentence>`, exit status 2."""
+    """Ends the process the way every bad input ends: `error: <one sentence>`, exit status 2.
+
+    The exit skips the interpreter's shutdown (the run has closed its writer and checkpoints
+    by then): after a failed checkpoint read, tensorstore's abandoned reads would otherwise
+    finish during shutdown and print pages of "Event loop is closed" from Orbax's event loop."""
     print(f"error: {sentence}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_BAD_INPUT)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

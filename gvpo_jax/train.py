@@ -242,30 +242,36 @@ def run_sft(
 
 def restore(run_: assemble.Run, state, loop: LoopState):
     """Resume order: config.restore_from > latest in workdir > nothing; `loop` is set to the
-    checkpoint's (untouched when there is none).
+    checkpoint's (untouched when there is none). A damaged newest step in the workdir is moved
+    aside and the next newest restorable one is used; a damaged explicit restore_from is an
+    error (`checkpoint.restore_newest`).
 
     Returns (state, ref, resumed); ref is the frozen reference (None when the run keeps none,
     or has not made it yet).
     """
-    found = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
-    if found is None:
-        return state, None, False
-    directory, step = found
     # A checkpoint may or may not hold a reference copy (an SFT start has none, a GRPO run has
     # one); the run may or may not need one. Try the run's own layout first, then the other.
     ref_layout = jax.eval_shape(lambda p: reference_copy(run_, p), state.params)
     layouts = [ref_layout, None] if run_.needs_reference else [None, ref_layout]
-    first_error = None
-    for ref_layout in layouts:
-        try:
-            restored, meta, replay = run_.ckpt.restore(
-                abstract_target(run_, state, ref_layout), step=step, directory=directory
-            )
-            break
-        except checkpoint.CheckpointError as e:
-            first_error = first_error or e
-    else:
+
+    def attempt(directory, step):
+        first_error = None
+        for ref_layout in layouts:
+            try:
+                return run_.ckpt.restore(
+                    abstract_target(run_, state, ref_layout), step=step, directory=directory
+                )
+            except checkpoint.CheckpointError as e:
+                first_error = first_error or e
         raise first_error
+
+    found = checkpoint.restore_newest(
+        run_.ckpt, run_.config.restore_from or None, run_.workdir, attempt,
+        log=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    if found is None:
+        return state, None, False
+    (restored, meta, replay), directory, step = found
     ref = None
     if run_.needs_reference:  # start of RL from a checkpoint without reference: freeze now
         ref = (

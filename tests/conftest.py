@@ -2,11 +2,13 @@
 fast, and share compiled programs through JAX's persistent compilation cache.
 
 Compile time is most of the suite's time (tiny shapes, many programs), so the suite compiles
-with LLVM's optimisations off (`--xla_backend_optimization_level=0`; XLA's default is 3): the
-programs are the same HLO, fused and scheduled the same way, only their machine code is less
-optimised. A first run with an empty cache took 10 min 46 s at the default level and 8 min 15 s
-with this flag in the in-process tests (BENCHMARKS.md, "Test suite time").
-`GVPO_TEST_XLA_OPT_LEVEL=3` runs the suite on the programs exactly as the trainer compiles them.
+for speed of compilation (`TEST_XLA_FLAGS`): LLVM's optimisations off
+(`--xla_backend_optimization_level=0`; XLA's default is 3) and XLA:CPU's elemental IR emitter
+for fusions (`--xla_cpu_use_fusion_emitters=false`; with XLA's default, the MLIR fusion
+emitters, the trainer's programs took 2.5x as long to compile). The programs are the same HLO,
+fused and scheduled the same way; only the CPU machine code differs. A first run with an empty
+cache took 10 min 46 s with XLA's defaults (BENCHMARKS.md, "Test suite time").
+`GVPO_TEST_XLA_FLAGS=""` runs the suite on the programs exactly as the trainer compiles them.
 Subprocesses the tests start take the same flags through `child_env`.
 
 The cache lives in a per-user directory outside the clone (`GVPO_TEST_JAX_CACHE`, default
@@ -20,8 +22,8 @@ is never used; deleting the directory only costs time.
 import os
 
 # The suite's compile flags (see above), for this process and every subprocess (`child_env`).
-TEST_XLA_FLAGS = (
-    f"--xla_backend_optimization_level={os.environ.get('GVPO_TEST_XLA_OPT_LEVEL', '0')}"
+TEST_XLA_FLAGS = os.environ.get(
+    "GVPO_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 )
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -162,7 +162,7 @@ def worker(out_dir: str) -> None:
         rules=rules,
     )
     mine = sharding.process_rows(PROMPTS * GROUP, mesh)
-    ckpt = checkpoint.Checkpointer(os.path.join(out_dir, "ckpt"), save_every=1, keep=1)
+    ckpt = checkpoint.Checkpointer(checkpoint.checkpoint_dir(out_dir), save_every=1, keep=3)
     losses = []
     for step in range(STEPS):
         local = {k: v[mine.rows] for k, v in global_batch(step, cfg.vocab_size).items()}
@@ -175,6 +175,7 @@ def worker(out_dir: str) -> None:
             target = sharding.abstract_with_shardings(state, shardings)
             state, meta, _ = ckpt.restore(target, step=step)
             assert meta["step"] == 0
+    resumed = damaged_host_restore(ckpt, state, shardings, out_dir)
     ckpt.close()
     ids, lens = prompts(cfg.vocab_size)
     prompt_rows = sharding.process_rows(PROMPTS, mesh).rows
@@ -203,6 +204,7 @@ def worker(out_dir: str) -> None:
             losses=np.asarray(losses),
             tokens=tokens,
             process_count=jax.process_count(),
+            resumed=resumed,
             device_count=jax.device_count(),
             **flat,
             **init,
@@ -212,6 +214,37 @@ def worker(out_dir: str) -> None:
         f"{mine.count}) losses {losses}",
         flush=True,
     )
+
+
+def damaged_host_restore(ckpt, state, shardings, out_dir):
+    """Steps 1 and 2 saved, then one byte of process 1's own shard file of step 2 flipped: the
+    sizes still match, and only the process whose share of the checksums holds that file can
+    see it. Every process must resume from the same step (1). Returns the steps the processes
+    resumed from, all-gathered."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from gvpo_jax import checkpoint, sharding
+
+    ckpt.save(1, state, meta={"step": 1}, force=True)
+    ckpt.save(2, state, meta={"step": 2}, force=True)
+    ckpt.wait()  # committed, and the manifests written (process 0)
+    multihost_utils.sync_global_devices("gvpo_test_saved")
+    if jax.process_index() == 1:
+        mine = os.path.join(checkpoint.checkpoint_dir(out_dir), "2", "state", "ocdbt.process_1")
+        files = [os.path.join(d, f) for d, _, fs in os.walk(mine) for f in fs]
+        biggest = max(files, key=os.path.getsize)
+        data = bytearray(open(biggest, "rb").read())
+        data[len(data) // 2] ^= 0x40
+        open(biggest, "wb").write(bytes(data))
+    multihost_utils.sync_global_devices("gvpo_test_damaged")
+    target = sharding.abstract_with_shardings(state, shardings)
+    (_, meta, _), _, step = checkpoint.restore_newest(
+        ckpt, None, out_dir, lambda d, s: ckpt.restore(target, step=s, directory=d),
+        log=lambda line: print(line, flush=True),
+    )  # fmt: skip
+    assert meta["step"] == step
+    return multihost_utils.process_allgather(np.int32(step))
 
 
 if __name__ == "__main__":

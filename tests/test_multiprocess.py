@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from gvpo_jax import config as config_lib
 from gvpo_jax import data, tasks
 from tests import mp_worker
-from tests.conftest import child_env
+from tests.conftest import TEST_XLA_FLAGS, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -51,7 +51,7 @@ def test_two_processes_match_one_process(tmp_path):
     """2 processes x 2 CPU devices, mesh (data 2, fsdp 2) with devices interleaved across the
     processes: parameters are split across processes and each process feeds only its rows (a
     non-contiguous set); 3 GVPO steps (with an Orbax save/restore of the sharded state after the
-    first), then greedy sampling."""
+    first), a restore past a step damaged on one host only, then greedy sampling."""
     out = _run(
         [
             LAUNCH / "local_multiprocess.sh",
@@ -74,6 +74,12 @@ def test_two_processes_match_one_process(tmp_path):
     assert "[p1] process 1: rows [4, 5, 6, 7, 12, 13, 14, 15] (data shard 1 of 2)" in out.stdout
     result = dict(np.load(tmp_path / "result.npz"))
     assert int(result["process_count"]) == 2 and int(result["device_count"]) == 4
+    # Step 2 damaged in process 1's files only: both processes resumed from step 1, and the
+    # damaged step was reported once and moved aside.
+    assert result["resumed"].tolist() == [1, 1]
+    assert out.stdout.count("Checkpoint step 2 is damaged") == 1
+    assert "[p0] Checkpoint step 2 is damaged" in out.stdout
+    assert (tmp_path / "checkpoints" / "damaged-2").is_dir()
     init = {k.removeprefix("init/"): v for k, v in result.items() if k.startswith("init/")}
     ref = mp_worker.reference_run(init)
     # Same tolerance argument as tests/test_sharding.py: only summation order differs.
@@ -115,7 +121,7 @@ def test_local_launcher_dry_run():
         (flags,) = [w for w in words if w.startswith("XLA_FLAGS=")]
         # the caller's fake device count replaced, its other XLA flags (the suite's) kept
         assert flags.endswith(" --xla_force_host_platform_device_count=4")
-        assert flags.count("device_count") == 1 and "xla_backend_optimization_level" in flags
+        assert flags.count("device_count") == 1 and TEST_XLA_FLAGS in flags
         cmd = words[words.index(sys.executable) :]
         assert cmd[:4] == [sys.executable, "-m", "gvpo_jax.main", "--config=configs/arith_tiny.py"]
         assert line.endswith(f"| sed 's/^/[p{i}] /' &")
