@@ -7,7 +7,8 @@ for speed of compilation (`TEST_XLA_FLAGS`): LLVM's optimisations off
 for fusions (`--xla_cpu_use_fusion_emitters=false`; with XLA's default, the MLIR fusion
 emitters, the trainer's programs took 2.5x as long to compile). The programs are the same HLO,
 fused and scheduled the same way; only the CPU machine code differs. A first run with an empty
-cache took 10 min 46 s with XLA's defaults (BENCHMARKS.md, "Test suite time").
+cache took 10 min 46 s of pytest with XLA's defaults and 5 min 11 s with these flags
+(BENCHMARKS.md, "Test suite time").
 `GVPO_TEST_XLA_FLAGS=""` runs the suite on the programs exactly as the trainer compiles them.
 Subprocesses the tests start take the same flags through `child_env`.
 
