@@ -217,7 +217,7 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["truncated", "flipped_byte"])
+@pytest.mark.parametrize("kind", list(DAMAGE))
 def test_trainer_resumes_from_the_last_good_step_to_the_uninterrupted_weights(
     straight, tmp_path, kind
 ):
