@@ -447,15 +447,13 @@ class Checkpointer:
         where = self.directory if directory is None else Path(directory).absolute()
         aside = where / f"damaged-{int(step)}"
         n = 1
-        while aside.exists():
+        while aside.exists():  # every process sees the same listing here (no rename yet)
             n += 1
             aside = where / f"damaged-{int(step)}.{n}"
+        _sync(f"gvpo_checkpoint_move_{int(step)}")
         if jax.process_index() == 0:
             os.rename(where / str(int(step)), aside)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"gvpo_checkpoint_moved_{int(step)}")
+        _sync(f"gvpo_checkpoint_moved_{int(step)}")
         if where == self.directory:
             self._manager.reload()
         return aside
@@ -523,6 +521,14 @@ def _phrase(error: BaseException) -> str:
     if len(text) > 240:
         text = text[:237] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _sync(name: str) -> None:
+    """A barrier of every process (nothing with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _all_processes(ok: bool) -> bool:
@@ -604,7 +610,8 @@ def restore_newest(ckpt: Checkpointer, explicit_path, workdir, attempt, *, log=p
                     # the multi-process fallback; this stops the run instead of diverging.
                     raise CheckpointError(
                         f"process {jax.process_index()} cannot read {directory / str(step)} "
-                        f"({problem}) though its manifest matches; repair or remove that step."
+                        f"({problem}) though its manifest, if it has one, matches; repair or "
+                        "remove that step."
                     ) from e
         if problem is None:
             break
