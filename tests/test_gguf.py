@@ -59,6 +59,8 @@ def _write_gguf(hf_model, arch, path, tokenizer=False):
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        "self_attn.q_norm": "attn_q_norm",  # Qwen3's QK-norm (llama.cpp's names)
+        "self_attn.k_norm": "attn_k_norm",
     }
     state = hf_model.state_dict()
     if cfg.tie_word_embeddings:
@@ -115,6 +117,10 @@ def _tiny_hf(arch):
     )
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, head_dim=8))
+    elif arch == "qwen3":  # explicit head_dim, N*H = 64 != D = 32, as in the published models
+        model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+        )
     else:
         model = transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(**common, tie_word_embeddings=True)
@@ -127,17 +133,26 @@ def _tiny_hf(arch):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_matches_transformers(arch, tmp_path):
     """Undoing llama.cpp's q/k permutation (Llama only) recovers the transformers logits."""
     hf_model = _tiny_hf(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_gguf(hf_model, arch, path)
+    # The file holds only tensor names llama.cpp defines for the architecture (+ .weight/.bias).
+    known = {
+        gguf.TENSOR_NAMES[t].format(bid=i)
+        for t in gguf.MODEL_TENSORS[next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)]
+        for i in range(2)
+    }
+    assert {t.name.rsplit(".", 1)[0] for t in gguf.GGUFReader(path).tensors} <= known
     model, tokenizer = models.from_gguf(path, load_tokenizer=False)
     assert tokenizer is None
     assert model.config.architecture == arch
     assert model.config.tie_word_embeddings == (arch == "qwen2")
-    assert model.config.rope_theta == 30000.0 and model.config.head_dim == 8
+    assert model.config.qk_norm == (arch == "qwen3")
+    assert model.config.rope_theta == 30000.0
+    assert model.config.head_dim == (16 if arch == "qwen3" else 8)
     tokens = np.random.default_rng(0).integers(0, 80, size=(2, 9))
     with torch.no_grad():
         ref = hf_model(torch.tensor(tokens)).logits.numpy()

@@ -13,7 +13,7 @@ import torch
 import transformers
 from flax import nnx
 
-from gvpo_jax import models
+from gvpo_jax import models, sampler
 
 TOL = 1e-4
 
@@ -41,6 +41,12 @@ def _make_hf(kind, path):
         # Explicit head_dim != hidden/heads and a non-default eps and theta.
         cfg = transformers.LlamaConfig(**common, head_dim=16, rms_norm_eps=1e-5, rope_theta=20000.0)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind.startswith("qwen3"):
+        # QK-norm, no bias, explicit head_dim with N*H = 64 != D = 32 (Qwen3-0.6B: 2048 vs 1024).
+        cfg = transformers.Qwen3Config(
+            **common, head_dim=16, rope_theta=7000.0, tie_word_embeddings=(kind == "qwen3-tied")
+        )
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2Config(
             **common, rope_theta=5000.0, tie_word_embeddings=(kind == "qwen2-tied")
@@ -55,7 +61,8 @@ def _make_hf(kind, path):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {k: (root / k, _make_hf(k, root / k)) for k in ("qwen2-tied", "qwen2-untied", "llama")}
+    kinds = ("qwen2-tied", "qwen2-untied", "llama", "qwen3-tied", "qwen3-untied")
+    return {k: (root / k, _make_hf(k, root / k)) for k in kinds}
 
 
 def _hf_logits(hf_model, tokens, mask=None, positions=None):
@@ -72,11 +79,14 @@ def _tokens(shape, vocab=96, seed=0):
     return np.random.default_rng(seed).integers(0, vocab, size=shape).astype(np.int32)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-tied", "qwen2-untied", "llama"])
+@pytest.mark.parametrize(
+    "kind", ["qwen2-tied", "qwen2-untied", "llama", "qwen3-tied", "qwen3-untied"]
+)
 def test_logit_parity_with_transformers(checkpoints, kind):
     path, hf_model = checkpoints[kind]
     model = models.from_pretrained(path, "float32")
-    assert model.config.tie_word_embeddings == (kind == "qwen2-tied")
+    assert model.config.tie_word_embeddings == kind.endswith("-tied")
+    assert model.config.qk_norm == kind.startswith("qwen3")
     assert model.config.architecture == kind.split("-")[0]
     tokens = _tokens((2, 11))
     ours = np.asarray(model(jnp.asarray(tokens)))
@@ -84,7 +94,7 @@ def test_logit_parity_with_transformers(checkpoints, kind):
     np.testing.assert_allclose(ours, _hf_logits(hf_model, tokens), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-untied", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2-untied", "llama", "qwen3-tied"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logit_parity_padded_batches(checkpoints, kind, side):
     path, hf_model = checkpoints[kind]
@@ -112,7 +122,7 @@ def test_logit_parity_padded_batches(checkpoints, kind, side):
         np.testing.assert_allclose(ours[b][real[b]], alone, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-tied", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2-tied", "llama", "qwen3-untied"])
 def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
     """Right-padded prompts prefilled at slots [0, Tp); decode step n writes slot Tp+n."""
     model = models.from_pretrained(checkpoints[kind][0])
@@ -199,10 +209,11 @@ def _grouped_rows(p, g, tp, n, vocab, seed):
     return jnp.asarray(tokens * mask), jnp.asarray(mask)
 
 
-def test_hidden_shared_prefix_equals_hidden_values_and_gradients(checkpoints):
+@pytest.mark.parametrize("kind", ["qwen2-untied", "qwen3-untied"])
+def test_hidden_shared_prefix_equals_hidden_values_and_gradients(checkpoints, kind):
     """Each group's prompt run once (shared keys / values) gives the full forward's hidden
     states at every real slot, and the same parameter gradients."""
-    model = models.from_pretrained(checkpoints["qwen2-untied"][0])
+    model = models.from_pretrained(checkpoints[kind][0])
     p, g, tp, n = 3, 4, 5, 6
     tokens, mask = _grouped_rows(p, g, tp, n, model.config.vocab_size, seed=11)
     weights = jnp.asarray(np.random.default_rng(1).normal(size=(p * g, tp + n, 1)), jnp.float32)
@@ -241,13 +252,14 @@ def test_hidden_with_cache_and_unembed_match_call(checkpoints):
         model(tokens, cache=cache, cache_index=5)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-tied", "qwen2-untied", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2-tied", "qwen2-untied", "llama", "qwen3-tied"])
 def test_export_round_trip_loads_in_transformers(checkpoints, kind, tmp_path):
     model = models.from_pretrained(checkpoints[kind][0])
     # Tiny shard limit: forces the sharded layout with model.safetensors.index.json.
     out = models.save_pretrained(model, tmp_path / "out", max_shard_bytes=20_000)
     assert (out / "model.safetensors.index.json").exists()
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert type(hf_model).__name__ == models.ARCHITECTURES[model.config.architecture]
     tokens = _tokens((2, 7), seed=4)
     np.testing.assert_allclose(
         _hf_logits(hf_model, tokens), np.asarray(model(jnp.asarray(tokens))), atol=TOL, rtol=0
@@ -259,7 +271,7 @@ def test_export_round_trip_loads_in_transformers(checkpoints, kind, tmp_path):
     assert not (single / "model.safetensors.index.json").exists()
 
 
-@pytest.mark.parametrize("kind", ["qwen2-untied", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2-untied", "llama", "qwen3-untied"])
 def test_bf16_compute_logits_against_fp32_and_transformers_bf16(checkpoints, kind):
     """fp32 masters computing in bf16: logits stay fp32 and within bf16 rounding of both our
     fp32 logits and transformers' own bf16 forward. Tolerance 3% of the largest logit; measured
@@ -405,8 +417,109 @@ def test_qwen25_math_7b_preset_has_published_parameter_count():
     assert logits.shape == (1, 4, 152064) and logits.dtype == jnp.float32
 
 
-def test_remat_gives_same_gradients():
-    cfg = models.PRESETS["tiny"]
+# Published Qwen3 dense shapes (Qwen/Qwen3-*/config.json): D, layers, heads, MLP, tied, total.
+QWEN3_PUBLISHED = {
+    "qwen3-0.6b": (1024, 28, 16, 3072, True, 596_049_920),
+    "qwen3-1.7b": (2048, 28, 16, 6144, True, 1_720_574_976),
+    "qwen3-4b": (2560, 36, 32, 9728, True, 4_022_468_096),
+    "qwen3-8b": (4096, 36, 32, 12288, False, 8_190_735_360),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_PUBLISHED))
+def test_qwen3_presets_have_published_shapes_and_transformers_parameter_counts(name):
+    """jax.eval_shape count == transformers' Qwen3ForCausalLM on the meta device (no memory) ==
+    the total from the published shapes: per layer D*(N+2K)*H + N*H*D (attention) + 2H
+    (QK-norm) + 3*D*F (MLP) + 2D (norms), plus V*D (embedding, once if tied) and D."""
+    hidden, layers, heads, inter, tied, total = QWEN3_PUBLISHED[name]
+    cfg = models.PRESETS[name]
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size) == (
+        hidden, layers, heads, inter
+    )  # fmt: skip
+    assert (cfg.vocab_size, cfg.num_kv_heads, cfg.head_dim) == (151936, 8, 128)
+    assert cfg.tie_word_embeddings == tied and cfg.qk_norm and not cfg.attention_bias
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.max_position_embeddings) == (1e6, 1e-6, 40960)
+    n, k, h, d, f, v = heads, 8, 128, hidden, inter, 151936
+    per_layer = d * (n + 2 * k) * h + n * h * d + 2 * h + 3 * d * f + 2 * d
+    assert layers * per_layer + v * d * (1 if tied else 2) + d == total
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=v,
+        hidden_size=d,
+        intermediate_size=f,
+        num_hidden_layers=layers,
+        num_attention_heads=n,
+        num_key_value_heads=k,
+        head_dim=h,
+        tie_word_embeddings=tied,
+    )
+    with torch.device("meta"):
+        hf_model = transformers.Qwen3ForCausalLM(hf_cfg)
+    assert sum(p.numel() for p in hf_model.parameters()) == total  # tied: counted once
+    assert models.abstract_model(cfg).num_params() == total
+
+
+def test_qwen3_blocked_attention_beyond_one_block_matches_transformers(checkpoints):
+    """520 tokens (> one 512-key block; 1040 query rows, 2 query heads per KV head, > one
+    512-row block) through the blocked kernel, one row left-padded: transformers' logits."""
+    path, hf_model = checkpoints["qwen3-untied"]
+    model = models.with_config(models.from_pretrained(path), attention="blocked")
+    t = models.attention.BLOCK_K + 8
+    tokens = _tokens((2, t), seed=12)
+    mask = np.ones((2, t), np.int32)
+    mask[1, :100] = 0
+    ours = np.asarray(jax.jit(lambda m, x, k: m(x, mask_BxT=k))(model, tokens, mask))
+    ref = _hf_logits(hf_model, tokens, mask, np.maximum(np.cumsum(mask, 1) - 1, 0))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("num_slots", [0, 2], ids=["static", "continuous"])
+def test_qwen3_greedy_generation_matches_transformers_generate(checkpoints, num_slots):
+    """The sampler (prefill, shared-prefix decode cache; or 2 continuous-batching slots for 4
+    rows) decodes a Qwen3 greedily to transformers' `generate` tokens."""
+    path, hf_model = checkpoints["qwen3-tied"]
+    model = models.from_pretrained(path)
+    prompts, n = [[5, 17, 42], [7, 8, 9, 10, 11, 12, 13], [60], [3, 4, 4, 4, 60, 61, 1, 2]], 10
+    ids, lens = sampler.pad_prompts(prompts, (16,))
+    out = sampler.generate(
+        model, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0,
+        num_slots=num_slots,
+    )  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf_model.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(out.tokens_BxN[row]), ref[0, len(prompt) :])
+
+
+def test_qwen3_checkpoint_and_config_errors(checkpoints, tmp_path):
+    src = checkpoints["qwen3-tied"][0]
+    biased = lambda hf: hf.update(attention_bias=True)
+    with pytest.raises(models.CheckpointError, match="attention_bias=true is not supported"):
+        models.from_pretrained(_broken_copy(src, tmp_path / "bias", edit=biased))
+    sliding = lambda hf: hf.update(layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(models.CheckpointError, match="'sliding_attention'"):
+        models.from_pretrained(_broken_copy(src, tmp_path / "sliding", edit=sliding))
+    name = "model.layers.1.self_attn.k_norm.weight"
+    with pytest.raises(models.CheckpointError, match=f"missing tensor '{name}'"):
+        models.from_pretrained(_broken_copy(src, tmp_path / "no_norm", drop=name))
+    with pytest.raises(ValueError, match="needs qk_norm=True and attention_bias=False"):
+        models.PRESETS["tiny"].replace(architecture="qwen3")
+    llama_qk = models.PRESETS["tiny"].replace(architecture="llama", attention_bias=False)
+    with pytest.raises(models.CheckpointError, match="use architecture='qwen3'"):
+        models.config_to_hf(llama_qk.replace(qk_norm=True))
+
+
+TINY_QWEN3 = models.PRESETS["tiny"].replace(
+    architecture="qwen3", qk_norm=True, attention_bias=False
+)
+
+
+@pytest.mark.parametrize("cfg", [models.PRESETS["tiny"], TINY_QWEN3], ids=["qwen2", "qwen3"])
+def test_remat_gives_same_gradients(cfg):
     tokens = jnp.asarray(_tokens((2, 6), vocab=cfg.vocab_size, seed=6))
 
     def grads(remat):
@@ -597,8 +710,9 @@ def test_chunked_logprobs_bf16_match_naive(monkeypatch):
         np.testing.assert_allclose(np.float32(a), np.float32(b), atol=2e-2, rtol=2e-2)
 
 
-def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints):
-    path = checkpoints["qwen2-untied"][0]
+@pytest.mark.parametrize("kind", ["qwen2-untied", "qwen3-untied"])
+def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints, kind):
+    path = checkpoints[kind][0]
     cfg = models.from_pretrained(path).config
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rules = (("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"), ("embed", "fsdp"))
@@ -611,10 +725,12 @@ def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints):
     assert model.lm_head.get_value().sharding.spec == P("tensor", "fsdp")
     up = model.layers[1].mlp.up_kernel.get_value()
     assert up.sharding.spec == P("fsdp", "tensor") and len(up.addressable_shards) == 8
+    if cfg.qk_norm:  # the QK-norm scales are `norm` parameters: replicated
+        assert model.layers[1].attn.k_norm.scale.get_value().sharding.spec == P(None)
     tokens = _tokens((2, 5), seed=10)
     np.testing.assert_allclose(
         np.asarray(model(jnp.asarray(tokens))),
-        _hf_logits(checkpoints["qwen2-untied"][1], tokens),
+        _hf_logits(checkpoints[kind][1], tokens),
         atol=TOL,
         rtol=0,
     )

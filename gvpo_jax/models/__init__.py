@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Qwen2/Qwen2.5, Llama) in Flax NNX with HF import/export.
+"""Decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama) in Flax NNX with HF and GGUF import,
+HF export.
 
 `transformer` is the model, `cache` its typed KV caches and the attention that reads them,
 `attention` the kernels, `remat` the per-block rematerialisation.

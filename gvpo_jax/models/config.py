@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass for Qwen2/Qwen2.5 and Llama, named presets, HF I/O."""
+"""Model configuration: one frozen dataclass for Qwen2/Qwen2.5, Qwen3 and Llama, named presets,
+HF I/O."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import jax.numpy as jnp
 
 from gvpo_jax.errors import BadInputError
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
 
 
 class CheckpointError(BadInputError):
@@ -23,7 +28,9 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "dense", "blocked", "xla", "splash")
 class ModelConfig:
     """Shapes and numerics of a decoder-only transformer (pre-norm, GQA, RoPE, SwiGLU).
 
-    `head_dim` may differ from hidden_size // num_heads (explicit in Llama configs).
+    `head_dim` may differ from hidden_size // num_heads (explicit in Llama and Qwen3 configs).
+    `qk_norm` (Qwen3) RMS-normalises each head of q and k over head_dim, with its own learned
+    scale of size head_dim for q and for k, after the projection and before RoPE.
     `param_dtype` stores the parameters (the fp32 masters a trainer updates); `compute_dtype` is
     what the forward pass runs in: each weight is cast to it where it is used (inside the compiled
     graph, so gradients flow back to the masters in `param_dtype`), and activations and the KV
@@ -45,6 +52,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     attention_bias: bool = True
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     architecture: str = "qwen2"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -60,6 +68,12 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r} is not supported; "
                 f"use one of {sorted(ARCHITECTURES)}."
+            )
+        if self.architecture == "qwen3" and (not self.qk_norm or self.attention_bias):
+            raise ValueError(
+                f"ModelConfig.architecture='qwen3' needs qk_norm=True and attention_bias=False "
+                f"(got qk_norm={self.qk_norm}, attention_bias={self.attention_bias}); set both "
+                "(Qwen3 normalises q and k per head and has no q/k/v bias)."
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -103,6 +117,28 @@ def _qwen(vocab, hidden, inter, layers, heads, kv, theta, tied, max_pos, eos) ->
     )
 
 
+def _qwen3(hidden, inter, layers, heads, tied) -> ModelConfig:
+    """Qwen3 dense: QK-norm, no bias, head_dim 128 (not hidden // heads), 8 KV heads."""
+    return ModelConfig(
+        vocab_size=151936,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=inter,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        attention_bias=False,
+        qk_norm=True,
+        architecture="qwen3",
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,  # <|im_end|> (the post-trained models; *-Base use 151643)
+    )
+
+
 # Shapes copied from the published config.json files (Qwen/*, HuggingFaceTB/SmolLM2-135M).
 PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen(151936, 896, 4864, 24, 14, 2, 1e6, True, 32768, 151643),
@@ -110,6 +146,10 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-7b": _qwen(152064, 3584, 18944, 28, 28, 4, 1e6, False, 131072, 151643),
     "qwen2.5-math-1.5b": _qwen(151936, 1536, 8960, 28, 12, 2, 1e4, True, 4096, 151643),
     "qwen2.5-math-7b": _qwen(152064, 3584, 18944, 28, 28, 4, 1e4, False, 4096, 151643),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, False),
     "smollm2-135m": ModelConfig(
         vocab_size=49152,
         hidden_size=576,
@@ -190,7 +230,7 @@ def config_from_hf(
     compute_dtype: str = "float32",
     source: str = "config.json",
 ) -> ModelConfig:
-    """Builds a ModelConfig from a Hugging Face config.json dict (Qwen2 or Llama family).
+    """Builds a ModelConfig from a Hugging Face config.json dict (Qwen2, Qwen3 or Llama family).
 
     Raises CheckpointError naming the field for unsupported architectures or options.
     """
@@ -211,6 +251,17 @@ def config_from_hf(
             f"{source}: use_sliding_window=true is not supported; set it to false "
             "(full causal attention)."
         )
+    layer_types = set(hf.get("layer_types") or ())
+    if layer_types - {"full_attention"}:
+        raise CheckpointError(
+            f"{source}: layer_types {sorted(layer_types)} is not supported; only "
+            "'full_attention' layers (no sliding window)."
+        )
+    if model_type == "qwen3" and hf.get("attention_bias", False):
+        raise CheckpointError(
+            f"{source}: attention_bias=true is not supported for qwen3 (its o_proj would have a "
+            "bias too); only bias-free Qwen3 attention, as in the published checkpoints."
+        )
     hidden = int(_field(hf, "hidden_size", source))
     heads = int(_field(hf, "num_attention_heads", source))
     kv = hf.get("num_key_value_heads") or heads
@@ -230,8 +281,10 @@ def config_from_hf(
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             # transformers 5 defaults both Qwen2Config and LlamaConfig to untied embeddings.
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases in transformers; Llama reads `attention_bias`.
+            # Qwen2 always has q/k/v biases in transformers; Llama reads `attention_bias`;
+            # Qwen3 has none (refused above).
             attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             architecture=model_type,
             param_dtype=str(jnp.dtype(param_dtype)),
             compute_dtype=str(jnp.dtype(compute_dtype)),
@@ -245,7 +298,8 @@ def config_from_hf(
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
-    """The config.json dict that transformers 5 loads as Qwen2ForCausalLM / LlamaForCausalLM.
+    """The config.json dict that transformers 5 loads as Qwen2ForCausalLM / Qwen3ForCausalLM /
+    LlamaForCausalLM.
 
     `dtype` is the dtype the tensors are written in (default: `cfg.param_dtype`).
     """
@@ -253,6 +307,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
         raise CheckpointError(
             "ModelConfig: a qwen2 model without attention_bias has no transformers equivalent; "
             "use architecture='llama' for bias-free attention."
+        )
+    if cfg.qk_norm and cfg.architecture != "qwen3":
+        raise CheckpointError(
+            f"ModelConfig: a {cfg.architecture} model with qk_norm has no transformers "
+            "equivalent; use architecture='qwen3' (with attention_bias=False) for QK-norm."
         )
     hf = {
         "architectures": [ARCHITECTURES[cfg.architecture]],
@@ -280,6 +339,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
     }
     if cfg.architecture == "llama":
         hf.update(attention_bias=cfg.attention_bias, mlp_bias=False)
+    elif cfg.architecture == "qwen3":
+        hf.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     else:
         hf.update(use_sliding_window=False, sliding_window=None)
     return hf

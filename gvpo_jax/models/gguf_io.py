@@ -17,7 +17,7 @@ from gvpo_jax.models.config import CheckpointError, ModelConfig
 from gvpo_jax.models.hf import load_tensors
 from gvpo_jax.models.transformer import Transformer
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -29,6 +29,8 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's QK-norm scales [head_dim]
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -107,34 +109,41 @@ def config_from_gguf(
     if "token_embd.weight" not in tensor_shapes:
         raise CheckpointError(f"{source}: tensor 'token_embd.weight' is missing.")
     token_id = lambda key: None if fields.get(key) is None else int(fields[key])
-    return ModelConfig(
-        vocab_size=int(get("vocab_size", tensor_shapes["token_embd.weight"][-1])),
-        hidden_size=hidden,
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        intermediate_size=int(get("feed_forward_length")),
-        rope_theta=_decimal(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings="output.weight" not in tensor_shapes,
-        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
-        architecture=arch,
-        param_dtype=param_dtype,
-        compute_dtype=compute_dtype,
-        max_position_embeddings=int(get("context_length", 32768)),
-        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
-        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
-        pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
-    )
+    try:
+        return ModelConfig(
+            vocab_size=int(get("vocab_size", tensor_shapes["token_embd.weight"][-1])),
+            hidden_size=hidden,
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("attention.key_length", hidden // heads)),
+            intermediate_size=int(get("feed_forward_length")),
+            rope_theta=_decimal(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
+            tie_word_embeddings="output.weight" not in tensor_shapes,
+            attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+            qk_norm=arch == "qwen3",
+            architecture=arch,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            max_position_embeddings=int(get("context_length", 32768)),
+            bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+            pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
+        )
+    except CheckpointError:
+        raise
+    except ValueError as e:  # ModelConfig's own checks (e.g. a Qwen3 GGUF with q/k/v biases)
+        raise CheckpointError(f"{source}: {e}") from e
 
 
 def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_tokenizer: bool = True):
-    """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama or Qwen2 layout).
+    """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama, Qwen2 or Qwen3 layout).
 
     Tensors are dequantised one at a time with `gguf.quants.dequantize` (numpy, fp32) and cast
     to `param_dtype`; the model computes in `compute_dtype` (see `ModelConfig`). Llama q/k
-    weights are un-permuted back to the transformers layout. The tokenizer is transformers' own
+    weights are un-permuted back to the transformers layout (llama.cpp's converter permutes
+    only Llama's; Qwen2 and Qwen3 keep the rotate-half layout). The tokenizer is transformers' own
     GGUF conversion (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
     """
     path = Path(path)

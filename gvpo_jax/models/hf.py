@@ -35,7 +35,8 @@ class TensorMap:
 
 
 def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
-    """The HF <-> model parameter correspondence for `cfg` (Qwen2 and Llama share names)."""
+    """The HF <-> model parameter correspondence for `cfg` (Qwen2, Qwen3 and Llama share names;
+    Qwen3 adds `self_attn.q_norm.weight` / `k_norm.weight` [head_dim])."""
     d, n, k, h, f, v = (
         cfg.hidden_size,
         cfg.num_heads,
@@ -70,6 +71,15 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
                 TensorMap(pre + "self_attn.q_proj.bias", (*at, "q_bias"), (n * h,), *bias(n)),
                 TensorMap(pre + "self_attn.k_proj.bias", (*at, "k_bias"), (k * h,), *bias(k)),
                 TensorMap(pre + "self_attn.v_proj.bias", (*at, "v_bias"), (k * h,), *bias(k)),
+            ]
+        if cfg.qk_norm:
+            maps += [
+                TensorMap(
+                    pre + "self_attn.q_norm.weight", (*at, "q_norm", "scale"), (h,), same, same
+                ),
+                TensorMap(
+                    pre + "self_attn.k_norm.weight", (*at, "k_norm", "scale"), (h,), same, same
+                ),
             ]
         ml = ("layers", i, "mlp")
         maps += [
@@ -196,7 +206,7 @@ def from_pretrained(
     remat: bool = False,
     shardings=None,
 ):
-    """Loads a Qwen2/Qwen2.5/Llama HF checkpoint directory (config.json + *.safetensors).
+    """Loads a Qwen2/Qwen2.5/Qwen3/Llama HF checkpoint directory (config.json + *.safetensors).
 
     param_dtype: storage dtype ('float32' or 'bfloat16'); tensors are cast to it on load.
     compute_dtype: dtype the forward pass runs in (see `ModelConfig`).

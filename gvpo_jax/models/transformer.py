@@ -1,5 +1,5 @@
-"""Decoder-only transformer (Qwen2/Qwen2.5, Llama) in Flax NNX: norms, RoPE, attention
-projections, SwiGLU MLP, the block and `Transformer`.
+"""Decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama) in Flax NNX: norms, RoPE, attention
+projections (with Qwen3's per-head QK-norm), SwiGLU MLP, the block and `Transformer`.
 
 The KV caches and the attention that reads them are in `models/cache.py`, the attention kernels
 in `models/attention.py`, the ordered per-block rematerialisation in `models/remat.py`.
@@ -83,7 +83,12 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE; K key/value heads shared by N/K query heads each."""
+    """Grouped-query self-attention with RoPE; K key/value heads shared by N/K query heads each.
+
+    With `cfg.qk_norm` (Qwen3), each head of q and of k is RMS-normalised over head_dim (scales
+    `q_norm`, `k_norm` [H], shared by all heads) after the projection and before RoPE, as
+    transformers' Qwen3Attention does; the caches then hold normalised, rotated keys.
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -102,6 +107,11 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, _zeros, (k, h), dt, ("kv_heads", "head_dim"))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, cfg.rms_norm_eps, cfg, rngs)
+            self.k_norm = RMSNorm(h, cfg.rms_norm_eps, cfg, rngs)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _project(self, x_BxTxD, kernel, bias, axes):
         """x @ kernel [D, N|K, H] -> [B, T, N|K, H], as one 2-D matmul on [B*T, D].
@@ -125,6 +135,9 @@ class Attention(nnx.Module):
         kv_axes = ("batch", "length", "kv_heads", "head_dim")
         k_BxTxKxH = self._project(x_BxTxD, self.k_kernel, self.k_bias, kv_axes)
         v_BxTxKxH = self._project(x_BxTxD, self.v_kernel, self.v_bias, kv_axes)
+        if self.q_norm is not None:  # QK-norm: per head over H, before RoPE
+            q_BxTxNxH = self.q_norm(q_BxTxNxH)
+            k_BxTxKxH = self.k_norm(k_BxTxKxH)
         q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, self.rope_theta)
         k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, self.rope_theta)
         # Keys and values live head-major, [B, K, S, H] (the cache layout too): each of the K
