@@ -9,9 +9,10 @@ prompt templates and tokenisation, the character tokenizer, and the grain input 
                                                    max_prompt_len=256, use_chat_template=True)
 """
 
-from gvpo_jax.data import char_tokenizer
+from gvpo_jax.data import char_tokenizer, eval_sets
 from gvpo_jax.data.arith import ArithSource, ArithTask
 from gvpo_jax.data.char_tokenizer import build_char_tokenizer
+from gvpo_jax.data.eval_sets import EVAL_SETS, EvalSet, EvalSetError, load_eval_set
 from gvpo_jax.data.pipeline import make_iterator
 from gvpo_jax.data.prompts import (
     BOXED_INSTRUCTION,
@@ -36,10 +37,13 @@ from gvpo_jax.data.tfds_builders import GvpoGsm8k, GvpoMath
 
 __all__ = [
     "BOXED_INSTRUCTION",
+    "EVAL_SETS",
     "TASKS",
     "TEMPLATES",
     "ArithSource",
     "ArithTask",
+    "EvalSet",
+    "EvalSetError",
     "GvpoGsm8k",
     "GvpoMath",
     "MappedSource",
@@ -48,10 +52,12 @@ __all__ = [
     "char_tokenizer",
     "encode_prompts",
     "encode_sft",
+    "eval_sets",
     "get_template",
     "gsm8k_solution",
     "load_gsm8k",
     "load_math",
+    "load_eval_set",
     "load_records",
     "load_task",
     "make_iterator",
