@@ -72,31 +72,47 @@ class Run:
 
 
 def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
-    """Preset overrides from the config (only the ones the user set), plus max_tokens."""
+    """Preset overrides from the config (only the ones the user set), plus max_tokens and the
+    entropy bonus's coefficient (when non-zero)."""
     preset = losses.get_preset(config.algo.name)
     kw = {}
     if preset.kind == "gvpo":
         kw["beta"] = config.algo.beta
     else:
-        for name in ("eps_low", "eps_high"):
-            if config.algo[name] is not None:
+        allowed = losses.overridable(config.algo.name)
+        for name in ("eps_low", "eps_high", "kl_coef", "reward_kl_coef"):
+            if name in allowed and config.algo[name] is not None:
                 kw[name] = config.algo[name]
-        if preset.kind == "clip":
-            if config.algo.kl_coef is not None:
-                kw["kl_coef"] = config.algo.kl_coef
-            kw["max_tokens"] = config.rollout.max_new_tokens
+        kw["max_tokens"] = config.rollout.max_new_tokens
+    if config.algo.entropy_coef:
+        kw["entropy_coef"] = float(config.algo.entropy_coef)
     return kw
 
 
 def needs_reference(config: ml_collections.ConfigDict) -> bool:
-    """A frozen reference copy: GVPO's anchor="ref", a KL penalty, or the KL-to-start metric."""
+    """A frozen reference copy: GVPO's anchor="ref", a KL penalty (in the loss or, REINFORCE++
+    and RLOO, in the reward), or the KL-to-start metric."""
     preset = losses.get_preset(config.algo.name)
     if config.train.kl_ref_metric:
         return True
     if preset.kind == "gvpo":
         return config.algo.anchor == "ref"
-    kl = config.algo.kl_coef if config.algo.kl_coef is not None else preset.kwargs.get("kl_coef", 0)
-    return preset.kind == "clip" and kl > 0
+    settings = {**preset.kwargs, **preset.adv_kwargs}
+    for name in ("kl_coef", "reward_kl_coef"):
+        value = config.algo[name] if config.algo[name] is not None else settings.get(name, 0.0)
+        if value > 0:
+            return True
+    return False
+
+
+def batch_advantages(config: ml_collections.ConfigDict) -> bool:
+    """The preset's advantages use whole-batch statistics (REINFORCE++): the step computes them
+    once on the rollout batch whenever the loss would otherwise see only a part of it."""
+    overrides = {k: v for k, v in loss_kwargs(config).items() if k not in _STEP_ONLY}
+    return losses.uses_batch_statistics(config.algo.name, **overrides)
+
+
+_STEP_ONLY = ("max_tokens", "entropy_coef")  # loss_kwargs that are not preset overrides
 
 
 def uses_dynamic_sampling(config: ml_collections.ConfigDict) -> bool:
@@ -159,6 +175,30 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         demo_slot=bool(c.algo.demo_slot),
         max_bad_steps=c.train.max_bad_steps,
         grad_clip=c.optim.grad_clip,
+        batch_advantages=batch_advantages_fn(c),
+        advantages_need_old=_reward_kl(c) > 0,
+    )
+
+
+def _reward_kl(config: ml_collections.ConfigDict) -> float:
+    """The KL-in-reward coefficient in effect (REINFORCE++; 0 for every other preset)."""
+    preset = losses.get_preset(config.algo.name)
+    if config.algo.reward_kl_coef is not None and preset.adv_estimator == "reinforce_pp":
+        return config.algo.reward_kl_coef
+    return preset.adv_kwargs.get("reward_kl_coef", 0.0)
+
+
+def batch_advantages_fn(config: ml_collections.ConfigDict):
+    """`losses.preset_advantages` with the config's preset, group size and overrides bound, for
+    presets whose advantages use whole-batch statistics (`batch_advantages`); else None."""
+    if not batch_advantages(config):
+        return None
+    overrides = {k: v for k, v in loss_kwargs(config).items() if k not in _STEP_ONLY}
+    return functools.partial(
+        losses.preset_advantages,
+        config.algo.name,
+        group_size=config.rollout.group_size,
+        **overrides,
     )
 
 

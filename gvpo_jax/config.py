@@ -12,10 +12,10 @@ import ml_collections
 from absl import flags
 from ml_collections import config_dict
 
+from gvpo_jax import losses
 from gvpo_jax.errors import BadInputError
 
-ALGOS = ("gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
-CLIPPED_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
+ALGOS = tuple(losses.LOSSES)  # every preset of the loss library
 MODES = ("train", "sft", "eval", "export")
 TASKS = ("arith", "gsm8k", "math", "math_gsm8k", "jsonl")
 
@@ -102,7 +102,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.num_slots = 0
 
     c.algo = ml_collections.ConfigDict()
-    c.algo.name = "gvpo"  # gvpo | grpo | dr_grpo | dapo | gspo | gspo_token
+    c.algo.name = "gvpo"  # a losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo
+    # gmpo rloo reinforce_pp reinforce_pp_baseline
     c.algo.beta = 0.1  # GVPO: KL strength in the optimum pi' exp(R/beta)/Z
     c.algo.anchor = "old"  # GVPO pi_theta': old (rollout policy, moves) | ref (frozen start)
     c.algo.num_epochs = 1  # passes over each rollout batch
@@ -110,6 +111,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.eps_low = config_dict.placeholder(float)  # clip range override (None: preset's)
     c.algo.eps_high = config_dict.placeholder(float)  # clip range override (None: preset's)
     c.algo.kl_coef = config_dict.placeholder(float)  # KL-to-reference coefficient override
+    c.algo.reward_kl_coef = config_dict.placeholder(float)  # REINFORCE++: KL-in-reward override
+    c.algo.entropy_coef = 0.0  # entropy bonus: loss -= coef x entropy (aggregated as the loss)
     c.algo.replay_fraction = 0.0  # GVPO: share of each update batch drawn from the replay buffer
     c.algo.replay_capacity = 256  # groups kept in the replay buffer
     c.algo.replay_mode = "fifo"  # fifo | reservoir
@@ -374,24 +377,39 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(f"config.algo.anchor is {c.algo.anchor!r}; use old or ref.")
     if not 0.0 <= c.algo.replay_fraction < 1.0:
         _fail(f"config.algo.replay_fraction is {c.algo.replay_fraction}; use a value in [0, 1).")
-    if c.algo.replay_fraction > 0 and c.algo.name != "gvpo":
+    preset = losses.get_preset(c.algo.name)
+    if c.algo.replay_fraction > 0 and not preset.off_policy:
         _fail(
-            f"config.algo.replay_fraction > 0 with algo.name={c.algo.name!r}: clipped-ratio losses "
-            "assume the behaviour policy sampled the batch; use gvpo or replay_fraction=0."
+            f"config.algo.replay_fraction > 0 with algo.name={c.algo.name!r}: its clipped or "
+            "importance-weighted ratios assume the rollout policy sampled the batch; use gvpo "
+            "(no importance weights) or replay_fraction=0."
         )
     if c.algo.replay_fraction > 0 and round(c.algo.replay_fraction * P) >= P:
         _fail("config.algo.replay_fraction leaves no fresh groups per step; lower it.")
     if c.algo.replay_mode not in ("fifo", "reservoir"):
         _fail(f"config.algo.replay_mode is {c.algo.replay_mode!r}; use fifo or reservoir.")
-    if c.algo.demo_slot and c.algo.name != "gvpo":
+    if c.algo.demo_slot and not preset.off_policy:
         _fail(
-            "config.algo.demo_slot needs algo.name=gvpo: demonstrations are off-policy and only "
-            "GVPO needs no importance weights; turn demo_slot off."
+            f"config.algo.demo_slot needs algo.name=gvpo: demonstrations are off-policy and "
+            f"{c.algo.name}'s ratios assume the rollout policy sampled them; turn demo_slot off."
         )
-    for name in ("eps_low", "eps_high", "kl_coef"):
+    for name in ("eps_low", "eps_high", "kl_coef", "reward_kl_coef"):
         value = c.algo[name]
         if value is not None and value < 0:
             _fail(f"config.algo.{name} is {value}; use a non-negative value or leave it unset.")
+    allowed = losses.overridable(c.algo.name)
+    for name in ("eps_low", "eps_high", "kl_coef", "reward_kl_coef"):
+        if c.algo[name] is not None and name not in allowed:
+            users = [n for n in ALGOS if name in losses.overridable(n)]
+            _fail(
+                f"config.algo.{name} is set but algo.name={c.algo.name!r} has no such setting; "
+                f"leave it unset or use one of {', '.join(users)}."
+            )
+    if c.algo.entropy_coef < 0:
+        _fail(
+            f"config.algo.entropy_coef is {c.algo.entropy_coef}; use 0 (off) or a positive "
+            "bonus such as 0.001."
+        )
     if c.algo.overlong_cache < 1 or c.algo.overlong_cache >= c.rollout.max_new_tokens:
         _fail(
             f"config.algo.overlong_cache is {c.algo.overlong_cache}; use 1 <= it < "

@@ -1,4 +1,5 @@
-"""Policy losses for RL post-training of LLMs: GVPO, GRPO / Dr.GRPO / DAPO and GSPO, in pure JAX.
+"""Policy losses for RL post-training of LLMs, in pure JAX: GVPO, GRPO / Dr.GRPO / DAPO, GSPO,
+CISPO, GMPO, RLOO and REINFORCE++ (with or without a group baseline), plus an entropy bonus.
 
 This file stands alone (jax + the standard library only) so it can be copied into any JAX trainer.
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3+")
 ADV_SCALES = ("group", "batch", "none")
+ADV_ESTIMATORS = ("group", "reinforce_pp")  # group_advantages | reinforce_pp_advantages
 
 Array = jax.Array
 Aux = dict[str, Array]
@@ -81,6 +83,21 @@ def _check_positive(arg: str, value, strict: bool = True) -> None:
         raise ValueError(f"`{arg}` is {value} but must be {'>' if strict else '>='} 0.")
 
 
+def _check_max_tokens(agg: str, max_tokens) -> None:
+    if agg == "seq-mean-token-sum-norm":
+        if max_tokens is None:
+            raise ValueError(
+                "`max_tokens` is required with agg='seq-mean-token-sum-norm'; pass the maximum "
+                "response length (a constant)."
+            )
+        _check_positive("max_tokens", max_tokens)
+
+
+def _check_kl_ref(kl_coef, ref_logp) -> None:
+    if ref_logp is None and not (isinstance(kl_coef, int | float) and kl_coef == 0):
+        raise ValueError("`kl_coef` is non-zero but `ref_logp` is None; pass ref_logp or set 0.")
+
+
 def _safe_div(num: Array, den: Array) -> Array:
     """num / den, and 0 where den == 0 (e.g. an all-padding batch)."""
     return jnp.where(den > 0, num, 0.0) / jnp.where(den > 0, den, 1.0)
@@ -110,6 +127,17 @@ def _clip_metrics(ratio, adv, w, eps_low, eps_high, prefix: str) -> Aux:
         f"{prefix}_mean": _token_mean(ratio, w),
         f"{prefix}_min": jnp.where(any_on, jnp.min(jnp.where(on, ratio, jnp.inf)), 0.0),
         f"{prefix}_max": jnp.where(any_on, jnp.max(jnp.where(on, ratio, -jnp.inf)), 0.0),
+    }
+
+
+def _drift_and_adv_metrics(logp_BxT, old_BxT, adv_BxT, m_BxT) -> Aux:
+    """kl_old (k3 estimate of KL(pi_old || pi_theta): drift inside the update), adv_mean,
+    adv_abs_mean (token means) and response_len_mean (mean mask sum per row)."""
+    return {
+        "kl_old": _token_mean(_kl_penalty(old_BxT, logp_BxT, "k3"), m_BxT),
+        "adv_mean": _token_mean(adv_BxT, m_BxT),
+        "adv_abs_mean": _token_mean(jnp.abs(adv_BxT), m_BxT),
+        "response_len_mean": jnp.mean(jnp.sum(m_BxT, axis=1)),
     }
 
 
@@ -330,17 +358,10 @@ def grpo_loss(
     _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     _check_positive("eps_low", eps_low, strict=False)
     _check_positive("eps_high", eps_high, strict=False)
-    if agg == "seq-mean-token-sum-norm":
-        if max_tokens is None:
-            raise ValueError(
-                "`max_tokens` is required with agg='seq-mean-token-sum-norm'; pass the maximum "
-                "response length (a constant)."
-            )
-        _check_positive("max_tokens", max_tokens)
+    _check_max_tokens(agg, max_tokens)
     if dual_clip is not None and isinstance(dual_clip, int | float) and dual_clip <= 1.0:
         raise ValueError(f"`dual_clip` is {dual_clip} but must be > 1 (e.g. 3.0), or None.")
-    if ref_logp is None and not (isinstance(kl_coef, int | float) and kl_coef == 0):
-        raise ValueError("`kl_coef` is non-zero but `ref_logp` is None; pass ref_logp or set 0.")
+    _check_kl_ref(kl_coef, ref_logp)
 
     m_BxT = _fp(mask)
     logp_BxT = _masked(logp, m_BxT)
@@ -370,10 +391,7 @@ def grpo_loss(
     aux |= {
         "loss": loss,
         "pg_loss": _aggregate(pg_BxT, m_BxT, agg, max_tokens),
-        "kl_old": _token_mean(_kl_penalty(old_BxT, logp_BxT, "k3"), m_BxT),
-        "adv_mean": _token_mean(adv_BxT, m_BxT),
-        "adv_abs_mean": _token_mean(jnp.abs(adv_BxT), m_BxT),
-        "response_len_mean": jnp.mean(jnp.sum(m_BxT, axis=1)),
+        **_drift_and_adv_metrics(logp_BxT, old_BxT, adv_BxT, m_BxT),
     }
     return loss, _f32_aux(aux)
 
@@ -428,15 +446,306 @@ def gspo_loss(
     pg = jnp.maximum(-adv * s_BxT, -adv * jnp.clip(s_BxT, 1.0 - eps_low, 1.0 + eps_high))
     loss = _aggregate(pg, w_BxT, "seq-mean-token-mean")
     aux = _clip_metrics(s_BxT, adv, w_BxT, eps_low, eps_high, "seq_ratio")
+    aux |= {"loss": loss, "pg_loss": loss}
+    aux |= _drift_and_adv_metrics(logp_BxT, old_BxT, adv_BxT, m_BxT)
+    return loss, _f32_aux(aux)
+
+
+# ----------------------------------------------------------------------------- CISPO
+
+
+def cispo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 4.0,
+    kl_coef: float = 0.0,
+    ref_logp=None,
+    kl_estimator: str = "k3",
+    agg: str = "token-mean",
+    max_tokens: int | None = None,
+) -> tuple[Array, Aux]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
+
+    logp, old_logp, mask (and ref_logp): [B, T]; advantages: [B] or [B, T] (constants).
+    Per token: `rho = exp(clip(logp - old_logp, -20, 20))`, `w = sg(clip(rho, 1 - eps_low,
+    1 + eps_high))`, `l = -w A logp` (the paper's `sg(r_hat) A log pi`), so
+    `dl / d logp = -w A` for every token: a token outside the range keeps a (down-weighted)
+    gradient instead of none, which is the point against PPO's clip. Defaults: no lower bound
+    (`eps_low=1` clips at 0: the paper sets its lower bound out of reach) and an upper bound of 5
+    (`eps_high=4`, the epsilon_max = 5 of ScaleRL, arXiv 2510.13786, TRL's recommended value),
+    aggregated `token-mean` over the batch (the paper's `1 / sum_i |o_i|`). Optional KL to a
+    reference and `agg` as in `grpo_loss`.
+
+    The loss value contains `logp` itself (as the paper's objective and verl / TRL), so it is not
+    an estimate of the return; `weighted_adv_mean` (token mean of `w A`) is.
+    aux: pg_loss, clip_frac (= clip_frac_low + clip_frac_high: tokens whose weight the clip
+    changed, rho below / above the range; their gradient is scaled, not zeroed), ratio_mean / min
+    / max, weighted_adv_mean, kl_old, adv_mean, adv_abs_mean, response_len_mean; with ref_logp: kl
+    and kl_loss.
+    """
+    B, T = _check_bt("logp", logp)
+    _check_shape("old_logp", old_logp, (B, T))
+    _check_shape("mask", mask, (B, T))
+    if ref_logp is not None:
+        _check_shape("ref_logp", ref_logp, (B, T))
+    _check_choice("agg", agg, AGG_MODES)
+    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    _check_positive("eps_low", eps_low, strict=False)
+    _check_positive("eps_high", eps_high, strict=False)
+    _check_max_tokens(agg, max_tokens)
+    _check_kl_ref(kl_coef, ref_logp)
+
+    m_BxT = _fp(mask)
+    logp_BxT = _masked(logp, m_BxT)
+    old_BxT = sg(_masked(old_logp, m_BxT))
+    adv_BxT = _advantages_BxT(advantages, B, T, allow_tokens=True, who="cispo_loss")
+    ratio_BxT = jnp.exp(jnp.clip(sg(logp_BxT) - old_BxT, -20.0, 20.0))
+    w_BxT = jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)  # a constant: ratio is sg
+    pg_BxT = -w_BxT * adv_BxT * logp_BxT
+
+    is_high, is_low = ratio_BxT > 1.0 + eps_high, ratio_BxT < 1.0 - eps_low
+    on, any_on = m_BxT > 0, jnp.any(m_BxT > 0)
+    aux = {
+        "clip_frac": _token_mean(is_high | is_low, m_BxT),
+        "clip_frac_low": _token_mean(is_low, m_BxT),
+        "clip_frac_high": _token_mean(is_high, m_BxT),
+        "ratio_mean": _token_mean(ratio_BxT, m_BxT),
+        "ratio_min": jnp.where(any_on, jnp.min(jnp.where(on, ratio_BxT, jnp.inf)), 0.0),
+        "ratio_max": jnp.where(any_on, jnp.max(jnp.where(on, ratio_BxT, -jnp.inf)), 0.0),
+        "weighted_adv_mean": _token_mean(w_BxT * adv_BxT, m_BxT),
+    }
+    loss_BxT = pg_BxT
+    if ref_logp is not None:
+        kl_BxT = _kl_penalty(logp_BxT, sg(_masked(ref_logp, m_BxT)), kl_estimator)
+        loss_BxT = pg_BxT + kl_coef * kl_BxT
+        aux["kl"] = _token_mean(kl_BxT, m_BxT)
+        aux["kl_loss"] = kl_coef * _aggregate(kl_BxT, m_BxT, agg, max_tokens)
+    loss = _aggregate(loss_BxT, m_BxT, agg, max_tokens)
+    aux |= {
+        "loss": loss,
+        "pg_loss": _aggregate(pg_BxT, m_BxT, agg, max_tokens),
+        **_drift_and_adv_metrics(logp_BxT, old_BxT, adv_BxT, m_BxT),
+    }
+    return loss, _f32_aux(aux)
+
+
+# ----------------------------------------------------------------------------- GMPO
+
+
+def gmpo_loss(
+    logp, old_logp, advantages, mask, *, eps_low: float = 0.4, eps_high: float = 0.4
+) -> tuple[Array, Aux]:
+    """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673): the group objective on the
+    geometric mean of the token ratios, clipped token by token in log space.
+
+    logp, old_logp, mask: [B, T]; advantages: [B] (one per sequence, constants).
+    Per token `d_t = clip(logp - old_logp, -20, 20)` and its PPO-pessimistic clip in log space,
+    `c_t = sgn(A) min(sgn(A) d_t, sgn(A) clip(d_t, -eps_low, eps_high))` (A > 0: d capped at
+    eps_high; A < 0: d floored at -eps_low; a clipped token gets no gradient). Per sequence
+    `s_i = exp(sum_t c_t m_t / L_i)` (the geometric mean of the clipped token ratios) and
+    `l_i = -A_i s_i`, averaged over sequences with at least one token. Defaults: the paper's
+    token range (e^-0.4, e^0.4). The geometric mean damps a single outlier ratio that an
+    arithmetic token mean (GRPO) passes on, so the range can be wider than GRPO's.
+
+    aux: pg_loss, clip_frac (+ _low / _high: tokens whose gradient the clip zeroes), seq_ratio_mean
+    / min / max (of s over sequences), kl_old, adv_mean, adv_abs_mean, response_len_mean.
+    """
+    B, T = _check_bt("logp", logp)
+    _check_shape("old_logp", old_logp, (B, T))
+    _check_shape("mask", mask, (B, T))
+    _check_positive("eps_low", eps_low, strict=False)
+    _check_positive("eps_high", eps_high, strict=False)
+    adv_BxT = _advantages_BxT(advantages, B, T, allow_tokens=False, who="gmpo_loss")
+
+    m_BxT = _fp(mask)
+    logp_BxT = _masked(logp, m_BxT)
+    old_BxT = sg(_masked(old_logp, m_BxT))
+    d_BxT = jnp.clip(logp_BxT - old_BxT, -20.0, 20.0)
+    sgn_BxT = jnp.sign(adv_BxT)
+    clipped_BxT = jnp.clip(d_BxT, -eps_low, eps_high)
+    c_BxT = sgn_BxT * jnp.minimum(sgn_BxT * d_BxT, sgn_BxT * clipped_BxT)
+    len_B = jnp.sum(m_BxT, axis=1)
+    valid_B = len_B > 0
+    s_B = jnp.exp(_safe_div(jnp.sum(c_BxT * m_BxT, axis=1), len_B))
+    pg_B = -adv_BxT[:, 0] * s_B
+    loss = _safe_div(jnp.sum(jnp.where(valid_B, pg_B, 0.0)), jnp.sum(valid_B))
+
+    is_high = (adv_BxT > 0) & (d_BxT > eps_high)
+    is_low = (adv_BxT < 0) & (d_BxT < -eps_low)
+    seq = _clip_metrics(s_B, adv_BxT[:, 0], valid_B, eps_low, eps_high, "seq_ratio")
+    aux = {
+        "loss": loss,
+        "pg_loss": loss,
+        "clip_frac": _token_mean(is_high | is_low, m_BxT),
+        "clip_frac_low": _token_mean(is_low, m_BxT),
+        "clip_frac_high": _token_mean(is_high, m_BxT),
+        **{k: v for k, v in seq.items() if k.startswith("seq_ratio")},
+        **_drift_and_adv_metrics(logp_BxT, old_BxT, adv_BxT, m_BxT),
+    }
+    return loss, _f32_aux(aux)
+
+
+# ----------------------------------------------------------------------------- RLOO
+
+
+def rloo_advantages(rewards, group_size: int) -> Array:
+    """Leave-one-out advantages `A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean r)`, [B].
+
+    Each response's baseline is the mean reward of the other G - 1 responses of its prompt, so
+    the baseline is independent of the response it scores (an unbiased policy gradient). G = 1
+    has no other response and is refused. Stop-gradient.
+    """
+    if jnp.ndim(rewards) != 1:
+        raise ValueError(f"`rewards` must be a [B] array, got shape {tuple(jnp.shape(rewards))}.")
+    G = _check_group_size(group_size, jnp.shape(rewards)[0], minimum=2)
+    r_PxG = sg(_fp(rewards)).reshape(-1, G)
+    adv_PxG = (r_PxG - jnp.mean(r_PxG, axis=1, keepdims=True)) * (G / (G - 1))
+    return adv_PxG.reshape(-1)
+
+
+def rloo_loss(
+    logp,
+    old_logp,
+    rewards,
+    mask,
+    *,
+    group_size: int,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    kl_coef: float = 0.05,
+    ref_logp=None,
+) -> tuple[Array, Aux]:
+    """RLOO (Ahmadian et al. 2024, arXiv 2402.14740): REINFORCE with the whole response as one
+    action and a leave-one-out baseline, the KL to the reference inside the reward.
+
+    logp, old_logp, mask (and ref_logp): [B, T]; rewards: [B] (task rewards).
+    `R'_i = r_i - kl_coef * sum_t (old_logp - ref_logp) m` (the sequence's k1 KL under the rollout
+    policy: a constant), `A = rloo_advantages(R', G)`, sequence ratio `rho_i = exp(clip(sum_t
+    (logp - old_logp) m, -20, 20))`, `l_i = max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))`,
+    mean over sequences with at least one token. With one update per rollout rho = 1 and the
+    gradient is the paper's `-A_i grad sum_t logp`; the clip (TRL's RLOO trainer, the same
+    defaults: eps 0.2, kl_coef 0.05) only acts on later updates of the same rollout. G >= 2.
+
+    aux: pg_loss, clip_frac (+ _low / _high, over sequences), seq_ratio_mean / min / max,
+    kl_reward (mean over sequences of the KL in the reward; with ref_logp), kl_old, adv_mean,
+    adv_abs_mean, response_len_mean.
+    """
+    B, T = _check_bt("logp", logp)
+    for arg, x in (("old_logp", old_logp), ("mask", mask)):
+        _check_shape(arg, x, (B, T))
+    _check_shape("rewards", rewards, (B,))
+    if ref_logp is not None:
+        _check_shape("ref_logp", ref_logp, (B, T))
+    G = _check_group_size(group_size, B, minimum=2)
+    _check_positive("eps_low", eps_low, strict=False)
+    _check_positive("eps_high", eps_high, strict=False)
+    _check_kl_ref(kl_coef, ref_logp)
+
+    m_BxT = _fp(mask)
+    logp_BxT = _masked(logp, m_BxT)
+    old_BxT = sg(_masked(old_logp, m_BxT))
+    len_B = jnp.sum(m_BxT, axis=1)
+    valid_B = len_B > 0
+    shaped_B = sg(_fp(rewards))
+    aux = {}
+    if ref_logp is not None:
+        kl_B = jnp.sum((old_BxT - sg(_masked(ref_logp, m_BxT))) * m_BxT, axis=1)
+        shaped_B = shaped_B - kl_coef * kl_B
+        aux["kl_reward"] = _safe_div(jnp.sum(jnp.where(valid_B, kl_B, 0.0)), jnp.sum(valid_B))
+    adv_B = rloo_advantages(shaped_B, G)
+    rho_B = jnp.exp(jnp.clip(jnp.sum((logp_BxT - old_BxT) * m_BxT, axis=1), -20.0, 20.0))
+    pg_B = jnp.maximum(-adv_B * rho_B, -adv_B * jnp.clip(rho_B, 1.0 - eps_low, 1.0 + eps_high))
+    loss = _safe_div(jnp.sum(jnp.where(valid_B, pg_B, 0.0)), jnp.sum(valid_B))
+    aux |= _clip_metrics(rho_B, adv_B, valid_B, eps_low, eps_high, "seq_ratio")
+    adv_BxT = jnp.broadcast_to(adv_B[:, None], (B, T))
     aux |= {
         "loss": loss,
         "pg_loss": loss,
-        "kl_old": _token_mean(_kl_penalty(old_BxT, logp_BxT, "k3"), m_BxT),
-        "adv_mean": _token_mean(adv_BxT, m_BxT),
-        "adv_abs_mean": _token_mean(jnp.abs(adv_BxT), m_BxT),
-        "response_len_mean": jnp.mean(len_B),
+        **_drift_and_adv_metrics(logp_BxT, old_BxT, adv_BxT, m_BxT),
     }
     return loss, _f32_aux(aux)
+
+
+# ----------------------------------------------------------------------------- REINFORCE++
+
+
+def reinforce_pp_advantages(
+    rewards,
+    mask,
+    *,
+    group_size: int = 1,
+    baseline: bool = False,
+    reward_kl_coef: float = 0.0,
+    old_logp=None,
+    ref_logp=None,
+) -> Array:
+    """REINFORCE++ advantages (Hu et al. 2025, arXiv 2501.03262): [B, T], 0 on padding.
+
+    baseline=False (REINFORCE++): the KL to the reference is a per-token reward, `u_t =
+    -reward_kl_coef * (old_logp_t - ref_logp_t)`, the task reward r comes at the last token, and
+    each token's return is what follows it (gamma = 1): `G_t = r - reward_kl_coef * sum_{s >= t}
+    (old_logp_s - ref_logp_s)`. baseline=True (REINFORCE++-baseline): `G_t = r - mean_group(r)`
+    for every token (the KL goes in the loss instead). Both are then normalised over every token
+    of the whole batch, not per group ("global advantage normalisation"): `A = (G - mean) /
+    sqrt(max(var, 1e-8))`, mean and (population) variance over the batch's response tokens, as the
+    authors' OpenRLHF. A batch whose returns are all equal gets A = 0. Stop-gradient.
+
+    The statistics are those of the batch passed in: give it the whole rollout batch (the
+    trainer does, before splitting it into minibatches and micro-batches).
+    """
+    B, T = _check_bt("mask", mask)
+    _check_shape("rewards", rewards, (B,))
+    G = _check_group_size(group_size, B, minimum=2 if baseline else 1)
+    m_BxT = _fp(mask)
+    r_B = sg(_fp(rewards))
+    if baseline:
+        r_PxG = r_B.reshape(-1, G)
+        r_B = (r_PxG - jnp.mean(r_PxG, axis=1, keepdims=True)).reshape(B)
+    ret_BxT = jnp.broadcast_to(r_B[:, None], (B, T))
+    if not (isinstance(reward_kl_coef, int | float) and reward_kl_coef == 0):
+        if old_logp is None or ref_logp is None:
+            raise ValueError(
+                "`reward_kl_coef` is non-zero but `old_logp` or `ref_logp` is None; pass both "
+                "(the rollout policy's and the reference's log-probs) or set it to 0."
+            )
+        _check_shape("old_logp", old_logp, (B, T))
+        _check_shape("ref_logp", ref_logp, (B, T))
+        kl_BxT = (sg(_masked(old_logp, m_BxT)) - sg(_masked(ref_logp, m_BxT))) * m_BxT
+        to_go_BxT = jnp.flip(jnp.cumsum(jnp.flip(kl_BxT, axis=1), axis=1), axis=1)
+        ret_BxT = ret_BxT - reward_kl_coef * to_go_BxT
+    # Statistics of the returns shifted by one of them, so that equal returns are exactly 0
+    # (a float32 mean of equal values need not equal them; 1 / sqrt(1e-8) would amplify that).
+    on_BxT = m_BxT > 0
+    shift = jnp.max(jnp.where(on_BxT, ret_BxT, -jnp.inf))
+    x_BxT = jnp.where(on_BxT, ret_BxT - jnp.where(jnp.any(on_BxT), shift, 0.0), 0.0)
+    n = jnp.sum(m_BxT)
+    mean = _safe_div(jnp.sum(x_BxT * m_BxT), n)
+    centred_BxT = jnp.where(jnp.all(jnp.where(on_BxT, x_BxT == 0, True)), 0.0, x_BxT - mean)
+    var = _safe_div(jnp.sum(centred_BxT**2 * m_BxT), n)
+    return jnp.where(on_BxT, centred_BxT * jax.lax.rsqrt(jnp.maximum(var, 1e-8)), 0.0)
+
+
+# ----------------------------------------------------------------------------- entropy bonus
+
+
+def entropy_bonus(entropy, mask, *, coef: float, agg: str = "token-mean", max_tokens=None):
+    """`-coef * agg(entropy)`: the loss term of an entropy bonus (coef > 0 rewards entropy).
+
+    entropy, mask: [B, T]; `entropy[b, t]` is the policy's full-distribution entropy at each
+    response token, differentiable (e.g. `gvpo_jax.models.chunked_logprobs(...,
+    with_entropy=True)`, which never holds [B, T, V] logits). Aggregated with `agg` as the
+    policy loss is; padding never reaches the value or the gradient.
+    """
+    B, T = _check_bt("entropy", entropy)
+    _check_shape("mask", mask, (B, T))
+    _check_choice("agg", agg, AGG_MODES)
+    _check_max_tokens(agg, max_tokens)
+    m_BxT = _fp(mask)
+    return -coef * _aggregate(_masked(entropy, m_BxT), m_BxT, agg, max_tokens)
 
 
 # ----------------------------------------------------------------------------- token log-probs
@@ -466,11 +775,15 @@ def token_logprobs_from_logits(logits_BxTxV, targets_BxT, mask_BxT=None) -> Arra
 class LossPreset:
     """A named algorithm: which loss, its default settings, and what the trainer must provide.
 
-    kind: "gvpo" | "clip" (grpo_loss) | "gspo". kwargs: default keyword arguments of loss_fn.
-    adv_scale: group_advantages scale for clipped losses ("group" | "none"); GVPO uses the raw
-    centered reward inside its loss. dynamic_sampling / overlong_penalty: DAPO's batch filtering and
-    reward shaping, applied by the trainer (see informative_groups, overlong_penalty).
+    kind: "gvpo" | "clip" (grpo_loss) | "gspo" | "cispo" | "gmpo" | "rloo" (the loss function's
+    calling convention). kwargs: default keyword arguments of loss_fn.
+    adv_estimator: "group" (`group_advantages` with `adv_scale`: "group" | "batch" | "none") or
+    "reinforce_pp" (`reinforce_pp_advantages` with `adv_kwargs`); gvpo and rloo take the rewards
+    themselves. dynamic_sampling / overlong_penalty: DAPO's batch filtering and reward shaping,
+    applied by the trainer (see informative_groups, overlong_penalty).
     uses_old_logp: the loss needs the rollout policy's log-probs (for gvpo: as the default anchor).
+    off_policy: the loss is correct on groups the rollout policy did not sample (replayed
+    groups, demonstrations); only GVPO's is, every ratio- or IS-weighted loss assumes pi_old did.
     """
 
     name: str
@@ -482,22 +795,34 @@ class LossPreset:
     dynamic_sampling: bool = False
     overlong_penalty: bool = False
     uses_old_logp: bool = True
+    adv_estimator: str = "group"
+    adv_kwargs: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}), hash=False
+    )
+    off_policy: bool = False
 
 
 def _preset(name, kind, loss_fn, adv_scale, reference, **kwargs) -> LossPreset:
-    flags = {k: kwargs.pop(k) for k in ("dynamic_sampling", "overlong_penalty") if k in kwargs}
+    flags = {
+        k: kwargs.pop(k)
+        for k in ("dynamic_sampling", "overlong_penalty", "adv_estimator", "off_policy")
+        if k in kwargs
+    }
+    if "adv_kwargs" in kwargs:
+        flags["adv_kwargs"] = types.MappingProxyType(kwargs.pop("adv_kwargs"))
     return LossPreset(
         name, kind, loss_fn, types.MappingProxyType(kwargs), adv_scale, reference, **flags
     )
 
 
 _CLIP = dict(dual_clip=None, kl_estimator="k3")
+_RPP = "Hu et al. 2025, REINFORCE++, arXiv:2501.03262"
 LOSSES: dict[str, LossPreset] = {
     p.name: p
     for p in (
         _preset("gvpo", "gvpo", gvpo_loss, "none",
                 "Zhang et al. 2025, GVPO: Group Variance Policy Optimization, arXiv:2504.19599",
-                beta=0.1),
+                beta=0.1, off_policy=True),
         _preset("grpo", "clip", grpo_loss, "group",
                 "Shao et al. 2024, DeepSeekMath (GRPO), arXiv:2402.03300",
                 eps_low=0.2, eps_high=0.2, kl_coef=0.04, agg="seq-mean-token-mean", **_CLIP),
@@ -514,17 +839,44 @@ LOSSES: dict[str, LossPreset] = {
         _preset("gspo_token", "gspo", gspo_loss, "group",
                 "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
                 eps_low=3e-4, eps_high=4e-4, token_level=True),
+        _preset("cispo", "cispo", cispo_loss, "group",
+                "MiniMax 2025, MiniMax-M1 (CISPO), arXiv:2506.13585",
+                eps_low=1.0, eps_high=4.0, kl_coef=0.0, agg="token-mean", kl_estimator="k3"),
+        _preset("gmpo", "gmpo", gmpo_loss, "group",
+                "Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673",
+                eps_low=0.4, eps_high=0.4),
+        _preset("rloo", "rloo", rloo_loss, "none",
+                "Ahmadian et al. 2024, Back to Basics (RLOO), arXiv:2402.14740",
+                eps_low=0.2, eps_high=0.2, kl_coef=0.05),
+        _preset("reinforce_pp", "clip", grpo_loss, "batch", _RPP,
+                eps_low=0.2, eps_high=0.2, kl_coef=0.0, agg="token-mean", **_CLIP,
+                adv_estimator="reinforce_pp",
+                adv_kwargs=dict(baseline=False, reward_kl_coef=0.01)),
+        _preset("reinforce_pp_baseline", "clip", grpo_loss, "batch", _RPP,
+                eps_low=0.2, eps_high=0.2, kl_coef=0.001, agg="token-mean", dual_clip=None,
+                kl_estimator="k2", adv_estimator="reinforce_pp",
+                adv_kwargs=dict(baseline=True, reward_kl_coef=0.0)),
     )
 }  # fmt: skip
 
 # Arguments preset_loss fills itself; every other keyword-only parameter may be overridden.
 _FILLED = ("group_size", "ref_logp", "max_tokens")
+_TAKES_REWARDS = ("gvpo", "rloo")  # kinds whose loss takes the rewards, not advantages
+
+
+def overridable(name: str) -> set[str]:
+    """The settings of preset `name` that `preset_loss(name, ..., **overrides)` accepts."""
+    return _overridable(get_preset(name))
 
 
 def _overridable(preset: LossPreset) -> set[str]:
     params = inspect.signature(preset.loss_fn).parameters.values()
     names = {p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in _FILLED}
-    return names | ({"adv_scale"} if preset.kind != "gvpo" else set())
+    if preset.adv_estimator == "reinforce_pp":
+        names.add("reward_kl_coef")
+    elif preset.kind not in _TAKES_REWARDS:
+        names.add("adv_scale")
+    return names
 
 
 def get_preset(name: str) -> LossPreset:
@@ -532,6 +884,58 @@ def get_preset(name: str) -> LossPreset:
     if name not in LOSSES:
         raise ValueError(f"Unknown loss preset {name!r}; choose one of {', '.join(LOSSES)}.")
     return LOSSES[name]
+
+
+def _settings(name: str, overrides: Mapping[str, Any]) -> tuple[LossPreset, dict, dict]:
+    """(preset, loss kwargs, advantage kwargs) of preset `name` with `overrides` applied."""
+    preset = get_preset(name)
+    unknown = sorted(set(overrides) - _overridable(preset))
+    if unknown:
+        raise ValueError(
+            f"Unknown override(s) {unknown} for preset {name!r}; allowed: "
+            f"{', '.join(sorted(_overridable(preset)))}."
+        )
+    kwargs = {**preset.kwargs, **preset.adv_kwargs, "adv_scale": preset.adv_scale, **overrides}
+    adv_kwargs = {k: kwargs.pop(k) for k in (*preset.adv_kwargs, "adv_scale")}
+    return preset, kwargs, adv_kwargs
+
+
+def uses_batch_statistics(name: str, **overrides) -> bool:
+    """True when preset `name`'s advantages depend on the whole batch, not only on each group
+    (REINFORCE++'s global normalisation, adv_scale="batch"): computed on a part of the batch,
+    they differ. Give `preset_advantages` the whole rollout batch and the loss its slice."""
+    preset, _, adv = _settings(name, overrides)
+    if preset.kind in _TAKES_REWARDS:
+        return False
+    return preset.adv_estimator == "reinforce_pp" or adv["adv_scale"] == "batch"
+
+
+def preset_advantages(
+    name: str, *, rewards, mask, group_size: int, old_logp=None, ref_logp=None, **overrides
+) -> Array:
+    """The advantages preset `name`'s loss is given: [B] (group estimators) or [B, T]
+    (REINFORCE++). Not defined for gvpo and rloo, whose losses take the rewards themselves."""
+    preset, _, adv = _settings(name, overrides)
+    if preset.kind in _TAKES_REWARDS:
+        raise ValueError(
+            f"Preset {name!r} takes the rewards, not advantages; call preset_loss with rewards."
+        )
+    if preset.adv_estimator == "reinforce_pp":
+        return reinforce_pp_advantages(
+            rewards, mask, group_size=group_size, baseline=adv["baseline"],
+            reward_kl_coef=adv["reward_kl_coef"], old_logp=old_logp, ref_logp=ref_logp,
+        )  # fmt: skip
+    return group_advantages(rewards, group_size, scale=adv["adv_scale"])
+
+
+def entropy_aggregation(name: str, **overrides) -> str:
+    """The AGG_MODES entry an entropy bonus uses with preset `name`: the loss's own `agg` for
+    token-level losses; per-sequence token sums for gvpo (its log-ratios are sums); per-sequence
+    token means for the sequence-level losses (gspo, gmpo, rloo)."""
+    preset, kwargs, _ = _settings(name, overrides)
+    if "agg" in kwargs:
+        return kwargs["agg"]
+    return "seq-mean-token-sum" if preset.kind == "gvpo" else "seq-mean-token-mean"
 
 
 def preset_loss(
@@ -545,45 +949,69 @@ def preset_loss(
     ref_logp=None,
     anchor_logp=None,
     max_tokens: int | None = None,
+    advantages=None,
+    entropy=None,
+    entropy_coef: float = 0.0,
     **overrides,
 ) -> tuple[Array, Aux]:
     """The loss of preset `name` on a rollout batch: one entry point for every algorithm.
 
     logp, old_logp, mask, ref_logp, anchor_logp: [B, T]; rewards: [B] (already shaped, e.g. with
-    DAPO's overlong penalty added). Clipped losses get `group_advantages(rewards, group_size,
-    preset.adv_scale)`; gvpo uses `anchor_logp` if given (e.g. the frozen reference: anchor="ref")
-    else `old_logp` (anchor="old"), and ignores ref_logp. `overrides` replace the preset's kwargs
-    (plus `adv_scale` for non-gvpo presets). aux also gets informative_frac (groups with unequal
-    rewards). jit with name, group_size, max_tokens and overrides static, e.g.
-    `jax.jit(functools.partial(preset_loss, "dapo", group_size=8))`.
+    DAPO's overlong penalty added). Losses on advantages get `preset_advantages(name, ...)` of
+    this batch, or `advantages` if given (e.g. computed once on the whole rollout batch when
+    `uses_batch_statistics`); gvpo and rloo take the rewards. gvpo uses `anchor_logp` if given
+    (e.g. the frozen reference: anchor="ref") else `old_logp` (anchor="old"), and ignores
+    ref_logp. `overrides` replace the preset's kwargs (plus `adv_scale` for the group estimators,
+    `reward_kl_coef` for REINFORCE++). `entropy_coef` != 0 adds `entropy_bonus(entropy, mask,
+    coef=entropy_coef, agg=entropy_aggregation(name))` (entropy: [B, T], differentiable).
+    aux also gets informative_frac (groups with unequal rewards), and with an entropy bonus
+    entropy (token mean) and entropy_loss. jit with name, group_size, max_tokens, entropy_coef
+    and overrides static, e.g. `jax.jit(functools.partial(preset_loss, "dapo", group_size=8))`.
     """
-    preset = get_preset(name)
-    unknown = sorted(set(overrides) - _overridable(preset))
-    if unknown:
-        raise ValueError(
-            f"Unknown override(s) {unknown} for preset {name!r}; allowed: "
-            f"{', '.join(sorted(_overridable(preset)))}."
-        )
-    kwargs = {**preset.kwargs, **overrides}
-    adv_scale = kwargs.pop("adv_scale", preset.adv_scale)
+    preset, kwargs, _ = _settings(name, overrides)
     if preset.kind == "gvpo":
         anchor = anchor_logp if anchor_logp is not None else old_logp
         if anchor is None:
             raise ValueError("Preset 'gvpo' needs `anchor_logp` or `old_logp` (the anchor policy).")
+    elif old_logp is None:
+        raise ValueError(f"Preset {name!r} needs `old_logp` (the rollout policy's log-probs).")
+    if advantages is not None and preset.kind in _TAKES_REWARDS:
+        raise ValueError(f"Preset {name!r} takes the rewards; do not pass `advantages`.")
+    if kwargs.get("agg") == "seq-mean-token-sum-norm" and max_tokens is None:
+        raise ValueError(f"Preset {name!r} needs `max_tokens`; pass the maximum response length.")
+
+    if preset.kind == "gvpo":
         loss, aux = gvpo_loss(logp, anchor, rewards, mask, group_size=group_size, **kwargs)
+    elif preset.kind == "rloo":
+        loss, aux = rloo_loss(
+            logp, old_logp, rewards, mask, group_size=group_size, ref_logp=ref_logp, **kwargs
+        )
     else:
-        if old_logp is None:
-            raise ValueError(f"Preset {name!r} needs `old_logp` (the rollout policy's log-probs).")
-        if kwargs.get("agg") == "seq-mean-token-sum-norm" and max_tokens is None:
-            raise ValueError(
-                f"Preset {name!r} needs `max_tokens`; pass the maximum response length."
-            )
-        advantages = group_advantages(rewards, group_size, scale=adv_scale)
-        if preset.kind == "clip":
+        if advantages is None:
+            advantages = preset_advantages(
+                name, rewards=rewards, mask=mask, group_size=group_size, old_logp=old_logp,
+                ref_logp=ref_logp, **overrides,
+            )  # fmt: skip
+        if preset.kind in ("clip", "cispo"):
             loss, aux = preset.loss_fn(
                 logp, old_logp, advantages, mask, ref_logp=ref_logp, max_tokens=max_tokens, **kwargs
             )
         else:
             loss, aux = preset.loss_fn(logp, old_logp, advantages, mask, **kwargs)
+    if not (isinstance(entropy_coef, int | float) and entropy_coef == 0):
+        if entropy is None:
+            raise ValueError(
+                "`entropy_coef` is non-zero but `entropy` is None; pass the per-token entropy "
+                "(models.chunked_logprobs(..., with_entropy=True)) or set it to 0."
+            )
+        agg = entropy_aggregation(name, **overrides)
+        bonus = entropy_bonus(entropy, mask, coef=entropy_coef, agg=agg, max_tokens=max_tokens)
+        loss = loss + bonus
+        aux = dict(aux)
+        aux |= _f32_aux({
+            "loss": loss,
+            "entropy": _token_mean(_masked(entropy, _fp(mask)), _fp(mask)),
+            "entropy_loss": bonus,
+        })  # fmt: skip
     aux["informative_frac"] = jnp.mean(informative_groups(rewards, group_size).astype(jnp.float32))
     return loss, aux

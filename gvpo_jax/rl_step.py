@@ -52,6 +52,10 @@ class StepSettings:
     demo_slot: bool  # the last response of every group is the demonstration answer
     max_bad_steps: int  # consecutive non-finite updates before the run stops
     grad_clip: float = 0.0  # the optimizer's global-norm clip (0: off), for grad_clipped_frac
+    # (rewards=, mask=, old_logp=, ref_logp=) -> advantages, for presets whose advantages use
+    # whole-batch statistics (REINFORCE++); None: each loss call computes its own.
+    batch_advantages: object = None
+    advantages_need_old: bool = False  # batch_advantages reads pi_old (a KL in the reward)
 
 
 @dataclasses.dataclass
@@ -136,6 +140,17 @@ def rl_step(run, state, loop: LoopState, ref_params):
         batch["old_logp"] = logprobs(state.params)
     if ref_params is not None:
         batch["ref_logp"] = logprobs(ref_params)
+    whole = single_update and s.micro_batches == 1 and bucketed is None  # one loss call, all rows
+    if s.batch_advantages is not None and not whole:
+        # Whole-batch statistics (REINFORCE++'s global normalisation) from every row, once,
+        # before the batch is cut into minibatches and micro-batches. A KL in the reward needs
+        # pi_old, which a single update otherwise takes from its own forward.
+        old = batch.get("old_logp")
+        if old is None and s.advantages_need_old:
+            old = logprobs(state.params)
+        adv = s.batch_advantages(rewards=batch["rewards"], mask=batch["resp_mask"],
+                                 old_logp=old, ref_logp=batch.get("ref_logp"))  # fmt: skip
+        batch["advantages"] = np.asarray(jax.device_get(adv), np.float32)
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
 
     # 5. num_epochs x num_minibatches updates on shuffled whole groups.

@@ -103,8 +103,10 @@ def response_logprobs(
     prompt_len: int,
     chunk_size: int,
     group_size: int = 1,
-) -> jax.Array:
-    """log pi(y_t | x, y_<t) of the response slots [prompt_len:] of a left-padded batch -> [B, N].
+    with_entropy: bool = False,
+):
+    """log pi(y_t | x, y_<t) of the response slots [prompt_len:] of a left-padded batch -> [B, N]
+    (with_entropy: (logp, entropy), the entropy of pi(. | x, y_<t) at each slot, same sweep).
 
     Rows are `[pad.., prompt, response, pad..]` with the prompt right-aligned at `prompt_len`, so
     slot prompt_len-1 always holds the last prompt token and positions come from the mask.
@@ -119,13 +121,17 @@ def response_logprobs(
     else:
         hidden_BxSxD = model.hidden(tokens_BxS, None, attn_mask_BxS)
     # Only the response slots need logits: hidden state s-1 predicts token s.
-    logp_BxN = models.chunked_logprobs(
+    out = models.chunked_logprobs(
         hidden_BxSxD[:, prompt_len - 1 : -1],
         model.unembed_matrix(),
         tokens_BxS[:, prompt_len:],
         chunk_size=chunk_size,
+        with_entropy=with_entropy,
     )
-    return jnp.where(attn_mask_BxS[:, prompt_len:] > 0, logp_BxN, 0.0)
+    real_BxN = attn_mask_BxS[:, prompt_len:] > 0
+    if with_entropy:
+        return tuple(jnp.where(real_BxN, x, 0.0) for x in out)
+    return jnp.where(real_BxN, out, 0.0)
 
 
 def jit_logprobs(
@@ -170,9 +176,12 @@ def rl_loss(
     """The configured preset loss on one micro-batch of whole groups -> (loss, aux).
 
     The G rows of a group share their prompt, which is run once per group
-    (`response_logprobs` with group_size = G).
+    (`response_logprobs` with group_size = G). With `entropy_coef` in loss_kwargs (non-zero) the
+    same pass gives the per-token entropy for the bonus; `batch["advantages"]`, when present, was
+    computed on the whole rollout batch (`losses.uses_batch_statistics`) and is used as it is.
     """
-    logp_BxN = response_logprobs(
+    with_entropy = loss_kwargs.get("entropy_coef", 0.0) != 0.0
+    out = response_logprobs(
         graphdef,
         params,
         batch["tokens"],
@@ -180,7 +189,9 @@ def rl_loss(
         prompt_len=prompt_len,
         chunk_size=chunk_size,
         group_size=group_size,
+        with_entropy=with_entropy,
     )
+    logp_BxN, entropy_BxN = out if with_entropy else (out, None)
     mask_BxN = batch["resp_mask"]
     anchor_logp = batch.get("ref_logp") if anchor == "ref" else None
     # Without old_logp the update is the first one from the rollout's parameters (one update
@@ -195,6 +206,8 @@ def rl_loss(
         group_size=group_size,
         ref_logp=batch.get("ref_logp"),
         anchor_logp=anchor_logp,
+        advantages=batch.get("advantages"),
+        entropy=entropy_BxN,
         **loss_kwargs,
     )
     aux = dict(aux)

@@ -53,6 +53,8 @@ INVALID = [
     ("tokenizer.kind", "bpe", "config.tokenizer.kind is 'bpe'"),
     ("algo.overlong_cache", 50, "config.algo.overlong_cache is 50"),
     ("train.max_bad_steps", 0, "config.train.max_bad_steps is 0"),
+    ("algo.entropy_coef", -0.01, "config.algo.entropy_coef is -0.01; use 0 (off) or a positive"),
+    ("algo.name", "ppo2", "use one of gvpo, grpo, dr_grpo, dapo, gspo, gspo_token, cispo, gmpo"),
     ("train.reward_workers", -2, "config.train.reward_workers is -2"),
     ("data.rewards", "nosuch:1", "unknown reward 'nosuch'; registered rewards: math, format"),
     ("data.rewards", "math:abc", "config.data.rewards is 'math:abc': the weight 'abc' of math"),
@@ -61,8 +63,20 @@ INVALID = [
 
 # Settings that are only invalid together with another one.
 INCONSISTENT = [
-    ({"algo.name": "grpo", "algo.replay_fraction": 0.5}, "clipped-ratio losses assume"),
+    ({"algo.name": "grpo", "algo.replay_fraction": 0.5}, "'grpo': its clipped or importance-w"),
+    ({"algo.name": "cispo", "algo.replay_fraction": 0.5}, "'cispo': its clipped or importance"),
     ({"algo.name": "dapo", "algo.demo_slot": True}, "config.algo.demo_slot needs algo.name=gvpo"),
+    ({"algo.name": "rloo", "algo.demo_slot": True}, "rloo's ratios assume the rollout policy"),
+    (
+        {"algo.name": "gmpo", "algo.kl_coef": 0.1},
+        "config.algo.kl_coef is set but algo.name='gmpo' has no such setting; leave it unset or "
+        "use one of grpo, dr_grpo, dapo, cispo, rloo, reinforce_pp, reinforce_pp_baseline",
+    ),
+    (
+        {"algo.name": "grpo", "algo.reward_kl_coef": 0.1},
+        "use one of reinforce_pp, reinforce_pp_baseline",
+    ),
+    ({"algo.name": "gvpo", "algo.eps_high": 0.28}, "algo.name='gvpo' has no such setting"),
     ({"data.task": "gsm8k", "data.path": ""}, "config.data.path is empty"),
     ({"mode": "sft", "sft.steps": 0}, "config.sft.steps is 0 but config.mode is 'sft'"),
     ({"train.steps": 0, "sft.steps": 0}, "are both 0"),

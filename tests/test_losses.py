@@ -454,7 +454,22 @@ SPEC_PRESETS = {
     "gspo": ("gspo", "group", dict(eps_low=3e-4, eps_high=4e-4, token_level=False), False, False),
     "gspo_token": ("gspo", "group", dict(eps_low=3e-4, eps_high=4e-4, token_level=True), False,
                    False),
+    "cispo": ("cispo", "group", dict(eps_low=1.0, eps_high=4.0, kl_coef=0.0, agg="token-mean"),
+              False, False),
+    "gmpo": ("gmpo", "group", dict(eps_low=0.4, eps_high=0.4), False, False),
+    "rloo": ("rloo", "none", dict(eps_low=0.2, eps_high=0.2, kl_coef=0.05), False, False),
+    "reinforce_pp": ("clip", "batch", dict(eps_low=0.2, eps_high=0.2, kl_coef=0.0,
+                                           agg="token-mean"), False, False),
+    "reinforce_pp_baseline": ("clip", "batch", dict(eps_low=0.2, eps_high=0.2, kl_coef=0.001,
+                                                    kl_estimator="k2", agg="token-mean"),
+                              False, False),
 }  # fmt: skip
+# REINFORCE++'s advantage estimator and its settings (SPEC: KL in the reward at 0.01 without a
+# baseline; group-mean baseline with the KL in the loss instead).
+SPEC_ADVANTAGES = {
+    "reinforce_pp": dict(baseline=False, reward_kl_coef=0.01),
+    "reinforce_pp_baseline": dict(baseline=True, reward_kl_coef=0.0),
+}
 
 
 @pytest.mark.parametrize("name", list(SPEC_PRESETS))
@@ -464,6 +479,9 @@ def test_preset_carries_spec_defaults(name):
     assert (p.name, p.kind, p.adv_scale) == (name, kind, adv_scale)
     assert {k: p.kwargs[k] for k in kwargs} == kwargs
     assert (p.dynamic_sampling, p.overlong_penalty, p.uses_old_logp) == (dynamic, overlong, True)
+    assert dict(p.adv_kwargs) == SPEC_ADVANTAGES.get(name, {})
+    assert p.adv_estimator == ("reinforce_pp" if name in SPEC_ADVANTAGES else "group")
+    assert p.off_policy == (name == "gvpo")
     assert "arXiv:" in p.reference
     assert set(losses.LOSSES) == set(SPEC_PRESETS)
 
@@ -479,9 +497,17 @@ def test_preset_loss_equals_the_direct_loss_call(name, data):
     if p.kind == "gvpo":  # anchor defaults to old_logp
         direct = losses.gvpo_loss(j["logp"], j["old_logp"], j["rewards"], j["mask"], group_size=G,
                                   **p.kwargs)  # fmt: skip
+    elif p.kind == "rloo":
+        direct = losses.rloo_loss(j["logp"], j["old_logp"], j["rewards"], j["mask"], group_size=G,
+                                  ref_logp=j["ref_logp"], **p.kwargs)  # fmt: skip
     else:
-        adv = losses.group_advantages(j["rewards"], G, scale=p.adv_scale)
-        extra = dict(ref_logp=j["ref_logp"], max_tokens=T) if p.kind == "clip" else {}
+        if p.adv_estimator == "reinforce_pp":
+            adv = losses.reinforce_pp_advantages(
+                j["rewards"], j["mask"], group_size=G, old_logp=j["old_logp"],
+                ref_logp=j["ref_logp"], **p.adv_kwargs)  # fmt: skip
+        else:
+            adv = losses.group_advantages(j["rewards"], G, scale=p.adv_scale)
+        extra = dict(ref_logp=j["ref_logp"], max_tokens=T) if p.kind in ("clip", "cispo") else {}
         direct = p.loss_fn(j["logp"], j["old_logp"], adv, j["mask"], **p.kwargs, **extra)
     np.testing.assert_allclose(loss, direct[0], rtol=1e-6)
     assert aux["informative_frac"] == pytest.approx(2 / 3)

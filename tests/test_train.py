@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import json
 import tempfile
 
 import jax
@@ -88,9 +89,15 @@ def _flat(params):
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
 
 
-@pytest.mark.parametrize("algo", ["gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token"])
+@pytest.mark.parametrize("algo", [*losses.LOSSES, "cispo+entropy"])
 def test_every_algorithm_runs_and_changes_the_policy(algo):
-    c = toy_config(algo, **({"algo.num_minibatches": 2} if algo != "gvpo" else {}))
+    """Two steps of every preset (two minibatches each but gvpo's, so REINFORCE++'s advantages
+    are computed once on the whole rollout batch), and one with the entropy bonus."""
+    algo, _, bonus = algo.partition("+")
+    changes = {"algo.num_minibatches": 2} if algo != "gvpo" else {}
+    if bonus:
+        changes["algo.entropy_coef"] = 0.01
+    c = toy_config(algo, **changes)
     run, state, loop, ref = make_run(c)
     before = _flat(state.params)
     for _ in range(2):
@@ -100,8 +107,12 @@ def test_every_algorithm_runs_and_changes_the_policy(algo):
     assert np.abs(after - before).max() > 1e-5
     for key in ("reward_mean", "loss", "grad_norm", "response_len_mean", "entropy_mc"):
         assert np.isfinite(metrics[key]), key
-    if algo in ("grpo",):
-        assert "kl_ref" in metrics  # grpo's preset KL penalty needs the frozen reference
+    if algo in ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        assert "kl_ref" in metrics  # a KL in the loss or the reward needs the frozen reference
+    if bonus:
+        assert metrics["entropy"] > 0 and metrics["entropy_loss"] == pytest.approx(
+            -0.01 * metrics["entropy"], rel=1e-5
+        )  # cispo: token-mean, like the entropy metric
     if algo != "gvpo":
         assert (
             "clip_frac" in metrics
@@ -335,3 +346,33 @@ def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
     assert cosine >= 0.99, cosine
     # Pure bf16 storage (the opt-in) loses most of the same update.
     assert np.mean(deltas["pure_bf16"] != 0) < 0.1, np.mean(deltas["pure_bf16"] != 0)
+
+
+NEW_PRESETS = ("cispo", "gmpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+@pytest.mark.slow
+def test_demo_config_trains_with_each_new_preset_without_a_non_finite_value(tmp_path):
+    """configs/arith_tiny.py (the README's demo) after a short SFT, two RL steps of each preset
+    added with CISPO (two minibatches, an entropy bonus), one device; every logged metric finite
+    and every update applied."""
+    from configs import arith_tiny
+
+    for algo in NEW_PRESETS:
+        c = arith_tiny.get_config()
+        config_lib.set_fields(c, {
+            "algo.name": algo, "sft.steps": 10, "train.steps": 2, "train.eval_every": 0,
+            "train.checkpoint_every": 100, "train.export": False, "train.plot": False,
+            "train.sample_log_every": 0, "rollout.prompts_per_step": 16, "data.eval_size": 8,
+            "mesh.num_devices": 1, "algo.num_minibatches": 2, "algo.entropy_coef": 0.001,
+        })  # fmt: skip
+        config_lib.validate(c)
+        workdir = tmp_path / algo
+        train.run(c, str(workdir))
+        rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+        rl = [r for r in rows if "reward_mean" in r]
+        assert [r["step"] for r in rl] == [1, 2], algo
+        for r in rl:
+            bad = [k for k, v in r.items() if isinstance(v, float) and not np.isfinite(v)]
+            assert not bad, (algo, bad)
+            assert r["skipped_updates"] == 0 and r["loss"] != 0 and r["entropy"] > 0, algo
