@@ -167,6 +167,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.plot = True  # write curves.png at the end
     c.train.wandb_project = ""  # also log to this Weights & Biases project ("": off)
 
+    # mode=eval over the GVPO paper's sets (docs/eval.md); "" sets: the task's held-out set.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.sets = ""  # "aime24,amc,math500,minerva,olympiad" or "all" (gvpo_jax.data.EVAL_SETS)
+    c.eval.dir = ""  # a directory with one folder per set: aime24/ amc/ math500/ minerva/ olympiad/
+    c.eval.paths = ""  # per-set file or folder, overriding eval.dir: "aime24=/d/aime.parquet,..."
+    c.eval.n = 0  # samples per problem; 0: the paper's protocol (32 on aime24, else 1 = greedy)
+    c.eval.temperature = 1.0  # sampling temperature of the n > 1 samples (n = 1 is greedy)
+    c.eval.top_p = 1.0  # nucleus sampling of the n > 1 samples (1.0: off)
+    c.eval.max_new_tokens = 0  # response cap (0: rollout.max_new_tokens; the recipe's 1024)
+
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel axis (-1: all remaining devices)
     c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
@@ -301,9 +311,10 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         )
     if c.data.task not in TASKS:
         _fail(f"config.data.task is {c.data.task!r}; use one of {', '.join(TASKS)}.")
-    if c.data.task != "arith" and not c.data.path:
+    reads_data = not (c.mode == "eval" and c.eval.sets)  # eval sets: no training data read
+    if reads_data and c.data.task != "arith" and not c.data.path:
         _fail(f"config.data.path is empty but data.task={c.data.task!r} reads files; set the path.")
-    if check_paths and c.data.path and not os.path.exists(c.data.path):
+    if reads_data and check_paths and c.data.path and not os.path.exists(c.data.path):
         _fail(f"config.data.path {c.data.path!r} does not exist; point it at the data files.")
     if c.data.on_too_long not in ("drop", "error"):
         _fail(f"config.data.on_too_long is {c.data.on_too_long!r}; use drop or error.")
@@ -447,6 +458,44 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         value = c.mesh[axis]
         if not isinstance(value, int) or (value < 1 and value != -1):
             _fail(f"config.mesh.{axis} is {value!r}; use a positive size or -1 to fill the rest.")
+    _validate_eval(c, check_paths=check_paths)
+
+
+def _validate_eval(c: ml_collections.ConfigDict, *, check_paths: bool) -> None:
+    """The eval section: set names, per-set paths (existing, when mode=eval names sets), and the
+    sampling protocol."""
+    from gvpo_jax.data import eval_sets  # lazy: the data package imports tensorflow_datasets
+
+    e = c.eval
+    try:
+        names = eval_sets.parse_sets(e.sets)
+    except ValueError as err:
+        _fail(f"config.eval.sets is {e.sets!r}: {err}; or 'all'.")
+    try:
+        paths = eval_sets.parse_paths(e.paths)
+    except ValueError as err:
+        _fail(f"config.eval.paths is {e.paths!r}: {err}; give set=path pairs separated by commas.")
+    _check_positive_int(c, "eval.n", minimum=0)
+    _check_positive_int(c, "eval.max_new_tokens", minimum=0)
+    if not 0.0 < e.temperature <= 10.0:
+        _fail(f"config.eval.temperature is {e.temperature}; use a value in (0, 10].")
+    if not 0.0 < e.top_p <= 1.0:
+        _fail(f"config.eval.top_p is {e.top_p}; use a value in (0, 1].")
+    if c.mode != "eval" or not names:
+        return
+    for name in names:
+        if name not in paths and not e.dir:
+            _fail(
+                f"config.eval.sets names {name} but neither eval.dir nor eval.paths says where it "
+                f"is; set eval.dir (one folder per set) or eval.paths={name}=/path/to/files."
+            )
+        path = paths.get(name) or os.path.join(e.dir, name)
+        if check_paths and not os.path.exists(path):
+            field = "eval.paths" if name in paths else "eval.dir"
+            _fail(
+                f"the {name} set's files {path!r} (config.{field}) do not exist; point it at "
+                "the set's published files (docs/data.md)."
+            )
 
 
 def flag_error_sentence(argv: list[str], error: BaseException) -> str:

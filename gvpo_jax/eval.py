@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import json
 import math
+import os
+import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -186,6 +191,7 @@ def evaluate_policy(
     seed: int,
     timeout_s: float = 5.0,
     num_workers: int = rewards_lib.AUTO_WORKERS,
+    outcomes: list | None = None,
 ) -> dict:
     """Held-out metrics of a policy: greedy always, avg@n / pass@k / maj@k of n samples at the
     rollout temperature when n > 1.
@@ -196,9 +202,14 @@ def evaluate_policy(
     same chunks, samples its rows, and the outputs are all-gathered, so every process scores the
     same completions. Sampled accuracy is what GVPO's paper reports (avg@32) and what RL moves
     first; greedy accuracy is the single best guess.
+
+    `outcomes`, when given, receives one dict per problem (`problem_outcomes`): its id, set, gold,
+    correct count out of n, greedy verdict, response lengths and truncations, what a paired
+    comparison of two policies on the same problems needs (`gvpo_jax.compare`).
     """
     rows = sharding.process_rows(chunk, mesh).rows
     key = jax.random.key(seed)
+    shapes: list[tuple[list[int], list[bool]]] = []  # per example of the last generate_fn call
 
     def generate_fn(examples, num):
         # Evaluation has its own slot count (capped at each call's chunk x num rows).
@@ -208,6 +219,8 @@ def evaluate_policy(
         if num == 1:
             eval_settings = dataclasses.replace(eval_settings, temperature=0.0)
         outs = []
+        shapes.clear()
+        cap = eval_settings.max_new_tokens
         for i in range(0, len(examples), chunk):
             part = list(examples[i : i + chunk])
             real = len(part)
@@ -219,11 +232,32 @@ def evaluate_policy(
             full = sharding.gather_rows({"tokens": out.tokens_BxN, "lengths": out.lengths_B}, mesh)
             texts = rollout.decode(tokenizer, full["tokens"], full["lengths"])
             outs += [texts[j * num : (j + 1) * num] for j in range(real)]
+            lengths = np.asarray(full["lengths"])
+            # Truncated: the cap reached without an end-of-sequence token in the last slot.
+            last = np.asarray(full["tokens"])[:, cap - 1]
+            cut = (lengths >= cap) & ~np.isin(last, np.asarray(eval_settings.eos_ids))
+            shapes.extend(
+                (lengths[j * num : (j + 1) * num].tolist(), cut[j * num : (j + 1) * num].tolist())
+                for j in range(real)
+            )
         return outs
 
     kw = dict(reward_fn=reward_fn, timeout_s=timeout_s, num_workers=num_workers)
-    greedy = evaluate(generate_fn, examples, n=1, ks=(1,), **kw)
-    headline = greedy if n == 1 else evaluate(generate_fn, examples, n=n, ks=(1, n), **kw)
+    greedy, greedy_details = evaluate(
+        generate_fn, examples, n=1, ks=(1,), return_details=True, **kw
+    )
+    greedy_shapes = list(shapes)
+    if n == 1:
+        headline, details, sample_shapes = greedy, greedy_details, greedy_shapes
+    else:
+        headline, details = evaluate(
+            generate_fn, examples, n=n, ks=(1, n), return_details=True, **kw
+        )
+        sample_shapes = list(shapes)
+    if outcomes is not None:
+        outcomes.extend(
+            problem_outcomes(greedy_details, greedy_shapes, details, sample_shapes, n=n)
+        )
     flat = {
         f"eval/{k}": float(v)
         for k, v in metrics.flatten(headline).items()
@@ -231,3 +265,192 @@ def evaluate_policy(
     }
     flat["eval/greedy"] = float(greedy["avg@1"])
     return flat
+
+
+def problem_outcomes(greedy_details, greedy_shapes, details, shapes, *, n: int) -> list[dict]:
+    """One dict per problem from `evaluate(..., return_details=True)`'s details of the greedy
+    pass and of the n-sample pass (the same when n = 1) and each pass's (lengths, truncated) per
+    problem: id, set, gold, n, correct (of the n samples), greedy (0/1), lengths (tokens, EOS
+    included) and truncated (count) of the n samples, greedy_length, greedy_truncated."""
+    out = []
+    for g, g_shape, d, shape in zip(greedy_details, greedy_shapes, details, shapes, strict=True):
+        out.append({
+            "id": d["id"], "set": d["dataset"], "gold": str(d["answer"]), "n": n,
+            "correct": int(sum(s > 0.5 for s in d["scores"])),
+            "greedy": int(g["scores"][0] > 0.5),
+            "lengths": [int(x) for x in shape[0]], "truncated": int(sum(shape[1])),
+            "greedy_length": int(g_shape[0][0]), "greedy_truncated": bool(g_shape[1][0]),
+        })  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's evaluation table: per-set protocol, results written as each set finishes, reruns
+# that skip finished sets.
+
+# Samples per problem of the paper's protocol: avg@32 on AIME 2024 (30 problems), one greedy
+# answer (pass@1, verl's validation default: temperature 0, n 1) on every other set.
+PAPER_N = {"aime24": 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """How one set is sampled: n samples at `temperature` / `top_p` (n = 1: greedy), responses
+    up to `max_new_tokens`. The headline score is avg@n (n > 1) or greedy accuracy (n = 1)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+    def describe(self) -> str:
+        cap = f"<= {self.max_new_tokens} new tokens"
+        if self.n == 1:
+            return f"greedy pass@1, {cap}"
+        return f"avg@{self.n} at T={self.temperature:g}, top-p {self.top_p:g}, {cap}"
+
+
+def protocol_for(name: str, *, n: int, temperature: float, top_p: float,
+                 max_new_tokens: int) -> Protocol:  # fmt: skip
+    """The set's protocol: n = 0 takes the paper's (`PAPER_N`, else 1)."""
+    return Protocol(n=n or PAPER_N.get(name, 1), temperature=float(temperature),
+                    top_p=float(top_p), max_new_tokens=int(max_new_tokens))  # fmt: skip
+
+
+def headline_key(n: int) -> str:
+    return f"avg@{n}" if n > 1 else "greedy"
+
+
+def write_json_atomic(path: str, value) -> None:
+    """Writes `value` as JSON to `path` through a temporary file and a rename: a reader (or a
+    rerun after SIGTERM / SIGKILL) sees the old file or the whole new one, never a torn one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1, default=metrics.to_python_scalar)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def git_commit(path: str | None = None) -> str:
+    """The checkout's short commit, '+' when tracked files differ from it; 'unknown' outside git."""
+    where = path or os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = functools.partial(subprocess.run, cwd=where, capture_output=True, text=True,
+                                timeout=10, check=True)  # fmt: skip
+        commit = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        dirty = bool(run(["git", "status", "--porcelain", "-uno"]).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+" if dirty else "")
+
+
+def _kept(path: str, protocol: Protocol, policy: str) -> dict | None:
+    """A finished set's record at `path` when it was made by the same policy and protocol."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if record.get("policy") != policy or record.get("protocol") != dataclasses.asdict(protocol):
+        return None
+    return record
+
+
+def run_sets(
+    names: Sequence[str],
+    *,
+    protocols: Mapping[str, Protocol],
+    load_set: Callable[[str], tuple[list[dict], dict]],
+    score_set: Callable[[str, list[dict], Protocol], tuple[dict, list[dict]]],
+    out_dir: str,
+    policy: str,
+    commit: str,
+    write: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Evaluates each set, writes `out_dir/<set>.json` as soon as it finishes, then the table
+    (`out_dir/table.json`, `out_dir/table.md`); returns the table.
+
+    load_set(name) -> (examples with prompt_ids, info: files / skipped / dropped);
+    score_set(name, examples, protocol) -> (metrics without the "eval/" prefix, outcomes).
+    A set whose file holds a record of the same policy and protocol is kept, not re-run (all
+    processes decide from the files present at the start, so they agree); a killed evaluation
+    loses at most the set in progress. Only `write=True` (process 0) writes files.
+    """
+    kept = {name: _kept(os.path.join(out_dir, f"{name}.json"), protocols[name], policy)
+            for name in names}  # fmt: skip
+    records = {}
+    for name in names:
+        path = os.path.join(out_dir, f"{name}.json")
+        if kept[name] is not None:
+            records[name] = kept[name]
+            log(f"[eval] {name}: finished before, kept ({path})")
+            continue
+        t0 = time.perf_counter()
+        examples, info = load_set(name)
+        result, outcomes = score_set(name, examples, protocols[name])
+        records[name] = {
+            "set": name, "policy": policy, "commit": commit,
+            "protocol": dataclasses.asdict(protocols[name]), **info, "metrics": result,
+            "time_s": round(time.perf_counter() - t0, 2), "outcomes": outcomes,
+        }  # fmt: skip
+        if write:
+            write_json_atomic(path, records[name])
+        n = protocols[name].n
+        log(f"[eval] {name}: {headline_key(n)} {result[headline_key(n)]:.4f} on "
+            f"{result['num_problems']} problems ({records[name]['time_s']:.1f} s)")  # fmt: skip
+    table = make_table(names, records, policy=policy, commit=commit)
+    if write:
+        write_json_atomic(os.path.join(out_dir, "table.json"), table)
+        with open(os.path.join(out_dir, "table.md"), "w") as f:
+            f.write(table_markdown(table))
+    log(table_markdown(table))
+    return table
+
+
+def make_table(names: Sequence[str], records: Mapping[str, dict], *, policy: str,
+               commit: str) -> dict:  # fmt: skip
+    """The table's rows (one per set, in `names` order) from the per-set records."""
+    rows = []
+    for name in names:
+        r, p = records[name], records[name]["protocol"]
+        m, outcomes = r["metrics"], r["outcomes"]
+        lengths = [x for o in outcomes for x in o["lengths"]]
+        samples = max(len(lengths), 1)
+        rows.append({
+            "set": name, "score": m[headline_key(p["n"])], "metric": headline_key(p["n"]),
+            "problems": m["num_problems"], "skipped": sum(r.get("skipped", {}).values()),
+            "dropped": r.get("dropped", 0), "n": p["n"], "greedy": m["greedy"],
+            f"avg@{p['n']}": m.get(f"avg@{p['n']}"), f"pass@{p['n']}": m.get(f"pass@{p['n']}"),
+            f"maj@{p['n']}": m.get(f"maj@{p['n']}"),
+            "mean_len": float(np.mean(lengths)) if lengths else 0.0,
+            "truncated": sum(o["truncated"] for o in outcomes) / samples,
+            "protocol": Protocol(**p).describe(), "commit": r.get("commit", commit),
+        })  # fmt: skip
+    return {"policy": policy, "commit": commit, "rows": rows}
+
+
+def table_markdown(table: Mapping) -> str:
+    """The table as Markdown, with the policy, the commit and each set's protocol."""
+    lines = [
+        f"Policy: {table['policy']}; commit `{table['commit']}`.",
+        "",
+        "| set | score | metric | problems | skipped | greedy | pass@n | maj@n | mean length "
+        "| truncated | protocol |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table["rows"]:
+        n = r["n"]
+        skipped = f"{r['skipped']}" + (f" (+{r['dropped']} too long)" if r["dropped"] else "")
+        lines.append(
+            f"| {r['set']} | {100 * r['score']:.2f} | {r['metric']} | {r['problems']} | {skipped} "
+            f"| {100 * r['greedy']:.2f} | {100 * r[f'pass@{n}']:.2f} | {100 * r[f'maj@{n}']:.2f} "
+            f"| {r['mean_len']:.1f} | {100 * r['truncated']:.1f}% | {r['protocol']} |"
+        )
+    if len({r["commit"] for r in table["rows"]}) > 1:
+        lines.append("")
+        lines.append("Sets kept from earlier runs: " + ", ".join(
+            f"{r['set']} at `{r['commit']}`" for r in table["rows"]))  # fmt: skip
+    return "\n".join(lines) + "\n"

@@ -98,7 +98,7 @@ class Task:
     def __init__(
         self,
         tokenizer,
-        train_source: Sequence[dict],
+        train_source: Sequence[dict] | None,
         held_out: Sequence[dict],
         *,
         name: str,
@@ -114,8 +114,9 @@ class Task:
         shard_count: int = 1,
         allgather=None,
     ):
-        """train_source: random-access training examples (shuffled by a seeded stream);
-        held_out: the evaluation examples; name: the task's name in error messages.
+        """train_source: random-access training examples (shuffled by a seeded stream), or None
+        for an evaluation-only task (no stream, no held-out set); held_out: the evaluation
+        examples; name: the task's name in error messages.
         reward_specs: [(reward name, weight)] of `gvpo_jax.rewards`, scored with
         `reward_timeout_s` per sample in `reward_workers` processes (`rewards.score_batch`).
         shard_index / shard_count: this process's data shard (`sharding.data_shard`), used to
@@ -133,6 +134,9 @@ class Task:
         self.reward_specs = list(reward_specs)
         self.timeout_s = reward_timeout_s
         self.num_workers = reward_workers
+        if train_source is None:  # evaluation only (mode=eval over eval.sets): no stream
+            self._stream, self.eval_examples, self.start = None, [], DataCursor()
+            return
         if len(train_source) == 0:
             raise DataError(f"the training set of data.task={name!r} is empty; check data.path.")
         self._stream = make_stream(train_source, seed=seed)
@@ -141,6 +145,12 @@ class Task:
             raise DataError(f"no held-out example of {name!r} fits data.max_prompt_len.")
         # A run starts at the stream's beginning, with the held-out drops already counted.
         self.start = DataCursor(position=0, dropped=len(held_out) - len(kept))
+
+    def encode(self, examples: Sequence[dict]) -> tuple[list[dict], int]:
+        """(the examples that fit data.max_prompt_len, with their `prompt_ids`; how many did not):
+        the run's template, chat template and length rule, as for the held-out set."""
+        kept, encoded = self._encode_kept(list(examples))
+        return encoded, len(examples) - len(kept)
 
     def _encode_kept(self, examples: Sequence[dict]) -> tuple[list[int], list[dict]]:
         try:
@@ -228,10 +238,16 @@ class Task:
 
 
 def build_task(config, tokenizer, *, shard=(0, 1), allgather=None) -> Task:
-    """The run's Task from its config; `shard` = (index, count) of this process's data shard."""
+    """The run's Task from its config; `shard` = (index, count) of this process's data shard.
+
+    mode=eval over eval.sets reads no training data and no held-out set: the sets are loaded
+    and encoded (`Task.encode`) by the evaluation."""
     c = config.data
-    train_source = _load(config, "train")  # first: its load errors are the ones reported
-    if c.task == "arith":
+    eval_only = config.mode == "eval" and bool(config.eval.sets)
+    train_source = None if eval_only else _load(config, "train")  # first: its errors reported
+    if eval_only:
+        held_out = []
+    elif c.task == "arith":
         held_out = _load(config, "eval")
     else:
         task, split = EVAL_SPLIT[c.task]

@@ -12,10 +12,12 @@ drive their steps through it (`on_step` lets them record, evaluate or stop).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +47,10 @@ def _run_mode(run_: assemble.Run, state: train_step.TrainState, loop: LoopState)
     c = run_.config
     state, ref, resumed = restore(run_, state, loop)
     summary: dict = {}
+    if c.mode == "eval" and c.eval.sets:
+        return evaluate_sets(run_, state.params, policy=describe_policy(c, resumed, loop.step))
     if c.mode == "eval":
-        return evaluate(run_, state.params, step=loop.step)
+        return evaluate(run_, state.params, step=loop.step, tag="eval")
     if c.mode == "export":
         return export(run_, state.params)
     if c.sft.steps and not resumed:
@@ -305,12 +309,15 @@ def save(run_: assemble.Run, state, loop: LoopState, ref) -> None:
 # Evaluation, export, the end of a run.
 
 
-def evaluate(run_: assemble.Run, params, *, step: int) -> dict:
+def evaluate(run_: assemble.Run, params, *, step: int, tag: str = "") -> dict:
     """Held-out accuracy (greedy, and avg@n at the rollout temperature when eval_samples > 1),
-    written to the metrics and printed. Returns {"accuracy", "greedy", "eval/...": ...}."""
+    written to the metrics and printed, and each problem's outcome to
+    `eval_outcomes/step_<step>[_<tag>].json` (for `python -m gvpo_jax.compare`).
+    Returns {"accuracy", "greedy", "eval/...": ...}."""
     c = run_.config
     n = c.train.eval_samples
     t0 = time.perf_counter()
+    outcomes: list[dict] = []
     flat = eval_lib.evaluate_policy(
         run_.model(params),
         run_.task.eval_examples,
@@ -324,9 +331,17 @@ def evaluate(run_: assemble.Run, params, *, step: int) -> dict:
         seed=step + 12345,
         timeout_s=run_.task.timeout_s,
         num_workers=run_.task.num_workers,
+        outcomes=outcomes,
     )
     flat["eval/time_s"] = time.perf_counter() - t0
     run_.writer.write_scalars(step, flat)
+    if sharding.is_primary():
+        name = f"step_{step:06d}" + (f"_{tag}" if tag else "")
+        eval_lib.write_json_atomic(
+            os.path.join(run_.workdir, "eval_outcomes", f"{name}.json"),
+            {"step": step, "tag": tag, "policy": f"{run_.workdir} at step {step}",
+             "metrics": flat, "outcomes": outcomes},
+        )  # fmt: skip
     acc = flat[f"eval/avg@{n}"] if n > 1 else flat["eval/greedy"]
     if sharding.is_primary():
         what = f"avg@{n} (T={c.rollout.temperature:g}) {acc:.3f}, greedy " if n > 1 else ""
@@ -339,10 +354,74 @@ def evaluate(run_: assemble.Run, params, *, step: int) -> dict:
 
 def _record_eval(summary: dict, key: str, run_: assemble.Run, params, *, step: int) -> None:
     """summary[key] = held-out accuracy (avg@n when eval_samples > 1), key_greedy = greedy."""
-    result = evaluate(run_, params, step=step)
+    result = evaluate(run_, params, step=step, tag=key)
     summary[key] = result["accuracy"]
     if run_.config.train.eval_samples > 1:
         summary[f"{key}_greedy"] = result["greedy"]
+
+
+def describe_policy(c: ml_collections.ConfigDict, resumed: bool, step: int) -> str:
+    """What is evaluated, as the table names it: a checkpoint, a HF directory, a GGUF file, or
+    a random initialisation."""
+    if resumed:
+        return f"checkpoint step {step} of {c.restore_from or 'the workdir'}"
+    if c.model.hf_dir:
+        return f"Hugging Face directory {c.model.hf_dir}"
+    if c.model.gguf:
+        return f"GGUF {c.model.gguf}"
+    return f"random init ({c.model.preset or 'model.overrides'}, seed {c.seed})"
+
+
+def evaluate_sets(run_: assemble.Run, params, *, policy: str) -> dict:
+    """mode=eval over config.eval.sets: each set with its protocol (`eval_lib.protocol_for`),
+    results in `workdir/eval/<set>.json` as each finishes (a rerun keeps finished sets), the
+    table printed and written as `eval/table.json` and `eval/table.md`. Returns the table."""
+    from gvpo_jax import data
+
+    c, e = run_.config, run_.config.eval
+    names = data.eval_sets.parse_sets(e.sets)
+    paths = data.eval_sets.parse_paths(e.paths)
+    cap = e.max_new_tokens or c.rollout.max_new_tokens
+    protocols = {name: eval_lib.protocol_for(name, n=e.n, temperature=e.temperature,
+                                             top_p=e.top_p, max_new_tokens=cap)
+                 for name in names}  # fmt: skip
+
+    def load_set(name):
+        path = data.eval_sets.set_path(name, root=e.dir, paths=paths)
+        ev = data.load_eval_set(name, path)
+        examples, dropped = run_.task.encode(ev.examples)
+        if not examples:
+            raise data.EvalSetError(
+                f"no problem of the {name} set ({path}) fits data.max_prompt_len="
+                f"{c.data.max_prompt_len}; raise it."
+            )
+        return examples, {"files": list(ev.files), "skipped": ev.skipped, "dropped": dropped}
+
+    def score_set(name, examples, protocol):
+        settings = dataclasses.replace(
+            run_.sampling, temperature=protocol.temperature, top_p=protocol.top_p,
+            max_new_tokens=protocol.max_new_tokens,
+        )  # fmt: skip
+        outcomes: list[dict] = []
+        flat = eval_lib.evaluate_policy(
+            run_.model(params), examples, tokenizer=run_.tokenizer, settings=settings,
+            mesh=run_.mesh, rules=run_.rules, reward_fn="math", n=protocol.n,
+            chunk=c.train.eval_chunk or c.rollout.prompts_per_step,
+            seed=c.seed + zlib.crc32(name.encode()), timeout_s=run_.task.timeout_s,
+            num_workers=run_.task.num_workers, outcomes=outcomes,
+        )  # fmt: skip
+        prefix = "eval/"
+        result = {k[len(prefix) :]: v for k, v in flat.items()
+                  if k.startswith(prefix) and "/per_dataset/" not in k}  # fmt: skip
+        result["num_problems"] = int(result["num_problems"])
+        return result, outcomes
+
+    log = (lambda line: tqdm.tqdm.write(line)) if sharding.is_primary() else (lambda line: None)
+    return eval_lib.run_sets(
+        names, protocols=protocols, load_set=load_set, score_set=score_set,
+        out_dir=os.path.join(run_.workdir, "eval"), policy=policy,
+        commit=eval_lib.git_commit(), write=sharding.is_primary(), log=log,
+    )  # fmt: skip
 
 
 def export(run_: assemble.Run, params) -> dict:

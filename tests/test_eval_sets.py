@@ -193,3 +193,131 @@ def test_paths_and_sets_parse():
     with pytest.raises(ValueError):
         eval_sets.parse_paths("amc:/a")
     assert eval_sets.number_text(-0.5) == "-\\frac{1}{2}" and eval_sets.number_text("7.00") == "7"
+
+
+# ----------------------------------------------------------------------------------------------
+# The eval mode on a tiny model, resume, and the paired comparison
+
+
+def eval_config(root, **changes):
+    from gvpo_jax import config as config_lib
+
+    c = config_lib.base_config()
+    c.model.overrides.update(dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  head_dim=16, intermediate_size=64))  # fmt: skip
+    c.mode = "eval"
+    c.data.max_prompt_len = 48
+    c.rollout.max_new_tokens = 6
+    c.rollout.prompts_per_step = 4
+    c.algo.overlong_cache = 2
+    c.train.reward_workers = 0  # the fixture golds are small; no worker pool in a unit test
+    c.mesh.num_devices = 1
+    c.eval.sets = "all"
+    c.eval.dir = str(root)
+    config_lib.set_fields(c, changes)
+    config_lib.validate(c)
+    return c
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory, fixture_dirs):
+    from gvpo_jax import train
+
+    workdir = str(tmp_path_factory.mktemp("eval_run"))
+    root = os.path.dirname(fixture_dirs["amc"])
+    table = train.run(eval_config(root), workdir)
+    return workdir, root, table
+
+
+def test_eval_mode_writes_the_table_of_the_five_sets(eval_run):
+    workdir, _, table = eval_run
+    rows = {r["set"]: r for r in table["rows"]}
+    assert list(rows) == list(eval_sets.EVAL_SETS)
+    assert {k: r["problems"] for k, r in rows.items()} == {
+        "aime24": 3, "amc": 3, "math500": 2, "minerva": 2, "olympiad": 2}  # fmt: skip
+    assert rows["olympiad"]["skipped"] == 1
+    assert rows["aime24"]["n"] == 32 and rows["aime24"]["metric"] == "avg@32"  # the paper's
+    assert all(r["n"] == 1 and r["metric"] == "greedy" for k, r in rows.items() if k != "aime24")
+    assert table["policy"].startswith("random init") and table["commit"]
+    for name in eval_sets.EVAL_SETS:
+        record = json.load(open(os.path.join(workdir, "eval", f"{name}.json")))
+        assert record["protocol"]["n"] == rows[name]["n"]
+        assert len(record["outcomes"]) == rows[name]["problems"]
+        o = record["outcomes"][0]
+        assert len(o["lengths"]) == o["n"] and 0 <= o["correct"] <= o["n"]
+        assert all(1 <= x <= 6 for x in o["lengths"]) and 0 <= o["truncated"] <= o["n"]
+    md = open(os.path.join(workdir, "eval", "table.md")).read()
+    assert "| aime24 |" in md and "avg@32 at T=1" in md and "greedy pass@1" in md
+    assert json.load(open(os.path.join(workdir, "eval", "table.json"))) == json.loads(
+        json.dumps(table)
+    )
+
+
+def test_resumed_eval_skips_finished_sets_and_gives_the_same_table(eval_run, capsys):
+    from gvpo_jax import train
+
+    workdir, root, table = eval_run
+    kept = {n: os.path.getmtime(os.path.join(workdir, "eval", f"{n}.json"))
+            for n in eval_sets.EVAL_SETS if n != "amc"}  # fmt: skip
+    os.remove(os.path.join(workdir, "eval", "amc.json"))  # as if killed during amc
+    again = train.run(eval_config(root), workdir)
+    out = capsys.readouterr().out
+    assert out.count("finished before, kept") == 4 and "[eval] amc: greedy" in out
+    assert again == json.loads(json.dumps(table))
+    for n, mtime in kept.items():
+        assert os.path.getmtime(os.path.join(workdir, "eval", f"{n}.json")) == mtime
+
+
+def test_a_policy_compared_with_itself_is_zero_with_a_zero_width_interval(eval_run, capsys):
+    from gvpo_jax import compare
+
+    workdir = eval_run[0]
+    result = compare.compare(workdir, workdir)
+    assert result["all"]["problems"] == 12 and set(result["sets"]) == set(eval_sets.EVAL_SETS)
+    for r in [*result["sets"].values(), result["all"]]:
+        assert r["diff"] == r["lo"] == r["hi"] == 0.0
+    assert compare.main([workdir, workdir]) == 0
+    assert "| all | 12 |" in capsys.readouterr().out
+
+
+def _outcome_file(path, correct, n=1):
+    outcomes = [{"id": f"amc/{i}", "set": "amc", "n": n, "correct": c, "greedy": int(c > 0),
+                 "lengths": [3] * n, "truncated": 0} for i, c in enumerate(correct)]  # fmt: skip
+    with open(path, "w") as f:
+        json.dump({"outcomes": outcomes}, f)
+    return str(path)
+
+
+def test_two_hand_made_outcome_files_give_the_hand_count(tmp_path, capsys):
+    from gvpo_jax import compare
+
+    # A right on problems 0-6, B on 0-2 and 7: B - A = (4 - 7) / 10; discordant 4 (A) vs 1 (B),
+    # McNemar p = 2 * P(X <= 1 | 5, 1/2) = 2 * 6 / 32.
+    a = _outcome_file(tmp_path / "a.json", [1, 1, 1, 1, 1, 1, 1, 0, 0, 0])
+    b = _outcome_file(tmp_path / "b.json", [1, 1, 1, 0, 0, 0, 0, 1, 0, 0])
+    r = compare.compare(a, b)["all"]
+    assert (r["a"], r["b"], r["diff"]) == (0.7, 0.4, pytest.approx(-0.3))
+    assert (r["a_higher"], r["b_higher"]) == (4, 1) and r["mcnemar_p"] == pytest.approx(0.375)
+    assert r["lo"] < -0.3 < r["hi"] and r == compare.compare(a, b)["all"]  # fixed seed
+    # Fractions of n = 4 samples: per-problem means, no McNemar.
+    a4 = _outcome_file(tmp_path / "a4.json", [4, 2, 0], n=4)
+    b4 = _outcome_file(tmp_path / "b4.json", [4, 3, 1], n=4)
+    r4 = compare.compare(a4, b4)["all"]
+    assert r4["diff"] == pytest.approx((0 + 0.25 + 0.25) / 3) and "mcnemar_p" not in r4
+    assert compare.main([a, str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'missing'} does not exist")
+
+
+def test_training_time_evaluations_keep_outcomes(eval_run, tmp_path, fixture_dirs):
+    """mode=eval without sets (the task's held-out set) writes eval_outcomes/, which compare
+    reads from a workdir."""
+    from gvpo_jax import compare, train
+
+    root = os.path.dirname(fixture_dirs["amc"])
+    c = eval_config(root, **{"eval.sets": "", "data.eval_size": 8, "data.max_prompt_len": 8})
+    train.run(c, str(tmp_path))
+    files = os.listdir(tmp_path / "eval_outcomes")
+    assert files == ["step_000000_eval.json"]
+    record = json.load(open(tmp_path / "eval_outcomes" / files[0]))
+    assert len(record["outcomes"]) == 8 and record["outcomes"][0]["set"] == "arith"
+    assert compare.compare(str(tmp_path), str(tmp_path))["all"]["diff"] == 0.0
