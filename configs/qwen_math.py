@@ -6,7 +6,7 @@ Needs real hardware and the weights on local disk (no hub access at run time):
         --workdir=gs://bucket/runs/qwen_math
 On a pod slice run the same command on every worker (launch/tpu_pod.sh does that).
 Settings follow the official GVPO script: beta 0.1, k = 4 responses per prompt, lr 1e-6, prompts
-and responses up to 1024 tokens, 1024 prompts per rollout split into 4 minibatches.
+and responses up to 1024 tokens, 1024 prompts per rollout split into 4 minibatches, verl's prompts.
 Here (CPU only) it is checked by validation with paths skipped and `jax.eval_shape` of the model.
 """
 
@@ -27,8 +27,11 @@ def get_config():
 
     c.data.task = "math"  # MATH (lighteval split) + GSM8K train problems, boxed answers
     c.data.path = "/data/math"  # directory with the published files (layouts: docs/data.md)
-    c.data.template = "qwen_math"  # "Please reason step by step, and put your final answer ..."
-    c.data.use_chat_template = True  # Qwen's chat template
+    # The official recipe's prompt (verl's MATH / GSM8K preprocessing): the problem, then "Let's
+    # think step by step and output the final answer within \boxed{}." (GSM8K: '... after
+    # "####".') as the one user message; the same in training and evaluation (docs/eval.md).
+    c.data.template = "verl"
+    c.data.use_chat_template = True  # Qwen's chat template (its default system message)
     c.data.max_prompt_len = 1024  # prompt tokens
     c.data.on_too_long = "drop"  # drop (and count) longer prompts
     c.data.eval_size = 500  # MATH-500

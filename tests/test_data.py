@@ -361,6 +361,24 @@ def test_prompts_without_chat_template_use_plain_text(chat_tokenizer, gsm8k):
         data.encode_prompts(char, ex, template="nope", max_prompt_len=8)
 
 
+def test_verl_template_is_the_official_recipes_prompt(chat_tokenizer, gsm8k, math500):
+    """verl's math_dataset.py / gsm8k.py: the problem, one space, the dataset's instruction, as
+    the only (user) message; the chat template's own system default is left to the tokenizer."""
+    examples = [math500[0], gsm8k["test"][0]]
+    ids, *_ = data.encode_prompts(
+        chat_tokenizer, examples, template="verl", max_prompt_len=10_000, use_chat_template=True
+    )
+    math_text, gsm_text = (chat_tokenizer.decode(row) for row in ids)
+    assert math_text == (
+        f"<|im_start|>user\n{math500[0]['prompt']} Let's think step by step and output the "
+        "final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert gsm_text == (
+        f"<|im_start|>user\n{gsm8k['test'][0]['prompt']} Let's think step by step and output "
+        'the final answer after "####".<|im_end|>\n<|im_start|>assistant\n'
+    )
+
+
 def test_encode_sft_appends_eos_and_drops_long_or_missing_demonstrations(chat_tokenizer, gsm8k):
     tok = chat_tokenizer
     examples = gsm8k["train"][:4] + [{"prompt": "no demo", "answer": "1", "solution": ""}]

@@ -321,3 +321,46 @@ def test_training_time_evaluations_keep_outcomes(eval_run, tmp_path, fixture_dir
     record = json.load(open(tmp_path / "eval_outcomes" / files[0]))
     assert len(record["outcomes"]) == 8 and record["outcomes"][0]["set"] == "arith"
     assert compare.compare(str(tmp_path), str(tmp_path))["all"]["diff"] == 0.0
+
+
+def test_bad_eval_input_exits_2_with_one_sentence(tmp_path):
+    """Through the CLI: an unknown set and a missing folder fail at config validation, a file off
+    its layout when the set is read; each is one sentence naming the input, exit status 2."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    _jsonl(str(bad), [{"question": "q", "answer": "1"}, {"question": "q", "solution_text": "x"}])
+    cases = [
+        (["--config.eval.sets=aime24,aime25"],
+         "error: config.eval.sets is 'aime24,aime25': unknown evaluation set 'aime25'; use one "
+         "of aime24, amc, math500, minerva, olympiad; or 'all'."),
+        (["--config.eval.sets=amc", f"--config.eval.dir={tmp_path / 'none'}"],
+         f"error: the amc set's files '{tmp_path / 'none' / 'amc'}' (config.eval.dir) do not "
+         "exist;"),
+        (["--config.eval.sets=minerva", f"--config.eval.paths=minerva={bad}"],
+         f"error: {bad} line 2 has no field 'answer' (its fields are question, solution_text);"),
+    ]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gvpo_jax.main",
+                "--config=configs/arith_tiny.py",
+                "--config.mode=eval",
+                f"--workdir={tmp_path / f'w{i}'}",
+                *args,
+            ],
+            cwd=repo,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i, (args, _) in enumerate(cases)
+    ]
+    for proc, (args, sentence) in zip(procs, cases, strict=True):
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (args, err[-3000:])
+        assert err.strip().startswith(sentence) and "\n" not in err.strip(), (args, err)

@@ -13,23 +13,31 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+VERL_MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+VERL_GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptTemplate:
     """`user` holds the placeholder `{prompt}` (replaced literally, so LaTeX braces are safe);
-    `system` is an optional system message."""
+    `system` is an optional system message; `by_dataset` gives other user messages for the
+    examples of named datasets (`example["dataset"]`), e.g. GSM8K's "####" instruction."""
 
     user: str = "{prompt}"
     system: str | None = None
+    by_dataset: tuple[tuple[str, str], ...] = ()
 
-    def messages(self, prompt: str) -> list[dict]:
+    def user_message(self, prompt: str, dataset: str | None = None) -> str:
+        user = dict(self.by_dataset).get(dataset, self.user) if dataset else self.user
+        return user.replace("{prompt}", prompt)
+
+    def messages(self, prompt: str, dataset: str | None = None) -> list[dict]:
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return msgs + [{"role": "user", "content": self.user.replace("{prompt}", prompt)}]
+        return msgs + [{"role": "user", "content": self.user_message(prompt, dataset)}]
 
-    def plain(self, prompt: str) -> str:
+    def plain(self, prompt: str, dataset: str | None = None) -> str:
         """The text without a chat template (system message, blank line, user message)."""
-        user = self.user.replace("{prompt}", prompt)
+        user = self.user_message(prompt, dataset)
         return f"{self.system}\n\n{user}" if self.system else user
 
 
@@ -42,6 +50,13 @@ TEMPLATES: dict[str, PromptTemplate] = {
     "qwen_math": PromptTemplate(user="{prompt}", system=BOXED_INSTRUCTION),
     # Base models without a chat template, GSM8K-style.
     "qa": PromptTemplate(user="Question: {prompt}\nAnswer:"),
+    # The official GVPO recipe (jszkc/GVPO on verl 0.6): verl's examples/data_preprocess
+    # math_dataset.py / gsm8k.py append their instruction to the problem after one space, as the
+    # only (user) message; the chat template adds its own default system message, if any.
+    "verl": PromptTemplate(
+        user="{prompt} " + VERL_MATH_INSTRUCTION,
+        by_dataset=(("gsm8k", "{prompt} " + VERL_GSM8K_INSTRUCTION),),
+    ),
 }
 
 
@@ -55,15 +70,17 @@ def get_template(template: str | PromptTemplate) -> PromptTemplate:
     return TEMPLATES[template]
 
 
-def render(tokenizer, prompt: str, *, template, use_chat_template: bool) -> tuple[str, bool]:
-    """The prompt text and whether it already holds the special tokens (chat template applied)."""
+def render(tokenizer, prompt: str, *, template, use_chat_template: bool,
+           dataset: str | None = None) -> tuple[str, bool]:  # fmt: skip
+    """The prompt text and whether it already holds the special tokens (chat template applied);
+    `dataset` picks a template's per-dataset user message."""
     t = get_template(template)
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
-            t.messages(prompt), tokenize=False, add_generation_prompt=True
+            t.messages(prompt, dataset), tokenize=False, add_generation_prompt=True
         )
         return text, True
-    return t.plain(prompt), False
+    return t.plain(prompt, dataset), False
 
 
 def _tokenize(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
@@ -94,7 +111,13 @@ def encode_prompts(
     if on_too_long not in ("drop", "error"):
         raise ValueError(f"on_too_long is {on_too_long!r}; use 'drop' or 'error'.")
     rendered = [
-        render(tokenizer, ex["prompt"], template=template, use_chat_template=use_chat_template)
+        render(
+            tokenizer,
+            ex["prompt"],
+            template=template,
+            use_chat_template=use_chat_template,
+            dataset=ex.get("dataset"),
+        )  # fmt: skip
         for ex in examples
     ]
     ids = [None] * len(rendered)
