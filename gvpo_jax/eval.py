@@ -449,7 +449,7 @@ def table_markdown(table: Mapping) -> str:
             f"| {100 * r['greedy']:.2f} | {100 * r[f'pass@{n}']:.2f} | {100 * r[f'maj@{n}']:.2f} "
             f"| {r['mean_len']:.1f} | {100 * r['truncated']:.1f}% | {r['protocol']} |"
         )
-    if len({r["commit"] for r in table["rows"]}) > 1:
+    if any(r["commit"] != table["commit"] for r in table["rows"]):
         lines.append("")
         lines.append("Sets kept from earlier runs: " + ", ".join(
             f"{r['set']} at `{r['commit']}`" for r in table["rows"]))  # fmt: skip
