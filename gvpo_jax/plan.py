@@ -120,8 +120,9 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
         cfg = sharding.hf_model_config(c.hf_dir, **dtypes)
     elif c.preset:  # overrides apply on top of a preset, as in `assemble.build_model`
         cfg = models.PRESETS[c.preset].replace(**{**c.overrides.to_dict(), **dtypes})
-    elif c.gguf == "smollm2":
-        cfg = models.PRESETS["smollm2-135m"].replace(**dtypes)
+    elif c.gguf in ("smollm2", "gemma3-270m"):  # the PyPI models: their presets' shapes
+        preset = "smollm2-135m" if c.gguf == "smollm2" else c.gguf
+        cfg = models.PRESETS[preset].replace(**dtypes)
     else:
         fields = dict(c.overrides.to_dict())
         if "vocab_size" not in fields:

@@ -14,12 +14,14 @@ from gvpo_jax.models import attention as kernels
 KERNELS = ("blocked", "xla", "splash")
 
 
-def _reference(q, k, v, q_slot, k_slot, k_valid):
-    """float64 numpy: softmax over visible keys (masked scores at kernels.MASKED, as dense)."""
+def _reference(q, k, v, q_slot, k_slot, k_valid, window=None):
+    """float64 numpy: softmax over visible keys (masked scores at kernels.MASKED, as dense);
+    with a window W, a key is visible only within W - 1 slots before the query."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     s = np.einsum("bkqh,bksh->bkqs", q, k) / np.sqrt(q.shape[-1])
-    seen = (np.asarray(k_valid)[:, None, :] & (np.asarray(k_slot)[:, None, :]
-            <= np.asarray(q_slot)[:, :, None]))[:, None]  # fmt: skip
+    gap = np.asarray(q_slot)[:, :, None].astype(np.int64) - np.asarray(k_slot)[:, None, :]
+    near = gap < window if window is not None else True
+    seen = (np.asarray(k_valid)[:, None, :] & (gap >= 0) & near)[:, None]
     s = np.where(seen, s, kernels.MASKED)
     m = s.max(-1, keepdims=True)
     e = np.exp(s - m)
@@ -42,9 +44,9 @@ def _case(seed, b=2, kv=2, t=23, g=3, s=23, h=8, offset=0, dtype=np.float64):
     return q, k, v, q_slot, k_slot, jnp.asarray(valid)
 
 
-def _rows_with_a_visible_key(q_slot, k_slot, k_valid):
-    seen = np.asarray(k_valid)[:, None, :] & (np.asarray(k_slot)[:, None, :]
-                                             <= np.asarray(q_slot)[:, :, None])  # fmt: skip
+def _rows_with_a_visible_key(q_slot, k_slot, k_valid, window=None):
+    gap = np.asarray(q_slot)[:, :, None].astype(np.int64) - np.asarray(k_slot)[:, None, :]
+    seen = np.asarray(k_valid)[:, None, :] & (gap >= 0) & (gap < (window or np.inf))
     return seen.any(-1)[:, None, :]  # [B, 1, Q]
 
 
@@ -61,6 +63,48 @@ def test_blocked_values_and_lse_match_float64_reference(blocks, offset):
         np.testing.assert_allclose(np.where(rows[..., None], out, 0),
                                    np.where(rows[..., None], ref_out, 0), atol=1e-12)  # fmt: skip
         np.testing.assert_allclose(np.where(rows, lse, 0), np.where(rows, ref_lse, 0), atol=1e-12)
+
+
+@pytest.mark.parametrize("blocks", [(8, 8), (16, 5), (9, 64)])
+@pytest.mark.parametrize("window", [1, 4, 11])
+def test_blocked_sliding_window_matches_float64_reference_and_skips_old_blocks(blocks, window):
+    """A sliding window W: values, log-denominators and gradients equal the float64 reference
+    (rows with no visible key left out), and a query block visits only the key blocks that
+    reach into its window (the first blocks are skipped once the queries are W past them)."""
+    with jax.enable_x64(True):
+        args = _case(5, t=40, s=40)
+        out, lse = kernels.blocked(*args, *blocks, window)
+        ref_out, ref_lse = _reference(*args, window=window)
+        rows = _rows_with_a_visible_key(*args[3:], window)
+        np.testing.assert_allclose(np.where(rows[..., None], out, 0),
+                                   np.where(rows[..., None], ref_out, 0), atol=1e-12)  # fmt: skip
+        np.testing.assert_allclose(np.where(rows, lse, 0), np.where(rows, ref_lse, 0), atol=1e-12)
+        q, k, v, q_slot, k_slot, valid = args
+        d_out = jnp.asarray(np.random.default_rng(6).normal(size=q.shape)) * rows[..., None]
+
+        def loss(fn):
+            return lambda q, k, v: jnp.sum(fn(q, k, v)[0] * d_out)
+
+        def dense(q, k, v):
+            s = jnp.einsum("bkqh,bksh->bkqs", q, k) / np.sqrt(q.shape[-1])
+            seen = valid[:, None, :] & kernels.visible(q_slot[:, :, None], k_slot[:, None, :],
+                                                       window)  # fmt: skip
+            s = jnp.where(seen[:, None], s, kernels.MASKED)
+            return (jnp.einsum("bkqs,bksh->bkqh", jax.nn.softmax(s, -1), v),)
+
+        blocked = lambda q, k, v: kernels.blocked(q, k, v, q_slot, k_slot, valid, *blocks, window)
+        got = jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v)
+        want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-11)
+    # The block ranges: with W = 4 and 8 x 8 blocks (rows are 3 query heads per position),
+    # the last query block (positions 37-39) starts at key block 4 (keys 32-39), not 0.
+    _, bounds = kernels._layout(*args, 8, 8, 4)
+    bq, bk, nq, nk, need_q, first_q, start_q, last_q = bounds
+    if blocks == (8, 8) and window == 4:
+        assert int(start_q[-1]) == 4 and int(need_q[-1]) == 5
+        # Key block 0 (keys 0-7) reaches positions <= 10 only: query blocks 0-4 (of 15).
+        assert int(last_q[0]) == 5 and nq == 15
 
 
 def test_blocked_non_causal_rows_see_every_valid_key():

@@ -369,3 +369,31 @@ def test_invalid_options_are_config_errors(tmp_path):
         Checkpointer(tmp_path, save_every=0, keep=1)
     with pytest.raises(CheckpointError, match="keep=0"):
         Checkpointer(tmp_path, save_every=1, keep=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_new_families_train_state_round_trips_bit_identical(tmp_path, arch):
+    """A Qwen3 / Gemma 3 train state (fp32 masters, AdamW moments, QK-norm and sandwich-norm
+    scales) after one update restores bit for bit: the families add parameters, not a format."""
+    import optax
+    from flax import nnx
+
+    from gvpo_jax import models, train_step
+
+    cfg = models.PRESETS["tiny"].replace(
+        architecture=arch, qk_norm=True, attention_bias=False, num_layers=2,
+        **({"layer_types": ("sliding", "full"), "sliding_window": 3} if arch == "gemma3" else {}),
+    )  # fmt: skip
+    _, params = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    tx = optax.adamw(1e-2)
+    state = train_step.init_state(params, tx, jax.random.key(0))
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.1), params)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    state = state.replace(params=optax.apply_updates(params, updates), opt_state=opt_state)
+    with Checkpointer(tmp_path, save_every=1, keep=1, async_save=False) as ckpt:
+        assert ckpt.save(1, state, meta={"step": 1})
+        got, _, _ = ckpt.restore(_abstract(state))
+    _assert_bit_identical(state, got)
+    names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(got.params)}
+    assert "layers/0/attn/q_norm/scale" in names
+    assert ("layers/1/post_mlp_norm/scale" in names) == (arch == "gemma3")

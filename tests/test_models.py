@@ -19,12 +19,14 @@ TOL = 1e-4
 
 
 def _randomise(hf_model, seed):
-    """Every parameter random (norm weights around 1, biases non-zero) so no term is trivial."""
+    """Every parameter random (norm scales around 1, biases non-zero) so no term is trivial.
+    Gemma's norms multiply by (1 + weight): their weights are drawn around 0."""
     gen = torch.Generator().manual_seed(seed)
+    one = 0.0 if "Gemma" in type(hf_model).__name__ else 1.0
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.3 * noise if "norm" in name else 0.15 * noise)
+            p.copy_(one + 0.3 * noise if "norm" in name else 0.15 * noise)
 
 
 def _make_hf(kind, path):
@@ -37,7 +39,22 @@ def _make_hf(kind, path):
         num_key_value_heads=2,
         attn_implementation="eager",
     )
-    if kind == "llama":
+    if kind.startswith("gemma3"):
+        # Sliding window 4 on layers 0-1 (RoPE base 700), a full layer 2 (base 30000), and a
+        # query scalar (24) that is not head_dim (16): every Gemma 3 setting is exercised, and
+        # the 9-13 token sequences below are longer than the window.
+        cfg = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=4,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 30000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 700.0},
+            },
+            max_position_embeddings=2048,
+        )  # fmt: skip
+        model = transformers.Gemma3ForCausalLM(cfg)
+    elif kind == "llama":
         # Explicit head_dim != hidden/heads and a non-default eps and theta.
         cfg = transformers.LlamaConfig(**common, head_dim=16, rms_norm_eps=1e-5, rope_theta=20000.0)
         model = transformers.LlamaForCausalLM(cfg)
@@ -61,7 +78,7 @@ def _make_hf(kind, path):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    kinds = ("qwen2-tied", "qwen2-untied", "llama", "qwen3-tied", "qwen3-untied")
+    kinds = ("qwen2-tied", "qwen2-untied", "llama", "qwen3-tied", "qwen3-untied", "gemma3-tied")
     return {k: (root / k, _make_hf(k, root / k)) for k in kinds}
 
 
@@ -80,13 +97,13 @@ def _tokens(shape, vocab=96, seed=0):
 
 
 @pytest.mark.parametrize(
-    "kind", ["qwen2-tied", "qwen2-untied", "llama", "qwen3-tied", "qwen3-untied"]
+    "kind", ["qwen2-tied", "qwen2-untied", "llama", "qwen3-tied", "qwen3-untied", "gemma3-tied"]
 )
 def test_logit_parity_with_transformers(checkpoints, kind):
     path, hf_model = checkpoints[kind]
     model = models.from_pretrained(path, "float32")
     assert model.config.tie_word_embeddings == kind.endswith("-tied")
-    assert model.config.qk_norm == kind.startswith("qwen3")
+    assert model.config.qk_norm == kind.startswith(("qwen3", "gemma3"))
     assert model.config.architecture == kind.split("-")[0]
     tokens = _tokens((2, 11))
     ours = np.asarray(model(jnp.asarray(tokens)))
@@ -94,7 +111,7 @@ def test_logit_parity_with_transformers(checkpoints, kind):
     np.testing.assert_allclose(ours, _hf_logits(hf_model, tokens), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-untied", "llama", "qwen3-tied"])
+@pytest.mark.parametrize("kind", ["qwen2-untied", "llama", "qwen3-tied", "gemma3-tied"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_logit_parity_padded_batches(checkpoints, kind, side):
     path, hf_model = checkpoints[kind]
@@ -122,7 +139,7 @@ def test_logit_parity_padded_batches(checkpoints, kind, side):
         np.testing.assert_allclose(ours[b][real[b]], alone, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-tied", "llama", "qwen3-untied"])
+@pytest.mark.parametrize("kind", ["qwen2-tied", "llama", "qwen3-untied", "gemma3-tied"])
 def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
     """Right-padded prompts prefilled at slots [0, Tp); decode step n writes slot Tp+n."""
     model = models.from_pretrained(checkpoints[kind][0])
@@ -160,12 +177,13 @@ def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
             np.testing.assert_allclose(decoded[n][b], full[n_p + n], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["qwen2-untied", "gemma3-tied"])
 @pytest.mark.parametrize("decode", [False, True], ids=["slots-inner", "slots-last"])
-def test_shared_prefix_cache_decode_equals_full_forward(checkpoints, decode):
+def test_shared_prefix_cache_decode_equals_full_forward(checkpoints, decode, kind):
     """P=2 right-padded prompts prefilled once, G=3 continuations each through
     `share_prefix_cache` (both layouts): every step's logits equal the full forward of prompt +
-    continuation."""
-    model = models.from_pretrained(checkpoints["qwen2-untied"][0])
+    continuation (gemma3: the last steps' windows leave the prompt's first tokens out)."""
+    model = models.from_pretrained(checkpoints[kind][0])
     p, g, tp, steps = 2, 3, 6, 3
     prompt = _tokens((p, tp), seed=5)
     lens = np.array([6, 3])
@@ -209,11 +227,14 @@ def _grouped_rows(p, g, tp, n, vocab, seed):
     return jnp.asarray(tokens * mask), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-untied", "qwen3-untied"])
+@pytest.mark.parametrize("kind", ["qwen2-untied", "qwen3-untied", "gemma3-tied", "gemma3-blocked"])
 def test_hidden_shared_prefix_equals_hidden_values_and_gradients(checkpoints, kind):
     """Each group's prompt run once (shared keys / values) gives the full forward's hidden
-    states at every real slot, and the same parameter gradients."""
-    model = models.from_pretrained(checkpoints[kind][0])
+    states at every real slot, and the same parameter gradients (gemma3: through the sliding
+    window, with the dense kernels and with the blocked ones)."""
+    model = models.from_pretrained(checkpoints[kind.replace("blocked", "tied")][0])
+    if kind.endswith("blocked"):
+        model = models.with_config(model, attention="blocked")
     p, g, tp, n = 3, 4, 5, 6
     tokens, mask = _grouped_rows(p, g, tp, n, model.config.vocab_size, seed=11)
     weights = jnp.asarray(np.random.default_rng(1).normal(size=(p * g, tp + n, 1)), jnp.float32)
@@ -252,7 +273,9 @@ def test_hidden_with_cache_and_unembed_match_call(checkpoints):
         model(tokens, cache=cache, cache_index=5)
 
 
-@pytest.mark.parametrize("kind", ["qwen2-tied", "qwen2-untied", "llama", "qwen3-tied"])
+@pytest.mark.parametrize(
+    "kind", ["qwen2-tied", "qwen2-untied", "llama", "qwen3-tied", "gemma3-tied"]
+)
 def test_export_round_trip_loads_in_transformers(checkpoints, kind, tmp_path):
     model = models.from_pretrained(checkpoints[kind][0])
     # Tiny shard limit: forces the sharded layout with model.safetensors.index.json.
@@ -271,7 +294,7 @@ def test_export_round_trip_loads_in_transformers(checkpoints, kind, tmp_path):
     assert not (single / "model.safetensors.index.json").exists()
 
 
-@pytest.mark.parametrize("kind", ["qwen2-untied", "llama", "qwen3-untied"])
+@pytest.mark.parametrize("kind", ["qwen2-untied", "llama", "qwen3-untied", "gemma3-tied"])
 def test_bf16_compute_logits_against_fp32_and_transformers_bf16(checkpoints, kind):
     """fp32 masters computing in bf16: logits stay fp32 and within bf16 rounding of both our
     fp32 logits and transformers' own bf16 forward. Tolerance 3% of the largest logit; measured
@@ -458,10 +481,13 @@ def test_qwen3_presets_have_published_shapes_and_transformers_parameter_counts(n
     assert models.abstract_model(cfg).num_params() == total
 
 
-def test_qwen3_blocked_attention_beyond_one_block_matches_transformers(checkpoints):
+@pytest.mark.parametrize("kind", ["qwen3-untied", "gemma3-tied"])
+def test_blocked_attention_beyond_one_block_matches_transformers(checkpoints, kind):
     """520 tokens (> one 512-key block; 1040 query rows, 2 query heads per KV head, > one
-    512-row block) through the blocked kernel, one row left-padded: transformers' logits."""
-    path, hf_model = checkpoints["qwen3-untied"]
+    512-row block) through the blocked kernel, one row left-padded: transformers' logits
+    (gemma3: two sliding-window layers; the skipping of whole key blocks is tested on small
+    blocks in test_attention.py)."""
+    path, hf_model = checkpoints[kind]
     model = models.with_config(models.from_pretrained(path), attention="blocked")
     t = models.attention.BLOCK_K + 8
     tokens = _tokens((2, t), seed=12)
@@ -473,11 +499,13 @@ def test_qwen3_blocked_attention_beyond_one_block_matches_transformers(checkpoin
     np.testing.assert_allclose(ours[real], ref[real], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["qwen3-tied", "gemma3-tied"])
 @pytest.mark.parametrize("num_slots", [0, 2], ids=["static", "continuous"])
-def test_qwen3_greedy_generation_matches_transformers_generate(checkpoints, num_slots):
+def test_greedy_generation_matches_transformers_generate(checkpoints, num_slots, kind):
     """The sampler (prefill, shared-prefix decode cache; or 2 continuous-batching slots for 4
-    rows) decodes a Qwen3 greedily to transformers' `generate` tokens."""
-    path, hf_model = checkpoints["qwen3-tied"]
+    rows) decodes greedily to transformers' `generate` tokens (gemma3: 10 tokens past prompts
+    of 1-8, well past its window of 4)."""
+    path, hf_model = checkpoints[kind]
     model = models.from_pretrained(path)
     prompts, n = [[5, 17, 42], [7, 8, 9, 10, 11, 12, 13], [60], [3, 4, 4, 4, 60, 61, 1, 2]], 10
     ids, lens = sampler.pad_prompts(prompts, (16,))
@@ -734,3 +762,45 @@ def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints, ki
         atol=TOL,
         rtol=0,
     )
+
+
+@pytest.mark.parametrize(
+    "name,published",
+    [("gemma3-270m", 268_098_176), ("gemma3-1b", 999_885_952), ("gemma3-4b", None)],
+)
+def test_gemma3_presets_have_published_shapes_and_transformers_parameter_counts(name, published):
+    """Our eval_shape count = transformers' Gemma3ForCausalLM built (on the meta device) from the
+    config we export = the published total (270M: the GGUF's tensors; 1B: its model card)."""
+    cfg = models.PRESETS[name]
+    assert cfg.layer_types.count("full") == cfg.num_layers // 6 and cfg.head_dim == 256
+    hf = models.config_to_hf(cfg)
+    hf_cfg = transformers.Gemma3TextConfig(
+        **{k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
+    )
+    assert hf_cfg.layer_types[:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    with torch.device("meta"):
+        hf_model = transformers.Gemma3ForCausalLM(hf_cfg)
+    total = models.abstract_model(cfg).num_params()
+    assert sum(p.numel() for p in hf_model.parameters()) == total
+    if published is not None:
+        assert total == published
+    assert models.config_from_hf(hf) == cfg.replace(param_dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported for Gemma 3"),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported"),
+        ({"layer_types": ["sliding_attention"]}, "layer_types .* per layer for 18 layers"),
+        ({"sliding_window": None}, "sliding layers but sliding_window is 0"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e6}}},
+            "rope type 'yarn' of full_attention layers is not supported",
+        ),
+    ],
+)
+def test_gemma3_config_errors_name_the_field(edit, message):
+    hf = {**models.config_to_hf(models.PRESETS["gemma3-270m"]), **edit}
+    with pytest.raises(models.CheckpointError, match=message):
+        models.config_from_hf(hf, source="g/config.json")

@@ -361,9 +361,9 @@ def test_demo_config_trains_with_each_new_preset_without_a_non_finite_value(tmp_
     for algo in NEW_PRESETS:
         c = arith_tiny.get_config()
         config_lib.set_fields(c, {
-            "algo.name": algo, "sft.steps": 10, "train.steps": 2, "train.eval_every": 0,
+            "algo.name": algo, "sft.steps": 4, "train.steps": 2, "train.eval_every": 0,
             "train.checkpoint_every": 100, "train.export": False, "train.plot": False,
-            "train.sample_log_every": 0, "rollout.prompts_per_step": 16, "data.eval_size": 8,
+            "train.sample_log_every": 0, "rollout.prompts_per_step": 8, "data.eval_size": 8,
             "mesh.num_devices": 1, "algo.num_minibatches": 2, "algo.entropy_coef": 0.001,
         })  # fmt: skip
         config_lib.validate(c)

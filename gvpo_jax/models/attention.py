@@ -77,16 +77,43 @@ def choose(impl: str, *, t: int, g: int, keys: int) -> str:
     return resolve(impl, q_rows=t * g, keys=keys)
 
 
+def visible(query_slot, key_slot, window: int | None, query_pos=None, key_pos=None):
+    """Visibility of a key to a query (broadcasting): causal by slot (s <= t), and with a
+    sliding window W also within W - 1 positions before the query (transformers' sliding-window
+    mask: the query and the W - 1 tokens before it). Positions default to the slots, which is
+    exact for a row whose real tokens sit in consecutive slots; caches pass the positions they
+    store, since a right-padded prompt followed by decode slots is not consecutive."""
+    seen = key_slot <= query_slot
+    if window is not None:
+        if query_pos is None:
+            query_pos, key_pos = query_slot, key_slot
+        seen = seen & (query_pos - key_pos < window)
+    return seen
+
+
 def attention_mask(
-    valid_BxS: jax.Array, query_slot_T: jax.Array, key_slot_S: jax.Array
+    valid_BxS: jax.Array,
+    query_slot_T: jax.Array,
+    key_slot_S: jax.Array,
+    window=None,
+    positions=None,
 ) -> jax.Array:
-    """bool [B, T, S]: query t sees key s iff key s is valid and not in the future (s <= t).
+    """bool [B, T, S]: query t sees key s iff key s is valid and not in the future (s <= t),
+    and with a sliding `window` within it (`visible`; `positions` = (query_pos_BxT, key_pos_BxS)
+    or None for the slots).
 
     The single definition of the mask for both the full forward (slots = 0..T-1) and the cached
     forward (query slots i..i+T-1 against cache slots 0..S-1).
     """
-    causal_TxS = key_slot_S[None, :] <= query_slot_T[:, None]
-    return valid_BxS[:, None, :] & causal_TxS[None, :, :]
+    q_pos, k_pos = (None, None) if positions is None else positions
+    causal_BxTxS = visible(
+        query_slot_T[None, :, None],
+        key_slot_S[None, None, :],
+        window,
+        None if q_pos is None else q_pos[:, :, None],
+        None if k_pos is None else k_pos[:, None, :],
+    )
+    return valid_BxS[:, None, :] & causal_BxTxS
 
 
 def _acc(dtype) -> jnp.dtype:
@@ -191,11 +218,15 @@ def _pad_to(x, axis: int, multiple: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _block_scores(q_blk, k_blk, q_slot_blk, k_slot_blk, k_valid_blk, k_real_blk, scale):
+def _block_scores(q_blk, k_blk, q_slot_blk, k_slot_blk, k_valid_blk, k_real_blk, scale, window,
+                  q_pos_blk, k_pos_blk):  # fmt: skip
     """Masked scores [B, K, bq, bk] (fp32 or fp64) and the visibility mask [B, 1, bq, bk]."""
     acc = _acc(q_blk.dtype)
     s = jnp.einsum("bkqh,bksh->bkqs", q_blk, k_blk, preferred_element_type=acc) * scale
-    seen = k_valid_blk[:, None, :] & (k_slot_blk[:, None, :] <= q_slot_blk[:, :, None])
+    seen = k_valid_blk[:, None, :] & visible(
+        q_slot_blk[:, :, None], k_slot_blk[:, None, :], window,
+        q_pos_blk[:, :, None], k_pos_blk[:, None, :],
+    )  # fmt: skip
     seen = seen[:, None]
     # Padding keys added to fill the last block count for nothing (weight 0 below); masked
     # real keys get the dense path's finite MASKED, so a query row with no visible key attends
@@ -203,16 +234,22 @@ def _block_scores(q_blk, k_blk, q_slot_blk, k_slot_blk, k_valid_blk, k_real_blk,
     return jnp.where(seen, s, MASKED), seen, k_real_blk[:, None, None, :]
 
 
-def _layout(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
-    """Pads Q and S to whole blocks; returns the padded arrays and per-block slot bounds."""
+def _layout(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None, q_pos=None,
+            k_pos=None):  # fmt: skip
+    """Pads Q and S to whole blocks; returns the padded arrays and the block ranges each pass
+    visits (see below). Positions (for a window) default to the slots."""
     b, kv, q_rows, h = q.shape
     s = k.shape[2]
     bq, bk = min(block_q, q_rows), min(block_k, s)
     q = _pad_to(q, 2, bq, 0)
     k = _pad_to(k, 2, bk, 0)
     v = _pad_to(v, 2, bk, 0)
+    q_pos = q_slot if q_pos is None else q_pos
+    k_pos = k_slot if k_pos is None else k_pos
     q_slot = _pad_to(q_slot.astype(jnp.int32), 1, bq, -1)  # padded rows see nothing real
     big = jnp.iinfo(jnp.int32).max
+    q_pos = _pad_to(q_pos.astype(jnp.int32), 1, bq, -1)
+    k_pos = _pad_to(k_pos.astype(jnp.int32), 1, bk, big)
     k_slot = _pad_to(k_slot.astype(jnp.int32), 1, bk, big)
     k_real = _pad_to(jnp.ones((b, s), jnp.bool_), 1, bk, False)
     k_valid = _pad_to(k_valid.astype(jnp.bool_), 1, bk, False)
@@ -224,7 +261,20 @@ def _layout(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
     k_min = jnp.min(k_slot.reshape(b, nk, bk), axis=(0, 2))
     need_q = jnp.sum(k_min[None, :] <= q_max[:, None], axis=1).astype(jnp.int32)
     first_q = jnp.sum(q_max[None, :] < k_min[:, None], axis=1).astype(jnp.int32)
-    return (q, k, v, q_slot, k_slot, k_valid, k_real), (bq, bk, nq, nk, need_q, first_q)
+    if window is None:
+        start_q, last_q = jnp.zeros((nq,), jnp.int32), jnp.full((nk,), nq, jnp.int32)
+    else:
+        # A sliding window also skips key blocks wholly before every query's window: a prefix
+        # 0 .. start_q[i] - 1 of the key blocks, and for key block j the query blocks from
+        # last_q[j] on. Padding rows / keys are left out of the bounds (their slots are -1 /
+        # int32 max), so the bounds stay monotone.
+        q_lo = jnp.min(jnp.where(q_slot >= 0, q_pos, big).reshape(b, nq, bq), axis=(0, 2))
+        k_hi = jnp.max(jnp.where(k_slot < big, k_pos, -1).reshape(b, nk, bk), axis=(0, 2))
+        too_old = k_hi[None, :] <= q_lo[:, None] - window  # [nq, nk]
+        start_q = jnp.sum(too_old, axis=1).astype(jnp.int32)
+        last_q = jnp.sum(~too_old, axis=0).astype(jnp.int32)
+    bounds = (bq, bk, nq, nk, need_q, first_q, start_q, last_q)
+    return (q, k, v, q_slot, k_slot, k_valid, k_real, q_pos, k_pos), bounds
 
 
 def _zero_from(x):
@@ -234,42 +284,48 @@ def _zero_from(x):
     return (x.reshape(-1)[0] * 0).astype(_acc(x.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def blocked(q, k, v, q_slot, k_slot, k_valid, block_q=BLOCK_Q, block_k=BLOCK_K):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def blocked(q, k, v, q_slot, k_slot, k_valid, block_q=BLOCK_Q, block_k=BLOCK_K, window=None,
+            q_pos=None, k_pos=None):  # fmt: skip
     """Flash-style attention: (out [B, K, Q, H], lse [B, K, Q]) without [Q, S] score matrices.
 
     q [B, K, Q, H]: the query rows of each of the K key/value heads (e.g. positions x the G
     query heads sharing it, position-major). k, v [B, K, S, H]. Query row q sees key s iff
     `k_valid[b, s]` and `k_slot[b, s] <= q_slot[b, q]` (int32 slots, non-decreasing along rows
-    and along keys: causal order; a q_slot of NO_SLOT sees every valid key). Scores are scaled
-    by 1/sqrt(H), accumulated in fp32 (fp64 for fp64 inputs); the weights are rounded to v's
-    dtype before the weighted sum, as in the dense path. `lse` is the log of each row's softmax
-    denominator: two calls over disjoint key sets merge exactly with `merge` (the update's
-    shared prompt and each row's own tokens). Both outputs are differentiable.
+    and along keys: causal order; a q_slot of NO_SLOT sees every valid key), and with a sliding
+    `window` W also q_pos - k_pos < W (positions default to the slots; key blocks wholly
+    outside every window of a query block are skipped, in both passes, as future blocks are;
+    NO_SLOT then sees nothing). Scores are scaled by 1/sqrt(H), accumulated in fp32 (fp64 for
+    fp64 inputs); the weights are rounded to v's dtype before the weighted sum, as in the dense
+    path. `lse` is the log of each row's softmax denominator: two calls over disjoint key sets
+    merge exactly with `merge` (the update's shared prompt and each row's own tokens). Both
+    outputs are differentiable.
     """
-    return _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k)[0]
+    return _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window, q_pos, k_pos)[0]
 
 
-def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
+def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None, q_pos=None,
+                 k_pos=None):  # fmt: skip
     b, kv, q_rows, h = q.shape
     acc = _acc(q.dtype)
     scale = 1.0 / math.sqrt(h)
-    arrays, (bq, bk, nq, nk, need_q, _) = _layout(
-        q, k, v, q_slot, k_slot, k_valid, block_q, block_k
+    arrays, (bq, bk, nq, nk, need_q, _, start_q, _) = _layout(
+        q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window, q_pos, k_pos
     )
-    qp, kp, vp, q_slot_p, k_slot_p, k_valid_p, k_real_p = arrays
+    qp, kp, vp, q_slot_p, k_slot_p, k_valid_p, k_real_p, q_pos_p, k_pos_p = arrays
 
     def query_block(i, carry):
         out_acc, m_acc, l_acc = carry
         q_blk = jax.lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=2)
         qs_blk = jax.lax.dynamic_slice_in_dim(q_slot_p, i * bq, bq, axis=1)
+        qpos_blk = jax.lax.dynamic_slice_in_dim(q_pos_p, i * bq, bq, axis=1)
 
         def key_block(j, state):
             m, l, o = state
             sl = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=axis)
             s, _, real = _block_scores(
                 q_blk, sl(kp, 2), qs_blk, sl(k_slot_p, 1), sl(k_valid_p, 1), sl(k_real_p, 1),
-                scale,
+                scale, window, qpos_blk, sl(k_pos_p, 1),
             )  # fmt: skip
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None]) * real
@@ -285,7 +341,7 @@ def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
             jnp.zeros((b, kv, bq), acc) + zero,
             jnp.zeros((b, kv, bq, h), acc) + zero,
         )
-        m, l, o = jax.lax.fori_loop(0, need_q[i], key_block, init)
+        m, l, o = jax.lax.fori_loop(start_q[i], need_q[i], key_block, init)
         l = jnp.where(l > 0, l, 1.0)  # padding rows that visited no key
         m = jnp.where(jnp.isfinite(m), m, 0.0)
         out_blk = (o / l[..., None]).astype(q.dtype)
@@ -302,20 +358,20 @@ def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k):
     out, m, l = out_p[:, :, :q_rows], m_p[:, :, :q_rows], l_p[:, :, :q_rows]
     # The backward recomputes the weights as exp(s - m) / l, not exp(s - lse): for a row with
     # no visible key m is the finite MASKED value, and MASKED + log(l) rounds to MASKED.
-    return (out, m + jnp.log(l)), (q, k, v, q_slot, k_slot, k_valid, out, m, l)
+    return (out, m + jnp.log(l)), (q, k, v, q_slot, k_slot, k_valid, q_pos, k_pos, out, m, l)
 
 
-def _blocked_bwd(block_q, block_k, res, cotangents):
-    q, k, v, q_slot, k_slot, k_valid, out, m, l = res
+def _blocked_bwd(block_q, block_k, window, res, cotangents):
+    q, k, v, q_slot, k_slot, k_valid, q_pos, k_pos, out, m, l = res
     dout, dlse = cotangents
     b, kv, q_rows, h = q.shape
     s_len = k.shape[2]
     acc = _acc(q.dtype)
     scale = 1.0 / math.sqrt(h)
-    arrays, (bq, bk, nq, nk, _, first_q) = _layout(
-        q, k, v, q_slot, k_slot, k_valid, block_q, block_k
+    arrays, (bq, bk, nq, nk, _, first_q, _, last_q) = _layout(
+        q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window, q_pos, k_pos
     )
-    qp, kp, vp, q_slot_p, k_slot_p, k_valid_p, k_real_p = arrays
+    qp, kp, vp, q_slot_p, k_slot_p, k_valid_p, k_real_p, q_pos_p, k_pos_p = arrays
     # d lse / d score = softmax weight, so lse's cotangent enters as -dlse in FlashAttention's
     # D = rowsum(dO * O): dS = P * (dP - D + dlse).
     delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1) - dlse.astype(acc)
@@ -329,12 +385,16 @@ def _blocked_bwd(block_q, block_k, res, cotangents):
         sl_k = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=axis)
         k_blk, v_blk = sl_k(kp, 2), sl_k(vp, 2)
         ks, kval, kreal = sl_k(k_slot_p, 1), sl_k(k_valid_p, 1), sl_k(k_real_p, 1)
+        kpos = sl_k(k_pos_p, 1)
 
         def query_block(i, state):
             dq_acc, dk_blk, dv_blk = state
             sl_q = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=axis)
             q_blk, do_blk = sl_q(qp, 2), sl_q(dout_p, 2)
-            s, seen, real = _block_scores(q_blk, k_blk, sl_q(q_slot_p, 1), ks, kval, kreal, scale)
+            s, seen, real = _block_scores(
+                q_blk, k_blk, sl_q(q_slot_p, 1), ks, kval, kreal, scale, window,
+                sl_q(q_pos_p, 1), kpos,
+            )  # fmt: skip
             p = jnp.exp(s - sl_q(m_p, 2)[..., None]) / sl_q(l_p, 2)[..., None] * real
             dv_blk = dv_blk + jnp.einsum("bkqs,bkqh->bksh", p.astype(v.dtype), do_blk,
                                          preferred_element_type=acc)  # fmt: skip
@@ -350,7 +410,7 @@ def _blocked_bwd(block_q, block_k, res, cotangents):
 
         zeros = jnp.zeros((b, kv, bk, h), acc) + _zero_from(k_blk)
         dq_acc, dk_blk, dv_blk = jax.lax.fori_loop(
-            first_q[j], nq, query_block, (dq_acc, zeros, zeros)
+            first_q[j], last_q[j], query_block, (dq_acc, zeros, zeros)
         )
         dk_acc = jax.lax.dynamic_update_slice_in_dim(dk_acc, dk_blk, j * bk, axis=2)
         dv_acc = jax.lax.dynamic_update_slice_in_dim(dv_acc, dv_blk, j * bk, axis=2)
@@ -367,6 +427,8 @@ def _blocked_bwd(block_q, block_k, res, cotangents):
         dq[:, :, :q_rows].astype(q.dtype),
         dk[:, :, :s_len].astype(k.dtype),
         dv[:, :, :s_len].astype(v.dtype),
+        None,
+        None,
         None,
         None,
         None,
@@ -410,17 +472,18 @@ def _static_int(x) -> int | None:
 
 
 def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_slot_T,
-           key_slot_S, *, cache_index=0):  # fmt: skip
+           key_slot_S, *, cache_index=0, window=None, positions=None):  # fmt: skip
     """Attention of T query tokens at slots `query_slot_T` to S keys at `key_slot_S` (query t
-    sees valid keys at slots <= its own), with `impl` in dense | blocked | xla | splash (see
-    `choose`). Returns [B, T, N, H]. Rows of padding queries (valid_q False) are unspecified: no
-    loss reads them.
+    sees valid keys at slots <= its own, and with a sliding `window` W only those less than W
+    positions back: `visible`; `positions` = (query_pos_BxT, key_pos_BxS), default the slots),
+    with `impl` in dense | blocked | xla | splash (see `choose`). Returns [B, T, N, H]. Rows of
+    padding queries (valid_q False) are unspecified: no loss reads them.
     """
     b, t, n, h = q_BxTxNxH.shape
     kv, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
     g = n // kv
     if impl == "dense":
-        mask_BxTxS = attention_mask(valid_BxS, query_slot_T, key_slot_S)
+        mask_BxTxS = attention_mask(valid_BxS, query_slot_T, key_slot_S, window, positions)
         # The G query heads sharing a key/value head are stacked along the query axis, so the
         # scores and the weighted sum are plain batched matmuls over (B, K): Q = G * T rows.
         q_BxKxQxH = (
@@ -431,15 +494,16 @@ def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_
         return out_BxTxNxH.reshape(b, t, n, h)
     if impl == "splash":
         offset = _static_int(cache_index)
-        if offset is not None and offset + t <= s:
+        # Splash's window mask is static and by slot: used where slots are positions (no cache,
+        # or a prefill at slot 0); otherwise the blocked kernel reads the positions.
+        by_slot = window is None or positions is None or offset == 0
+        if offset is not None and offset + t <= s and by_slot:
             keys = offset + t  # later cache slots are in every query's future
             return _splash(q_BxTxNxH, k_BxKxSxH[:, :, :keys], v_BxKxSxH[:, :, :keys],
-                           valid_q_BxT, valid_BxS[:, :keys], offset)  # fmt: skip
+                           valid_q_BxT, valid_BxS[:, :keys], offset, window)  # fmt: skip
         impl = "blocked"  # the splash mask is static: a traced write index cannot be one
     if impl == "xla":
-        mask_BxTxS = valid_BxS[:, None, :] & (
-            key_slot_S[None, None, :] <= query_slot_T[None, :, None]
-        )
+        mask_BxTxS = attention_mask(valid_BxS, query_slot_T, key_slot_S, window, positions)
         return jax.nn.dot_product_attention(
             q_BxTxNxH, k_BxKxSxH.transpose(0, 2, 1, 3), v_BxKxSxH.transpose(0, 2, 1, 3),
             mask=mask_BxTxS[:, None],
@@ -448,33 +512,46 @@ def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_
         raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
     q_slot = jnp.broadcast_to(jnp.repeat(query_slot_T.astype(jnp.int32), g)[None], (b, t * g))
     k_slot = jnp.broadcast_to(key_slot_S.astype(jnp.int32)[None], (b, s))
-    out, _ = blocked(_rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS)
+    q_pos = k_pos = None
+    if window is not None and positions is not None:
+        q_pos = jnp.repeat(positions[0].astype(jnp.int32), g, axis=1)  # rows t-major, as q_slot
+        k_pos = positions[1].astype(jnp.int32)
+    out, _ = blocked(_rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS,
+                     BLOCK_Q, BLOCK_K, window, q_pos, k_pos)  # fmt: skip
     return _from_rows_t_major(out, t)
 
 
 def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_PxKxRxSxH,
-                  v_PxKxRxSxH, valid_q_BxT, valid_BxS, index):  # fmt: skip
+                  v_PxKxRxSxH, valid_q_BxT, valid_BxS, index, window=None,
+                  positions=None):  # fmt: skip
     """Attention of B = P * R rows continuing P shared prefixes (`cache.SharedPrefixCache`
     layout): row p * R + r sees prefix p's valid keys and its own valid new keys at slots <=
     index + t. blocked: one pass over the prefixes for all R rows of a prompt at once (the
     prefix is read once per prompt, as in the dense path) and one over each row's own keys,
-    merged through their log-denominators; xla / splash: the prefix keys are repeated per row
-    and joined to the row's own (one causal call with the prefix as a past of J slots)."""
+    merged through their log-denominators; xla / splash, and any kernel with a sliding
+    `window` (whose mask between a prefix key and a query depends on both): the prefix keys are
+    repeated per row and joined to the row's own, one causal call with the prefix as a past of
+    J slots (prefix slot j is slot j, new slot s is slot J + s: the row's own sequence), the
+    window read from `positions` = (query_pos_BxT, prefix_pos_PxJ, key_pos_BxS) when given."""
     b, t, n, h = q_BxTxNxH.shape
     p, kv, j = pk_PxKxJxH.shape[:3]
     r, s = b // p, k_PxKxRxSxH.shape[3]
     g = n // kv
     k_BxKxSxH = k_PxKxRxSxH.transpose(0, 2, 1, 3, 4).reshape(b, kv, s, h)
     v_BxKxSxH = v_PxKxRxSxH.transpose(0, 2, 1, 3, 4).reshape(b, kv, s, h)
-    if impl in ("xla", "splash"):
+    if impl in ("xla", "splash") or window is not None:
         rows = lambda x: jnp.repeat(x, r, axis=0)
         keys = jnp.concatenate([rows(pk_PxKxJxH), k_BxKxSxH], axis=2)
         values = jnp.concatenate([rows(pv_PxKxJxH), v_BxKxSxH], axis=2)
         valid = jnp.concatenate([rows(prefix_valid_PxJ), valid_BxS], axis=1)
         i = jnp.asarray(index, jnp.int32)
+        joined = None
+        if positions is not None:
+            q_pos, prefix_pos, k_pos = positions
+            joined = (q_pos, jnp.concatenate([rows(prefix_pos), k_pos], axis=1))
         return causal(impl, q_BxTxNxH, keys, values, valid_q_BxT, valid, j + i + jnp.arange(t),
                       jnp.arange(j + s), cache_index=j + index if _static_int(index) is not None
-                      else j + i)  # fmt: skip
+                      else j + i, window=window, positions=joined)  # fmt: skip
     if impl != "blocked":
         raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
     # The prefix part: the R * T * G query rows of prompt p against its J keys (no causality).
@@ -505,9 +582,10 @@ def _splash_blocks(length: int) -> int:
     return next(bl for bl in (512, 256, 128) if length % bl == 0)
 
 
-def _splash(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, offset: int):
+def _splash(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, offset: int, window=None):
     """The Pallas splash kernel (MQA form, vmapped over batch rows and KV heads): query t sees
-    key s iff s <= t + offset and both are valid tokens (segment ids 0; padding tokens are
+    key s iff s <= t + offset (and t + offset - s < window: a LocalMask, whose empty blocks
+    the kernel skips) and both are valid tokens (segment ids 0; padding tokens are
     segment 1 and see only padding, so no row is empty). Lengths are padded to multiples of
     128 (segment 2). On a platform other than TPU the kernel runs in interpret mode."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
@@ -526,7 +604,11 @@ def _splash(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, offset: int
     sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
                           block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
                           block_kv_dq=bk)  # fmt: skip
-    mask = sa.MultiHeadMask([sa.CausalMask((tp, sp), offset=offset) for _ in range(g)])
+    if window is None:
+        one = sa.CausalMask((tp, sp), offset=offset)
+    else:
+        one = sa.LocalMask((tp, sp), window_size=(window - 1, 0), offset=offset)
+    mask = sa.MultiHeadMask([one for _ in range(g)])
     kernel = sa.make_splash_mqa_single_device(
         mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu"
     )

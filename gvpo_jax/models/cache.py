@@ -30,11 +30,13 @@ DECODE_CACHE_AXES = ("batch", "kv_heads", "head_dim", "cache_length")
 
 @struct.dataclass
 class KVCache:
-    """Keys and values of every row: k, v [B, K, S, H] (compute dtype), valid bool [B, S]."""
+    """Keys and values of every row: k, v [B, K, S, H] (compute dtype), valid bool [B, S], and
+    each key's position pos int32 [B, S] (what a sliding window measures its distance in)."""
 
     k: jax.Array
     v: jax.Array
     valid: jax.Array
+    pos: jax.Array
 
     @classmethod
     def empty(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype):
@@ -43,27 +45,36 @@ class KVCache:
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             valid=jnp.zeros((batch, max_len), jnp.bool_),
+            pos=jnp.zeros((batch, max_len), jnp.int32),
         )
 
-    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index):
-        """Writes the T new keys/values at slots [index, index + T) and attends causally over
-        the cache's S slots with kernel `impl` (a `ModelConfig.attention` name)."""
-        t, n = q_BxTxNxH.shape[1:3]
+    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, window=None,
+               positions_BxT=None):  # fmt: skip
+        """Writes the T new keys/values (and their positions) at slots [index, index + T) and
+        attends causally over the cache's S slots with kernel `impl` (a `ModelConfig.attention`
+        name); a sliding `window` also masks keys window or more positions before the query
+        (the cache keeps every slot: a sliding layer's cache is as long as a full layer's)."""
+        b, t, n = q_BxTxNxH.shape[:3]
         i = jnp.asarray(index, jnp.int32)
         zero = jnp.zeros((), jnp.int32)
         write = lambda buf, new: jax.lax.dynamic_update_slice(
             buf, new.astype(buf.dtype), (zero, zero, i, zero)
         )
+        if positions_BxT is None:  # consecutive slots from `index`
+            positions_BxT = jnp.broadcast_to(i + jnp.arange(t, dtype=jnp.int32), (b, t))
+        positions_BxT = positions_BxT.astype(jnp.int32)
         cache = KVCache(
             k=write(self.k, k_BxKxTxH),
             v=write(self.v, v_BxKxTxH),
             valid=jax.lax.dynamic_update_slice(self.valid, valid_BxT, (zero, i)),
+            pos=jax.lax.dynamic_update_slice(self.pos, positions_BxT, (zero, i)),
         )
         s = cache.k.shape[2]
         impl = kernels.choose(impl, t=t, g=n // cache.k.shape[1], keys=s)
         out_BxTxNxH = kernels.causal(
             impl, q_BxTxNxH, cache.k, cache.v, valid_BxT, cache.valid, i + jnp.arange(t),
-            jnp.arange(s), cache_index=index,
+            jnp.arange(s), cache_index=index, window=window,
+            positions=None if window is None else (positions_BxT, cache.pos),
         )  # fmt: skip
         return out_BxTxNxH, cache
 
@@ -97,19 +108,30 @@ def _prefix_queries(q_BxTxNxH, p: int, kv: int) -> jax.Array:
     return q_PxKxRxQxH.reshape(p, kv, r, t * g, h) * (1.0 / math.sqrt(h))
 
 
-def _prefix_softmax(pre_PxKxRxQxJ, new_PxKxRxQxS, prefix_valid_PxJ, valid_BxS, index, t: int):
+def _prefix_softmax(pre_PxKxRxQxJ, new_PxKxRxQxS, prefix_valid_PxJ, valid_BxS, index, t: int,
+                    window=None, positions=None):  # fmt: skip
     """`_two_part_softmax` of rows continuing shared prefixes. Every prefix key is in the past
     of every new token, so only its validity masks it; a new slot is seen by query t when it is
-    valid and at most slot index + t."""
+    valid and at most slot index + t. A sliding `window` also masks keys window or more
+    positions back (`positions` = (query_pos_BxT, prefix_pos_PxJ, key_pos_BxS))."""
     p, _, r, q, s = new_PxKxRxQxS.shape
     g = q // t
-    pre_mask_Px1x1x1xJ = prefix_valid_PxJ[:, None, None, None, :]
+    pre_mask = prefix_valid_PxJ[:, None, None, None, :]  # [P, 1, 1, 1, J]
     causal_TxS = jnp.arange(s)[None, :] <= (index + jnp.arange(t))[:, None]
     new_mask_PxRxTxS = valid_BxS.reshape(p, r, 1, s) & causal_TxS
+    if window is not None:
+        q_pos_BxT, prefix_pos_PxJ, k_pos_BxS = positions
+        q_pos_PxRxTx1 = q_pos_BxT.reshape(p, r, t, 1)
+        near_PxRxTxJ = q_pos_PxRxTx1 - prefix_pos_PxJ[:, None, None, :] < window
+        near_PxRxQxJ = jnp.repeat(near_PxRxTxJ, g, axis=2)  # rows t-major, then g
+        pre_mask = pre_mask & near_PxRxQxJ[:, None]  # [P, 1, R, Q, J]
+        new_mask_PxRxTxS = new_mask_PxRxTxS & (
+            q_pos_PxRxTx1 - k_pos_BxS.reshape(p, r, 1, s) < window
+        )
     new_mask_Px1xRxQxS = jnp.broadcast_to(
         new_mask_PxRxTxS[:, None, :, :, None, :], (p, 1, r, t, g, s)
     ).reshape(p, 1, r, q, s)
-    return _two_part_softmax(pre_PxKxRxQxJ, pre_mask_Px1x1x1xJ, new_PxKxRxQxS, new_mask_Px1xRxQxS)
+    return _two_part_softmax(pre_PxKxRxQxJ, pre_mask, new_PxKxRxQxS, new_mask_Px1xRxQxS)
 
 
 def _prefix_rows(out_PxKxRxQxH, t: int) -> jax.Array:
@@ -136,9 +158,11 @@ class SharedPrefixCache:
     prefix_k: jax.Array
     prefix_v: jax.Array
     prefix_valid: jax.Array
+    prefix_pos: jax.Array  # int32 [P, J]: the prefix keys' positions
     k: jax.Array
     v: jax.Array
     valid: jax.Array
+    pos: jax.Array  # int32 [B, S]: the new keys' positions
     slot_last: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
@@ -157,9 +181,11 @@ class SharedPrefixCache:
             prefix_k=pk,
             prefix_v=pv,
             prefix_valid=prefix.valid,
+            prefix_pos=prefix.pos,
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
             valid=jnp.zeros((p * group_size, max_len), jnp.bool_),
+            pos=jnp.zeros((p * group_size, max_len), jnp.int32),
             slot_last=slot_last,
         )
 
@@ -173,10 +199,11 @@ class SharedPrefixCache:
             k=jnp.pad(self.k, pad_kv),
             v=jnp.pad(self.v, pad_kv),
             valid=jnp.pad(self.valid, ((0, 0), (0, extra))),
+            pos=jnp.pad(self.pos, ((0, 0), (0, extra))),
         )
 
-    def _write(self, k_BxKxTxH, v_BxKxTxH, valid_BxT, index) -> SharedPrefixCache:
-        """Stores T new keys/values of the B rows at new-token slot `index`."""
+    def _write(self, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, positions_BxT) -> SharedPrefixCache:
+        """Stores T new keys/values (and positions) of the B rows at new-token slot `index`."""
         p = self.prefix_k.shape[0]
         b, kv, t, h = k_BxKxTxH.shape
         r = b // p
@@ -193,10 +220,15 @@ class SharedPrefixCache:
             k=write(self.k, k_BxKxTxH),
             v=write(self.v, v_BxKxTxH),
             valid=jax.lax.dynamic_update_slice(self.valid, valid_BxT, (zero, index)),
+            pos=jax.lax.dynamic_update_slice(
+                self.pos, positions_BxT.astype(jnp.int32), (zero, index)
+            ),
         )
 
-    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index):
-        """Row p * R + r attends to the J keys of prefix p and to its own new-token slots.
+    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, window=None,
+               positions_BxT=None):  # fmt: skip
+        """Row p * R + r attends to the J keys of prefix p and to its own new-token slots
+        (with a sliding `window`, only to the last window of them: `_prefix_softmax`).
 
         Queries are laid out [P, K, R, Q, H] with the Q = T * G query heads of a key/value head
         as rows, so both score matmuls and both value matmuls are batched over (P, K) or
@@ -216,14 +248,19 @@ class SharedPrefixCache:
         j = self.prefix_k.shape[3 if self.slot_last else 2]
         r, g = b // p, n // kv
         i = jnp.asarray(index, jnp.int32)
-        cache = self._write(k_BxKxTxH, v_BxKxTxH, valid_BxT, i)
+        if positions_BxT is None:  # consecutive after the prefix slots
+            positions_BxT = jnp.broadcast_to(j + i + jnp.arange(t, dtype=jnp.int32), (b, t))
+        cache = self._write(k_BxKxTxH, v_BxKxTxH, valid_BxT, i, positions_BxT)
         pk, pv, k, v = cache.prefix_k, cache.prefix_v, cache.k, cache.v
+        positions = None
+        if window is not None:
+            positions = (positions_BxT.astype(jnp.int32), cache.prefix_pos, cache.pos)
         if not self.slot_last:
             impl = kernels.choose(impl, t=t, g=g, keys=j + k.shape[3])
             if impl != "dense":
                 out_BxTxNxH = kernels.shared_prefix(
                     impl, q_BxTxNxH, pk, pv, cache.prefix_valid, k, v, valid_BxT, cache.valid,
-                    index,
+                    index, window, positions,
                 )  # fmt: skip
                 return out_BxTxNxH, cache
 
@@ -241,7 +278,7 @@ class SharedPrefixCache:
             f"pkrqh,pkr{new_kv}->pkrqs", q_PxKxRxQxH, k, preferred_element_type=jnp.float32
         )
         pre_PxKxRxQxJ, new_PxKxRxQxS, total_PxKxRxQx1 = _prefix_softmax(
-            pre_PxKxRxQxJ, new_PxKxRxQxS, cache.prefix_valid, cache.valid, i, t
+            pre_PxKxRxQxJ, new_PxKxRxQxS, cache.prefix_valid, cache.valid, i, t, window, positions
         )
         dtype = v.dtype
         pre_w = pre_PxKxRxQxJ.astype(dtype).reshape(p, kv, -1, j)
@@ -285,9 +322,11 @@ class SlotCache:
     prefix_k: jax.Array
     prefix_v: jax.Array
     prefix_valid: jax.Array
+    prefix_pos: jax.Array  # int32 [P, J]
     prefix_index: jax.Array
     k: jax.Array
     v: jax.Array
+    pos: jax.Array  # int32 [B, C]: each column's key position
 
     @classmethod
     def share(cls, prefix: KVCache, num_slots: int, max_len: int, queues: int = 1):
@@ -303,14 +342,18 @@ class SlotCache:
             prefix_k=prefix.k.swapaxes(2, 3),
             prefix_v=prefix.v.swapaxes(2, 3),
             prefix_valid=prefix.valid,
+            prefix_pos=prefix.pos,
             prefix_index=jnp.zeros((queues, num_slots // queues), jnp.int32),
             k=jnp.zeros(shape, prefix.k.dtype),
             v=jnp.zeros(shape, prefix.k.dtype),
+            pos=jnp.zeros((num_slots, max_len), jnp.int32),
         )
 
-    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index_B):
+    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index_B, window=None,
+               positions_BxT=None):  # fmt: skip
         """Slot b attends to the J keys of the prefix it points at (a gather of [K, H, J] per
-        slot from the prefixes stored once) and to its own new-token columns 0 .. index_B[b] + t.
+        slot from the prefixes stored once) and to its own new-token columns 0 .. index_B[b] + t
+        (with a sliding `window`, only keys less than window positions back).
 
         The T new keys/values of slot b go to its columns [index_B[b], index_B[b] + T): every
         slot writes at its own column, so a slot that takes a new item restarts at column 0,
@@ -340,7 +383,15 @@ class SlotCache:
             new_BxKxHxT = new_BxKxTxH.swapaxes(2, 3).astype(buf_BxKxHxC.dtype)
             return jax.vmap(put)(buf_BxKxHxC, new_BxKxHxT, i_B)
 
-        cache = self.replace(k=write(self.k, k_BxKxTxH), v=write(self.v, v_BxKxTxH))
+        if positions_BxT is None:  # consecutive after the prefix slots
+            positions_BxT = j + i_B[:, None] + jnp.arange(t, dtype=jnp.int32)
+        positions_BxT = positions_BxT.astype(jnp.int32)
+        put_pos = lambda buf, new, i: jax.lax.dynamic_update_slice(buf, new, (i,))
+        cache = self.replace(
+            k=write(self.k, k_BxKxTxH),
+            v=write(self.v, v_BxKxTxH),
+            pos=jax.vmap(put_pos)(self.pos, positions_BxT, i_B),
+        )
         k_BxKxHxC, v_BxKxHxC = cache.k, cache.v
         c = k_BxKxHxC.shape[3]
 
@@ -355,12 +406,21 @@ class SlotCache:
         new_BxKxQxC = jnp.einsum(
             "bkqh,bkhc->bkqc", q_BxKxQxH, k_BxKxHxC, preferred_element_type=jnp.float32
         )
-        seen_BxTxC = jnp.arange(c)[None, None, :] <= (i_B[:, None] + jnp.arange(t))[:, :, None]
+        query_BxT = i_B[:, None] + jnp.arange(t)  # the query's column
+        seen_BxTxC = kernels.visible(
+            query_BxT[:, :, None], jnp.arange(c)[None, None, :], window,
+            positions_BxT[:, :, None], cache.pos[:, None, :],
+        )  # fmt: skip
         new_mask_Bx1xQxC = jnp.broadcast_to(
             seen_BxTxC[:, None, :, None, :], (b, 1, t, g, c)
         ).reshape(b, 1, t * g, c)
+        pre_mask = pre_valid_BxJ[:, None, None, :]
+        if window is not None:  # every prefix key is in the past: only the window masks it
+            near_BxTxJ = positions_BxT[:, :, None] - gather(self.prefix_pos)[:, None, :] < window
+            near_Bx1xQxJ = jnp.repeat(near_BxTxJ, g, axis=1)[:, None]
+            pre_mask = pre_mask & near_Bx1xQxJ
         pre_BxKxQxJ, new_BxKxQxC, total_BxKxQx1 = _two_part_softmax(
-            pre_BxKxQxJ, pre_valid_BxJ[:, None, None, :], new_BxKxQxC, new_mask_Bx1xQxC
+            pre_BxKxQxJ, pre_mask, new_BxKxQxC, new_mask_Bx1xQxC
         )
         dtype = v_BxKxHxC.dtype
         out_BxKxHxQ = jnp.einsum(

@@ -1,5 +1,5 @@
-"""Model configuration: one frozen dataclass for Qwen2/Qwen2.5, Qwen3 and Llama, named presets,
-HF I/O."""
+"""Model configuration: one frozen dataclass for Qwen2/Qwen2.5, Qwen3, Llama and Gemma 3 (text),
+named presets, HF I/O."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# transformers' model_type of each architecture (Gemma 3's text-only model is "gemma3_text").
+HF_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3_text"}
+LAYER_TYPES = ("full", "sliding")
 
 
 class CheckpointError(BadInputError):
@@ -39,6 +43,15 @@ class ModelConfig:
     `auto`: splash on TPU, XLA's / cuDNN's on GPU, blocked or dense on CPU by size).
     `remat=True` recomputes each layer in the backward pass, after the cotangent of its output
     (activation memory O(layers * B*T*D) plus one layer's recomputation).
+
+    Gemma 3 (`architecture="gemma3"`) adds, on top of QK-norm: embeddings scaled by
+    sqrt(hidden_size); RMSNorm in the (1 + weight) form (zero-initialised weights); a norm after
+    attention and after the MLP as well as before each; a GeGLU MLP (gelu with the tanh
+    approximation); scores scaled by `query_pre_attn_scalar`^-1/2 instead of head_dim^-1/2;
+    and `layer_types`, one of "sliding" / "full" per layer: a sliding layer's query sees only
+    the last `sliding_window` positions (itself included) and rotates with base
+    `rope_local_theta`, a full layer with `rope_theta` (positions divided by `rope_scaling`,
+    transformers' "linear" RoPE scaling of Gemma 3's 4B+ models).
     """
 
     vocab_size: int
@@ -62,6 +75,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # Gemma 3 (see the class docstring); the defaults are every other family's.
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = all full
+    sliding_window: int = 0  # keys a sliding layer's query sees (itself included)
+    rope_local_theta: float = 10000.0  # RoPE base of sliding layers
+    rope_scaling: float = 1.0  # linear RoPE scaling factor of full layers
+    query_pre_attn_scalar: int = 0  # scores scaled by this^-1/2; 0 = head_dim
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -75,6 +94,29 @@ class ModelConfig:
                 f"(got qk_norm={self.qk_norm}, attention_bias={self.attention_bias}); set both "
                 "(Qwen3 normalises q and k per head and has no q/k/v bias)."
             )
+        if self.architecture == "gemma3" and (not self.qk_norm or self.attention_bias):
+            raise ValueError(
+                "ModelConfig.architecture='gemma3' needs qk_norm=True and attention_bias=False "
+                "(Gemma 3 normalises q and k per head and has no projection biases)."
+            )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ValueError(
+                    f"ModelConfig.layer_types={self.layer_types!r}; give one of "
+                    f"{LAYER_TYPES} for each of the {self.num_layers} layers, or () for all full."
+                )
+            if "sliding" in self.layer_types and self.sliding_window < 1:
+                raise ValueError(
+                    "ModelConfig.layer_types has sliding layers but sliding_window is "
+                    f"{self.sliding_window}; set the window (e.g. 512)."
+                )
+            if self.architecture != "gemma3" and "sliding" in self.layer_types:
+                raise ValueError(
+                    f"ModelConfig: sliding layers need architecture='gemma3' "
+                    f"(got {self.architecture!r})."
+                )
+        if self.rope_scaling < 1.0:
+            raise ValueError(f"ModelConfig.rope_scaling={self.rope_scaling}; use a factor >= 1.")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
@@ -95,6 +137,28 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's block: (1 + w) norms, sandwich norms, GeGLU, scaled embeddings."""
+        return self.architecture == "gemma3"
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: full causal attention)."""
+        if self.layer_types and self.layer_types[layer] == "sliding":
+            return self.sliding_window
+        return None
+
+    def rope(self, layer: int) -> tuple[float, float]:
+        """(base, linear scaling factor) of layer `layer`'s rotary embedding."""
+        if self.window(layer) is not None:
+            return self.rope_local_theta, 1.0
+        return self.rope_theta, self.rope_scaling
+
+    def score_scale(self) -> float:
+        """What attention scores are multiplied by: query_pre_attn_scalar^-1/2 (Gemma 3) or
+        head_dim^-1/2."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 def _qwen(vocab, hidden, inter, layers, heads, kv, theta, tied, max_pos, eos) -> ModelConfig:
@@ -139,7 +203,43 @@ def _qwen3(hidden, inter, layers, heads, tied) -> ModelConfig:
     )
 
 
-# Shapes copied from the published config.json files (Qwen/*, HuggingFaceTB/SmolLM2-135M).
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's layout: every `pattern`-th layer full, the others sliding (5:1)."""
+    return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
+
+
+def _gemma3(vocab, hidden, inter, layers, heads, kv, window, scaling, max_pos) -> ModelConfig:
+    """Gemma 3 text: head_dim 256, QK-norm, 5 sliding layers (RoPE base 1e4) per full layer
+    (base 1e6), tied embeddings, bos 2, eos 1 (<eos>; the instruction-tuned models end turns
+    with 106, <end_of_turn>), pad 0."""
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=256,
+        intermediate_size=inter,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+        architecture="gemma3",
+        max_position_embeddings=max_pos,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        layer_types=gemma3_layer_types(layers),
+        sliding_window=window,
+        rope_local_theta=1e4,
+        rope_scaling=scaling,
+        query_pre_attn_scalar=256,
+    )
+
+
+# Shapes copied from the published config.json files (Qwen/*, HuggingFaceTB/SmolLM2-135M,
+# google/gemma-3-*).
 PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen(151936, 896, 4864, 24, 14, 2, 1e6, True, 32768, 151643),
     "qwen2.5-1.5b": _qwen(151936, 1536, 8960, 28, 12, 2, 1e6, True, 32768, 151643),
@@ -150,6 +250,9 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, False),
+    "gemma3-270m": _gemma3(262144, 640, 2048, 18, 4, 1, 512, 1.0, 32768),
+    "gemma3-1b": _gemma3(262144, 1152, 6912, 26, 4, 1, 512, 1.0, 32768),
+    "gemma3-4b": _gemma3(262208, 2560, 10240, 34, 8, 4, 1024, 8.0, 131072),
     "smollm2-135m": ModelConfig(
         vocab_size=49152,
         hidden_size=576,
@@ -235,12 +338,15 @@ def config_from_hf(
     Raises CheckpointError naming the field for unsupported architectures or options.
     """
     model_type = hf.get("model_type")
-    if model_type not in ARCHITECTURES:
+    by_type = {v: k for k, v in HF_MODEL_TYPES.items()}
+    if model_type not in by_type:
         archs = hf.get("architectures")
         raise CheckpointError(
             f"{source}: model_type={model_type!r} (architectures={archs}) is not supported; "
-            f"use a checkpoint of model_type in {sorted(ARCHITECTURES)}."
+            f"use a checkpoint of model_type in {sorted(by_type)}."
         )
+    if model_type == "gemma3_text":
+        return _gemma3_from_hf(hf, param_dtype, compute_dtype, source)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"{source}: hidden_act={act!r} is not supported; only 'silu'.")
@@ -297,6 +403,111 @@ def config_from_hf(
         raise CheckpointError(f"{source}: {e}") from e
 
 
+def _gemma3_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str) -> ModelConfig:
+    """ModelConfig of a transformers Gemma3TextConfig dict (transformers 5's `rope_parameters`
+    per layer type, or the older `rope_theta` / `rope_local_base_freq` / `rope_scaling`)."""
+    act = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise CheckpointError(
+            f"{source}: hidden_activation={act!r} is not supported for Gemma 3; only "
+            "'gelu_pytorch_tanh'."
+        )
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise CheckpointError(
+                f"{source}: {key}={hf[key]} is not supported (Gemma 3 has none); set it to null."
+            )
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError(
+            f"{source}: use_bidirectional_attention=true is not supported; causal models only."
+        )
+    layers = int(_field(hf, "num_hidden_layers", source))
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    raw_types = hf.get("layer_types")
+    if raw_types is None:
+        types = gemma3_layer_types(layers, int(hf.get("sliding_window_pattern", 6)))
+    elif set(raw_types) - set(names) or len(raw_types) != layers:
+        raise CheckpointError(
+            f"{source}: layer_types {raw_types} is not one of sliding_attention / full_attention "
+            f"per layer for {layers} layers."
+        )
+    else:
+        types = tuple(names[t] for t in raw_types)
+    rope = hf.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    if not full and hf.get("rope_scaling"):
+        full = dict(hf["rope_scaling"])
+    full.setdefault("rope_theta", hf.get("rope_theta", 1e6))
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 1e4))
+    factor = 1.0
+    for part, params in (("full_attention", full), ("sliding_attention", local)):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind == "linear" and part == "full_attention":
+            factor = float(params.get("factor", 1.0))
+        elif kind != "default":
+            raise CheckpointError(
+                f"{source}: rope type {kind!r} of {part} layers is not supported; Gemma 3 uses "
+                "the default RoPE (sliding) and default or linear (full)."
+            )
+    hidden = int(_field(hf, "hidden_size", source))
+    heads = int(_field(hf, "num_attention_heads", source))
+    eos = hf.get("eos_token_id")
+    try:
+        return ModelConfig(
+            vocab_size=int(_field(hf, "vocab_size", source)),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or 256),
+            intermediate_size=int(_field(hf, "intermediate_size", source)),
+            rope_theta=float(full["rope_theta"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            qk_norm=True,
+            architecture="gemma3",
+            param_dtype=str(jnp.dtype(param_dtype)),
+            compute_dtype=str(jnp.dtype(compute_dtype)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=hf.get("pad_token_id"),
+            layer_types=types,
+            sliding_window=int(hf.get("sliding_window") or 0),
+            rope_local_theta=float(local["rope_theta"]),
+            rope_scaling=factor,
+            query_pre_attn_scalar=int(hf.get("query_pre_attn_scalar", 256)),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+
+
+def _gemma3_to_hf(cfg: ModelConfig, hf: dict) -> dict:
+    """Gemma3TextConfig fields on top of the common ones of `config_to_hf`."""
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling != 1.0:
+        full = {"rope_type": "linear", "factor": cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    names = {"sliding": "sliding_attention", "full": "full_attention"}
+    types = cfg.layer_types or ("full",) * cfg.num_layers
+    hf = {k: v for k, v in hf.items() if k not in ("hidden_act", "rope_theta")}
+    hf.update(
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False,
+        layer_types=[names[t] for t in types],
+        sliding_window=cfg.sliding_window or None,
+        rope_parameters={
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta},
+        },
+        query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
+    return hf
+
+
 def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
     """The config.json dict that transformers 5 loads as Qwen2ForCausalLM / Qwen3ForCausalLM /
     LlamaForCausalLM.
@@ -308,14 +519,14 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
             "ModelConfig: a qwen2 model without attention_bias has no transformers equivalent; "
             "use architecture='llama' for bias-free attention."
         )
-    if cfg.qk_norm and cfg.architecture != "qwen3":
+    if cfg.qk_norm and cfg.architecture not in ("qwen3", "gemma3"):
         raise CheckpointError(
             f"ModelConfig: a {cfg.architecture} model with qk_norm has no transformers "
             "equivalent; use architecture='qwen3' (with attention_bias=False) for QK-norm."
         )
     hf = {
         "architectures": [ARCHITECTURES[cfg.architecture]],
-        "model_type": cfg.architecture,
+        "model_type": HF_MODEL_TYPES[cfg.architecture],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -337,6 +548,8 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
         "dtype": dtype or cfg.param_dtype,
         "use_cache": True,
     }
+    if cfg.architecture == "gemma3":
+        return _gemma3_to_hf(cfg, hf)
     if cfg.architecture == "llama":
         hf.update(attention_bias=cfg.attention_bias, mlp_bias=False)
     elif cfg.architecture == "qwen3":

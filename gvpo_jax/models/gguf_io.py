@@ -13,11 +13,11 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from gvpo_jax.models.config import CheckpointError, ModelConfig
+from gvpo_jax.models.config import CheckpointError, ModelConfig, gemma3_layer_types
 from gvpo_jax.models.hf import load_tensors
 from gvpo_jax.models.transformer import Transformer
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -42,13 +42,24 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+# Gemma 3's sandwich norms: llama.cpp calls the norm after attention post_attention_norm, the
+# one before the MLP ffn_norm and the one after it post_ffw_norm.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> transformers name (None if unknown)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
@@ -101,9 +112,24 @@ def config_from_gguf(
         return value
 
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None):
+    factor = 1.0
+    if arch == "gemma3" and scaling == "linear":  # Gemma 3 4B+: full layers' linear scaling
+        factor = float(get("rope.scaling.factor"))
+    elif scaling not in ("none", None):
         raise CheckpointError(
             f"{source}: '{arch}.rope.scaling.type'={scaling!r} is not supported (default RoPE)."
+        )
+    gemma = {}
+    if arch == "gemma3":
+        # llama.cpp keeps Gemma 3's 5:1 layer pattern, the local RoPE base (10000) and the
+        # query scalar (head_dim for every published size but 27B) in code, not in the file.
+        layers = int(get("block_count"))
+        gemma = dict(
+            layer_types=gemma3_layer_types(layers),
+            sliding_window=int(get("attention.sliding_window")),
+            rope_local_theta=10000.0,
+            rope_scaling=factor,
+            query_pre_attn_scalar=int(get("attention.key_length")),
         )
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     if "token_embd.weight" not in tensor_shapes:
@@ -122,7 +148,7 @@ def config_from_gguf(
             rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
             tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             architecture=arch,
             param_dtype=param_dtype,
             compute_dtype=compute_dtype,
@@ -130,6 +156,7 @@ def config_from_gguf(
             bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
             eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
             pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
+            **gemma,
         )
     except CheckpointError:
         raise
@@ -138,7 +165,7 @@ def config_from_gguf(
 
 
 def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_tokenizer: bool = True):
-    """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama, Qwen2 or Qwen3 layout).
+    """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama, Qwen2, Qwen3 or Gemma 3).
 
     Tensors are dequantised one at a time with `gguf.quants.dequantize` (numpy, fp32) and cast
     to `param_dtype`; the model computes in `compute_dtype` (see `ModelConfig`). Llama q/k
@@ -170,11 +197,13 @@ def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_toke
             w = unpermute_rope(w, cfg.num_heads)
         elif cfg.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rope(w, cfg.num_kv_heads)
+        elif cfg.architecture == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's norm scales as 1 + w
         return w
 
     readers = {}
     for name, t in tensors.items():
-        target = hf_name(name)
+        target = hf_name(name, cfg.architecture)
         if target is None:
             raise CheckpointError(
                 f"{path}: tensor '{name}' has no transformers equivalent for {cfg.architecture}; "

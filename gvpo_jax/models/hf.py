@@ -35,8 +35,10 @@ class TensorMap:
 
 
 def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
-    """The HF <-> model parameter correspondence for `cfg` (Qwen2, Qwen3 and Llama share names;
-    Qwen3 adds `self_attn.q_norm.weight` / `k_norm.weight` [head_dim])."""
+    """The HF <-> model parameter correspondence for `cfg` (Qwen2, Qwen3, Llama and Gemma 3
+    share names; Qwen3 and Gemma 3 add `self_attn.q_norm.weight` / `k_norm.weight` [head_dim],
+    Gemma 3 its post-attention and pre / post-feedforward norms; its norm weights are stored as
+    transformers does, the w of (1 + w))."""
     d, n, k, h, f, v = (
         cfg.hidden_size,
         cfg.num_heads,
@@ -93,14 +95,20 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
                 same,
                 same,
             ),
-            TensorMap(
-                pre + "post_attention_layernorm.weight",
-                ("layers", i, "mlp_norm", "scale"),
-                (d,),
-                same,
-                same,
-            ),
         ]
+        # Gemma 3's sandwich norms: HF's post_attention_layernorm normalises the attention
+        # output there, and pre_feedforward_layernorm is the norm before the MLP.
+        norms = {"post_attention_layernorm": "mlp_norm"}
+        if cfg.gemma:
+            norms = {
+                "post_attention_layernorm": "post_attn_norm",
+                "pre_feedforward_layernorm": "mlp_norm",
+                "post_feedforward_layernorm": "post_mlp_norm",
+            }
+        for hf_norm, ours in norms.items():
+            maps.append(
+                TensorMap(pre + hf_norm + ".weight", ("layers", i, ours, "scale"), (d,), same, same)
+            )
     maps.append(TensorMap("model.norm.weight", ("final_norm", "scale"), (d,), same, same))
     if not cfg.tie_word_embeddings:
         maps.append(TensorMap("lm_head.weight", ("lm_head",), (v, d), same, same))

@@ -1,5 +1,5 @@
-"""Decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama) in Flax NNX: norms, RoPE, attention
-projections (with Qwen3's per-head QK-norm), SwiGLU MLP, the block and `Transformer`.
+"""Decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama, Gemma 3) in Flax NNX: norms, RoPE,
+attention projections (with per-head QK-norm), SwiGLU / GeGLU MLP, the block and `Transformer`.
 
 The KV caches and the attention that reads them are in `models/cache.py`, the attention kernels
 in `models/attention.py`, the ordered per-block rematerialisation in `models/remat.py`.
@@ -55,10 +55,15 @@ def default_positions(mask_BxT: jax.Array | None, batch: int, length: int) -> ja
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, rotate-half convention of transformers; angles computed in fp32."""
+def rope(
+    x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float, scaling: float = 1.0
+) -> jax.Array:
+    """Rotary embedding, rotate-half convention of transformers; angles computed in fp32.
+    `scaling` > 1 is transformers' "linear" RoPE scaling (frequencies divided by it)."""
     head_dim = x_BxTxNxH.shape[-1]
     inv_freq_F = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling != 1.0:
+        inv_freq_F = inv_freq_F / scaling
     angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_F
     angles_BxTx1xH = jnp.concatenate([angles_BxTxF, angles_BxTxF], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles_BxTx1xH), jnp.sin(angles_BxTx1xH)
@@ -69,16 +74,24 @@ def rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Ar
 
 
 class RMSNorm(nnx.Module):
-    """x / sqrt(mean(x^2) + eps) * scale, normalised in fp32 as transformers does."""
+    """x / sqrt(mean(x^2) + eps) * scale, normalised in fp32 as transformers does.
+
+    Gemma 3 (`cfg.gemma`): `* (1 + scale)` with scale initialised at 0, the product taken in
+    fp32 before the cast back (transformers' Gemma3RMSNorm; the others cast, then multiply).
+    """
 
     def __init__(self, dim: int, eps: float, cfg: ModelConfig, rngs: nnx.Rngs):
         self.eps = eps
         self.compute_dtype = cfg.compute_dtype
-        self.scale = _param(rngs, _ones, (dim,), cfg.param_dtype, ("norm",))
+        self.offset = cfg.gemma
+        init = _zeros if cfg.gemma else _ones
+        self.scale = _param(rngs, init, (dim,), cfg.param_dtype, ("norm",))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         x = x_BxTxD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x * (1.0 + self.scale[...].astype(jnp.float32))).astype(x_BxTxD.dtype)
         return weight(self.scale, self.compute_dtype) * x.astype(x_BxTxD.dtype)
 
 
@@ -90,12 +103,16 @@ class Attention(nnx.Module):
     transformers' Qwen3Attention does; the caches then hold normalised, rotated keys.
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt = cfg.param_dtype
         self.compute_dtype = cfg.compute_dtype
         self.num_kv_heads = k
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope(layer)
+        self.window = cfg.window(layer)  # None: full causal attention
+        # The kernels scale scores by H^-1/2; Gemma 3's query_pre_attn_scalar^-1/2 differs
+        # when that scalar is not H, and is folded into the queries.
+        self.query_scale = cfg.score_scale() * math.sqrt(h)
         self.attention = cfg.attention
         self.q_kernel = _param(rngs, _normal, (d, n, h), dt, ("embed", "heads", "head_dim"))
         self.k_kernel = _param(rngs, _normal, (d, k, h), dt, ("embed", "kv_heads", "head_dim"))
@@ -138,8 +155,10 @@ class Attention(nnx.Module):
         if self.q_norm is not None:  # QK-norm: per head over H, before RoPE
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
-        q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, self.rope_theta)
-        k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, self.rope_theta)
+        q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, self.rope_theta, self.rope_scaling)
+        k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, self.rope_theta, self.rope_scaling)
+        if self.query_scale != 1.0:
+            q_BxTxNxH = q_BxTxNxH * jnp.asarray(self.query_scale, q_BxTxNxH.dtype)
         # Keys and values live head-major, [B, K, S, H] (the cache layout too): each of the K
         # heads is then a contiguous [S, H] matrix for the batched matmuls below, and a decode
         # step transposes only its one new slot, never the whole cache.
@@ -150,13 +169,18 @@ class Attention(nnx.Module):
             slots_T = jnp.arange(t)
             impl = kernels.choose(self.attention, t=t, g=q_BxTxNxH.shape[2] // self.num_kv_heads,
                                   keys=t)  # fmt: skip
+            # A window is measured in positions (equal to slot distances for a row's real
+            # tokens, which are consecutive here: left or right padding only).
             out_BxTxNxH = kernels.causal(
-                impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, valid_BxT, slots_T, slots_T
-            )
+                impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, valid_BxT, slots_T, slots_T,
+                window=self.window,
+                positions=None if self.window is None else (positions_BxT, positions_BxT),
+            )  # fmt: skip
         else:  # the cache stores the new keys / values in its layout and reads them back
             out_BxTxNxH, layer_cache = layer_cache.attend(
-                self.attention, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, cache_index
-            )
+                self.attention, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, cache_index,
+                window=self.window, positions_BxT=positions_BxT,
+            )  # fmt: skip
         return self._out(out_BxTxNxH), layer_cache
 
     def _out(self, out_BxTxNxH: jax.Array) -> jax.Array:
@@ -194,11 +218,12 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)); Gemma 3's GeGLU: gelu_tanh instead of silu."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype
         self.compute_dtype = cfg.compute_dtype
+        self.gelu = cfg.gemma
         self.gate_kernel = _param(rngs, _normal, (d, f), dt, ("embed", "mlp"))
         self.up_kernel = _param(rngs, _normal, (d, f), dt, ("embed", "mlp"))
         self.down_kernel = _param(rngs, _normal, (f, d), dt, ("mlp", "embed"))
@@ -209,27 +234,40 @@ class MLP(nnx.Module):
         x_BTxD = x_BxTxD.reshape(b * t, d)
         gate_BTxF = x_BTxD @ weight(self.gate_kernel, self.compute_dtype)
         up_BTxF = x_BTxD @ weight(self.up_kernel, self.compute_dtype)
-        hidden_BxTxF = swiglu(gate_BTxF, up_BTxF).reshape(b, t, -1)
+        if self.gelu:
+            hidden_BTxF = jax.nn.gelu(gate_BTxF, approximate=True) * up_BTxF
+        else:
+            hidden_BTxF = swiglu(gate_BTxF, up_BTxF)
+        hidden_BxTxF = hidden_BTxF.reshape(b, t, -1)
         hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "mlp"))
         down_FxD = weight(self.down_kernel, self.compute_dtype)
         return (hidden_BxTxF.reshape(b * t, -1) @ down_FxD).reshape(b, t, d)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Gemma 3 also
+    normalises each branch's output: x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(d, eps, cfg, rngs)
+        self.attn = Attention(cfg, rngs, layer)
+        self.post_attn_norm = RMSNorm(d, eps, cfg, rngs) if cfg.gemma else None
+        self.mlp_norm = RMSNorm(d, eps, cfg, rngs)
         self.mlp = MLP(cfg, rngs)
+        self.post_mlp_norm = RMSNorm(d, eps, cfg, rngs) if cfg.gemma else None
 
     def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
         attn_BxTxD, layer_cache = self.attn(
             self.attn_norm(x_BxTxD), positions_BxT, valid_BxT, layer_cache, cache_index
         )
+        if self.post_attn_norm is not None:
+            attn_BxTxD = self.post_attn_norm(attn_BxTxD)
         x_BxTxD = x_BxTxD + attn_BxTxD
-        x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD))
+        mlp_BxTxD = self.mlp(self.mlp_norm(x_BxTxD))
+        if self.post_mlp_norm is not None:
+            mlp_BxTxD = self.post_mlp_norm(mlp_BxTxD)
+        x_BxTxD = x_BxTxD + mlp_BxTxD
         return constrain(x_BxTxD, ("batch", "length", "embed")), layer_cache
 
 
@@ -245,7 +283,7 @@ class Transformer(nnx.Module):
         self.embedding = _param(
             rngs, _normal, (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype, ("vocab", "embed")
         )
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs, i) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -328,7 +366,10 @@ class Transformer(nnx.Module):
         # Rows are cast after the gather: no compute-dtype copy of [V, D] is made.
         ids_BxT = constrain(tokens_BxT, ("batch_data", "length"))
         x_BxTxD = jnp.take(self.embedding[...], ids_BxT, axis=0, mode="clip")
-        x_BxTxD = constrain(x_BxTxD.astype(cfg.compute_dtype), ("batch_data", "length", "embed"))
+        x_BxTxD = x_BxTxD.astype(cfg.compute_dtype)
+        if cfg.gemma:  # Gemma scales embeddings by sqrt(D), the factor rounded to the dtype
+            x_BxTxD = x_BxTxD * jnp.asarray(math.sqrt(cfg.hidden_size), cfg.compute_dtype)
+        x_BxTxD = constrain(x_BxTxD, ("batch_data", "length", "embed"))
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
         # remat only matters under differentiation (training); decoding runs the same ops.
         forward = block_forward_remat if cfg.remat else block_forward
