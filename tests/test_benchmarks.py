@@ -135,3 +135,15 @@ def test_scaling_long_quick_compares_kernels_and_skips_shapes_over_the_memory_ca
     assert all(x["timing"] is None for x in capped["blocked"]["update"])
     assert capped["blocked"]["rollout"] == []
     assert "not run" in capsys.readouterr().out
+
+
+def test_model_families_quick_times_rollout_and_update_without_recompiles(capsys):
+    from benchmarks import model_families
+
+    model_families.main(["--quick", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "| rollout, gvpo_jax |" in out and "| GVPO update, gvpo_jax |" in out
+    result = common.parse_json("model_families", out)["tiny"]
+    assert result["rollout"]["gvpo_jax"]["recompiles"] == 0
+    assert result["update"]["gvpo_jax"]["recompiles"] == 0
+    assert len(result["update"]["gvpo_jax"]["timing"]["times_s"]) == 2

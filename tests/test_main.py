@@ -95,7 +95,7 @@ def test_demo_export_loads_in_transformers(demo_run):
 # Bad command lines from a new user's battery: each is one sentence on stderr and exit status 2.
 BAD_OVERRIDES = [
     ("--config.data.rewards=nosuch:1", "error: config.data.rewards is 'nosuch:1': unknown reward "
-     "'nosuch'; registered rewards: math, format, think_format, exact_match."),
+     "'nosuch'; registered rewards: math, format, think_format, exact_match, last_number."),
     ("--config.data.rewards=math:abc", "error: config.data.rewards is 'math:abc': the weight "
      "'abc' of math is not a finite number;"),
     ("--config.algo.betta=0.2", "error: unknown config field 'algo.betta'; did you mean "

@@ -383,3 +383,27 @@ def test_soft_deadline_shares_sigalrm_with_an_outer_alarm():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize(
+    "completion,gold,expected",
+    [
+        (" 19 marbles", "19", 1.0),
+        (" 13 + 13 = 26\n", "26", 1.0),
+        (" 13 + 13 = <b><i><b>", "26", 0.0),  # what math-verify rewards: the unevaluated sum
+        ("It is -4.", "-4", 1.0),
+        ("1,024 bytes", "1024", 1.0),
+        ("2.50 dollars", "2.5", 1.0),
+        ("no number", "3", 0.0),
+        ("7 or 8", "7", 0.0),
+    ],
+)
+def test_last_number_reward_reads_the_last_written_number(completion, gold, expected):
+    assert verifiers.last_number_score(completion, gold) == expected
+    assert registry.REWARDS["last_number"](completion, gold) == expected
+
+
+def test_math_verify_rewards_an_unevaluated_expression_which_last_number_does_not():
+    """The reward hacking seen with Gemma 3 270M on arithmetic word problems (STUDY.md)."""
+    assert verifiers.math_score(" 13 + 13 = <b><i><b>", "26") == 1.0
+    assert verifiers.last_number_score(" 13 + 13 = <b><i><b>", "26") == 0.0

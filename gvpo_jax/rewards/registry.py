@@ -66,6 +66,7 @@ register(Reward("math", verifiers.math_score, verifiers.math_answer, isolated=Tr
 register(Reward("format", verifiers.format_score))
 register(Reward("think_format", verifiers.think_format_score))
 register(Reward("exact_match", verifiers.exact_match_score, verifiers.stripped_answer))
+register(Reward("last_number", verifiers.last_number_score, verifiers.last_number))
 
 
 def _lookup(name: str) -> Reward:

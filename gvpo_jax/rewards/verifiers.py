@@ -190,3 +190,30 @@ def stripped_answer(completion: str, timeout_s: float | None = None) -> str | No
     """The whole stripped completion as the answer key (exact-match tasks); None if empty."""
     del timeout_s
     return completion.strip() or None
+
+
+# A written number: optional sign, digits with thousands commas, an optional decimal part.
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(completion: str, timeout_s: float | None = None) -> str | None:
+    """The last number written in the completion, without commas ("1,024" -> "1024"), or None."""
+    del timeout_s
+    found = _NUMBER.findall(completion)
+    return found[-1].replace(",", "").rstrip(".") if found else None
+
+
+def last_number_score(completion: str, gold: str, timeout_s: float | None = None) -> float:
+    """1.0 iff the last number written in the completion equals the (numeric) gold answer.
+
+    Stricter than `math` for short numeric answers: math-verify evaluates an expression, so a
+    reply that writes "13 + 13 =" and never the sum scores as 26 there (a policy trained on it
+    learns exactly that); here its last number is 13.
+    """
+    answer = last_number(completion)
+    if answer is None:
+        return 0.0
+    try:
+        return 1.0 if float(answer) == float(gold.replace(",", "").strip()) else 0.0
+    except ValueError:
+        return 0.0
