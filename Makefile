@@ -32,7 +32,7 @@ format: setup
 
 # Two workers, one test file each at a time: most tests wait on compiles or subprocesses.
 test: lint
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile tests
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -546,7 +546,15 @@ TINY_QWEN3 = models.PRESETS["tiny"].replace(
 )
 
 
-@pytest.mark.parametrize("cfg", [models.PRESETS["tiny"], TINY_QWEN3], ids=["qwen2", "qwen3"])
+TINY_GEMMA3 = models.PRESETS["tiny"].replace(
+    architecture="gemma3", qk_norm=True, attention_bias=False, layer_types=("sliding", "full"),
+    sliding_window=3, query_pre_attn_scalar=24,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cfg", [models.PRESETS["tiny"], TINY_QWEN3, TINY_GEMMA3], ids=["qwen2", "qwen3", "gemma3"]
+)
 def test_remat_gives_same_gradients(cfg):
     tokens = jnp.asarray(_tokens((2, 6), vocab=cfg.vocab_size, seed=6))
 
