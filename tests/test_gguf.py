@@ -319,3 +319,22 @@ def test_smollm2_gguf_matches_transformers_and_completes_a_prompt():
     model16 = models.with_compute_dtype(model, "bfloat16")
     completion16 = tokenizer.decode(_greedy(model16, tokenizer(prompt).input_ids, steps=12))
     assert "Paris" in completion16, completion16
+
+
+def test_model_reader_steps_over_the_vocabulary_and_reads_everything_else_the_same():
+    """SmolLM2's file: the metadata the model reads and every tensor (name, shape, offset,
+    type) equal `gguf.GGUFReader`'s; only the 49,152-entry tokenizer arrays are stepped over."""
+    path = _smollm2_path()
+    gguf_io = models.gguf_io
+    full, fast = gguf.GGUFReader(path), gguf_io._ModelReader(path)
+    assert list(full.fields) == list(fast.fields)
+    stepped = {k for k, f in fast.fields.items() if gguf_io._stepped_over(f)}
+    assert stepped == {
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.merges",
+    }
+    assert gguf_io._fields(full) == gguf_io._fields(fast)
+    assert [(t.name, t.shape.tolist(), t.data_offset, t.tensor_type) for t in full.tensors] == [
+        (t.name, t.shape.tolist(), t.data_offset, t.tensor_type) for t in fast.tensors
+    ]

@@ -74,11 +74,55 @@ def unpermute_rope(w_OxI: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(w_OxI.shape)
 
 
+class _ModelReader(gguf.GGUFReader):
+    """`gguf.GGUFReader` that steps over long metadata arrays instead of parsing them.
+
+    The library builds one numpy view per array element: 8 s for the 262,144-token vocabulary
+    (tokens, scores, types) of Gemma 3, which the model does not read (the tokenizer is
+    transformers' own conversion, `gguf_tokenizer`). An array of more than `LONG` elements is
+    kept as its type and length only (`_stepped_over` tells it apart); everything else, the
+    tensors included, is the library's own parse.
+    """
+
+    LONG = 4096
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_type = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        item = gguf.GGUFValueType(int(item_type[0]))
+        scalar = self.gguf_scalar_to_np.get(item)
+        if int(count[0]) <= self.LONG or (scalar is None and item != gguf.GGUFValueType.STRING):
+            return super()._get_field_parts(orig_offs, raw_type)
+        offs = orig_offs + 12
+        if scalar is not None:
+            offs += int(np.dtype(scalar).itemsize) * int(count[0])
+        else:  # strings: (u64 length, bytes) each, so walk the lengths
+            view = memoryview(self.data)
+            order = "big" if self.byte_order == "S" else "little"
+            for _ in range(int(count[0])):
+                offs += 8 + int.from_bytes(view[offs : offs + 8], order)
+        return offs - orig_offs, [item_type, count], [], [gguf.GGUFValueType.ARRAY, item]
+
+
+def _stepped_over(field) -> bool:
+    """A non-empty array whose elements `_ModelReader` did not parse."""
+    return (
+        bool(field.types)
+        and field.types[0] == gguf.GGUFValueType.ARRAY
+        and not field.data
+        and int(field.parts[-1][0]) > 0
+    )
+
+
 def _fields(reader: gguf.GGUFReader) -> dict:
     out = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "token_type", "merges")):
             continue  # large arrays, not needed for the model config
+        if _stepped_over(field):
+            continue  # a long array `_ModelReader` did not parse
         try:
             out[key] = field.contents()
         except (ValueError, TypeError, IndexError):
@@ -177,7 +221,7 @@ def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_toke
     if not path.is_file():
         raise CheckpointError(f"{path} not found; pass the path of a .gguf file.")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _ModelReader(path)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
     tensors = {t.name: t for t in reader.tensors}
