@@ -126,6 +126,7 @@ def base_config(quick: bool):
 
 
 QUICK = (
+    ("model.overrides.num_layers", 1),  # the code paths, not the model: compile time is per layer
     ("rollout.prompts_per_step", 8),
     ("rollout.group_size", 4),
     ("data.eval_size", 16),

@@ -89,10 +89,14 @@ def _flat(params):
     return np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
 
 
-@pytest.mark.parametrize("algo", [*losses.LOSSES, "cispo+entropy"])
+FIRST_PRESETS = ("gvpo", "grpo", "dr_grpo", "dapo", "gspo", "gspo_token")
+
+
+@pytest.mark.parametrize("algo", [*FIRST_PRESETS, "cispo+entropy", "reinforce_pp"])
 def test_every_algorithm_runs_and_changes_the_policy(algo):
-    """Two steps of every preset (two minibatches each but gvpo's, so REINFORCE++'s advantages
-    are computed once on the whole rollout batch), and one with the entropy bonus."""
+    """Two steps of each preset (two minibatches each but gvpo's, so REINFORCE++'s advantages
+    are computed once on the whole rollout batch), and one with the entropy bonus; the other
+    later presets run through the demo config below."""
     algo, _, bonus = algo.partition("+")
     changes = {"algo.num_minibatches": 2} if algo != "gvpo" else {}
     if bonus:
@@ -358,6 +362,7 @@ def test_demo_config_trains_with_each_new_preset_without_a_non_finite_value(tmp_
     bonus), one device; every logged metric finite and every update applied."""
     from configs import arith_tiny
 
+    assert set(FIRST_PRESETS) | set(NEW_PRESETS) == set(losses.LOSSES)  # every preset trains
     for algo in NEW_PRESETS:
         c = arith_tiny.get_config()
         config_lib.set_fields(c, {
