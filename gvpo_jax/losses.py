@@ -318,6 +318,34 @@ def _aggregate(loss_BxT: Array, m_BxT: Array, agg: str, max_tokens=None) -> Arra
     return _safe_div(jnp.sum(jnp.where(valid_B, seq_B, 0.0)), jnp.sum(valid_B))
 
 
+def _check_token_loss(logp, old_logp, mask, ref_logp, *, agg, kl_estimator, eps_low, eps_high,
+                      max_tokens) -> tuple[int, int]:  # fmt: skip
+    """The argument checks of the token-level ratio losses (grpo_loss, cispo_loss) -> (B, T)."""
+    B, T = _check_bt("logp", logp)
+    _check_shape("old_logp", old_logp, (B, T))
+    _check_shape("mask", mask, (B, T))
+    if ref_logp is not None:
+        _check_shape("ref_logp", ref_logp, (B, T))
+    _check_choice("agg", agg, AGG_MODES)
+    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    _check_positive("eps_low", eps_low, strict=False)
+    _check_positive("eps_high", eps_high, strict=False)
+    _check_max_tokens(agg, max_tokens)
+    return B, T
+
+
+def _with_kl(pg_BxT, logp_BxT, ref_logp, m_BxT, aux: dict, *, kl_coef, kl_estimator, agg,
+             max_tokens) -> Array:  # fmt: skip
+    """pg + kl_coef * KL(pi_theta || pi_ref) per token when ref_logp is given (adding aux kl, the
+    token mean of the estimator, and kl_loss, its aggregated contribution); else pg."""
+    if ref_logp is None:
+        return pg_BxT
+    kl_BxT = _kl_penalty(logp_BxT, sg(_masked(ref_logp, m_BxT)), kl_estimator)
+    aux["kl"] = _token_mean(kl_BxT, m_BxT)
+    aux["kl_loss"] = kl_coef * _aggregate(kl_BxT, m_BxT, agg, max_tokens)
+    return pg_BxT + kl_coef * kl_BxT
+
+
 def grpo_loss(
     logp,
     old_logp,
@@ -349,16 +377,8 @@ def grpo_loss(
     (k3 estimate of KL(pi_old || pi_theta), drift inside the update), adv_mean, adv_abs_mean,
     response_len_mean; with ref_logp: kl (token mean of the chosen estimator) and kl_loss.
     """
-    B, T = _check_bt("logp", logp)
-    _check_shape("old_logp", old_logp, (B, T))
-    _check_shape("mask", mask, (B, T))
-    if ref_logp is not None:
-        _check_shape("ref_logp", ref_logp, (B, T))
-    _check_choice("agg", agg, AGG_MODES)
-    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    _check_positive("eps_low", eps_low, strict=False)
-    _check_positive("eps_high", eps_high, strict=False)
-    _check_max_tokens(agg, max_tokens)
+    B, T = _check_token_loss(logp, old_logp, mask, ref_logp, agg=agg, kl_estimator=kl_estimator,
+                             eps_low=eps_low, eps_high=eps_high, max_tokens=max_tokens)  # fmt: skip
     if dual_clip is not None and isinstance(dual_clip, int | float) and dual_clip <= 1.0:
         raise ValueError(f"`dual_clip` is {dual_clip} but must be > 1 (e.g. 3.0), or None.")
     _check_kl_ref(kl_coef, ref_logp)
@@ -380,12 +400,8 @@ def grpo_loss(
         pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, dual_BxT), pg_BxT)
         aux["dual_clip_frac"] = _token_mean(is_dual, m_BxT)
 
-    loss_BxT = pg_BxT
-    if ref_logp is not None:
-        kl_BxT = _kl_penalty(logp_BxT, sg(_masked(ref_logp, m_BxT)), kl_estimator)
-        loss_BxT = pg_BxT + kl_coef * kl_BxT
-        aux["kl"] = _token_mean(kl_BxT, m_BxT)
-        aux["kl_loss"] = kl_coef * _aggregate(kl_BxT, m_BxT, agg, max_tokens)
+    loss_BxT = _with_kl(pg_BxT, logp_BxT, ref_logp, m_BxT, aux, kl_coef=kl_coef,
+                        kl_estimator=kl_estimator, agg=agg, max_tokens=max_tokens)  # fmt: skip
     loss = _aggregate(loss_BxT, m_BxT, agg, max_tokens)
 
     aux |= {
@@ -487,16 +503,8 @@ def cispo_loss(
     / max, weighted_adv_mean, kl_old, adv_mean, adv_abs_mean, response_len_mean; with ref_logp: kl
     and kl_loss.
     """
-    B, T = _check_bt("logp", logp)
-    _check_shape("old_logp", old_logp, (B, T))
-    _check_shape("mask", mask, (B, T))
-    if ref_logp is not None:
-        _check_shape("ref_logp", ref_logp, (B, T))
-    _check_choice("agg", agg, AGG_MODES)
-    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    _check_positive("eps_low", eps_low, strict=False)
-    _check_positive("eps_high", eps_high, strict=False)
-    _check_max_tokens(agg, max_tokens)
+    B, T = _check_token_loss(logp, old_logp, mask, ref_logp, agg=agg, kl_estimator=kl_estimator,
+                             eps_low=eps_low, eps_high=eps_high, max_tokens=max_tokens)  # fmt: skip
     _check_kl_ref(kl_coef, ref_logp)
 
     m_BxT = _fp(mask)
@@ -518,12 +526,8 @@ def cispo_loss(
         "ratio_max": jnp.where(any_on, jnp.max(jnp.where(on, ratio_BxT, -jnp.inf)), 0.0),
         "weighted_adv_mean": _token_mean(w_BxT * adv_BxT, m_BxT),
     }
-    loss_BxT = pg_BxT
-    if ref_logp is not None:
-        kl_BxT = _kl_penalty(logp_BxT, sg(_masked(ref_logp, m_BxT)), kl_estimator)
-        loss_BxT = pg_BxT + kl_coef * kl_BxT
-        aux["kl"] = _token_mean(kl_BxT, m_BxT)
-        aux["kl_loss"] = kl_coef * _aggregate(kl_BxT, m_BxT, agg, max_tokens)
+    loss_BxT = _with_kl(pg_BxT, logp_BxT, ref_logp, m_BxT, aux, kl_coef=kl_coef,
+                        kl_estimator=kl_estimator, agg=agg, max_tokens=max_tokens)  # fmt: skip
     loss = _aggregate(loss_BxT, m_BxT, agg, max_tokens)
     aux |= {
         "loss": loss,
