@@ -98,22 +98,20 @@ def needs_reference(config: ml_collections.ConfigDict) -> bool:
         return True
     if preset.kind == "gvpo":
         return config.algo.anchor == "ref"
-    settings = {**preset.kwargs, **preset.adv_kwargs}
-    for name in ("kl_coef", "reward_kl_coef"):
-        value = config.algo[name] if config.algo[name] is not None else settings.get(name, 0.0)
-        if value > 0:
-            return True
-    return False
+    kl = config.algo.kl_coef if config.algo.kl_coef is not None else preset.kwargs.get("kl_coef", 0)
+    return kl > 0 or _reward_kl(config) > 0
 
 
 def batch_advantages(config: ml_collections.ConfigDict) -> bool:
     """The preset's advantages use whole-batch statistics (REINFORCE++): the step computes them
     once on the rollout batch whenever the loss would otherwise see only a part of it."""
-    overrides = {k: v for k, v in loss_kwargs(config).items() if k not in _STEP_ONLY}
-    return losses.uses_batch_statistics(config.algo.name, **overrides)
+    return losses.uses_batch_statistics(config.algo.name, **_preset_overrides(config))
 
 
-_STEP_ONLY = ("max_tokens", "entropy_coef")  # loss_kwargs that are not preset overrides
+def _preset_overrides(config: ml_collections.ConfigDict) -> dict:
+    """`loss_kwargs` without the two that are not preset settings (max_tokens, entropy_coef)."""
+    step_only = ("max_tokens", "entropy_coef")
+    return {k: v for k, v in loss_kwargs(config).items() if k not in step_only}
 
 
 def uses_dynamic_sampling(config: ml_collections.ConfigDict) -> bool:
@@ -194,12 +192,11 @@ def batch_advantages_fn(config: ml_collections.ConfigDict):
     presets whose advantages use whole-batch statistics (`batch_advantages`); else None."""
     if not batch_advantages(config):
         return None
-    overrides = {k: v for k, v in loss_kwargs(config).items() if k not in _STEP_ONLY}
     return functools.partial(
         losses.preset_advantages,
         config.algo.name,
         group_size=config.rollout.group_size,
-        **overrides,
+        **_preset_overrides(config),
     )
 
 
