@@ -90,6 +90,12 @@ def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
     return kw
 
 
+def trains(config: ml_collections.ConfigDict) -> bool:
+    """Whether the run updates the policy. mode=eval and mode=export only read the parameters:
+    they build no optimizer state and keep no reference copy."""
+    return config.mode not in ("eval", "export")
+
+
 def needs_reference(config: ml_collections.ConfigDict) -> bool:
     """A frozen reference copy: GVPO's anchor="ref", a KL penalty (in the loss or, REINFORCE++
     and RLOO, in the reward), or the KL-to-start metric."""
@@ -408,7 +414,11 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
     graphdef, params = nnx.split(model, nnx.Param)
     rng = jax.random.key_data(jax.random.key(config.seed))
     tx, shardings, update, logprobs = step_functions(config, graphdef, params, rng, mesh, rules)
-    state, _ = train_step.init_state_sharded(params, tx, rng, mesh, rules)
+    if trains(config):
+        state, _ = train_step.init_state_sharded(params, tx, rng, mesh, rules)
+    else:
+        state = train_step.params_only_state(params, tx, rng, shardings)
+    del model, params  # the state holds the parameters now; a restore may replace them
     task = tasks.build_task(
         config, tokenizer, shard=sharding.data_shard(mesh), allgather=sharding.host_allgather
     )
@@ -438,11 +448,11 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         update=update,
         logprobs=logprobs,
         buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules),
-        needs_reference=needs_reference(config),
+        needs_reference=needs_reference(config) and trains(config),
     )
     if sharding.is_primary():
         print(
-            f"model: {models.param_count(model) / 1e6:.2f}M parameters; "
+            f"model: {models.param_count(run.model(state.params)) / 1e6:.2f}M parameters; "
             f"{jax.device_count()} {jax.devices()[0].platform} devices; mesh "
             + " x ".join(f"{k}={v}" for k, v in sharding.mesh_sizes(mesh).items())
         )

@@ -131,10 +131,33 @@ def _expected_stored_shape(sds: Any) -> tuple[int, ...]:
     return tuple(sds.shape)
 
 
+# A leaf of a restore target that is not read (Orbax's placeholder): a run that never updates
+# restores the parameters of a training checkpoint without its optimizer state (`skipped`).
+SKIP = ocp.PLACEHOLDER
+
+
+def skipped(tree: Any) -> Any:
+    """`tree` with every leaf replaced by SKIP: that part of a checkpoint is left on disk."""
+    return jax.tree.map(lambda _: SKIP, tree)
+
+
 def _as_abstract(x: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct):
+    if isinstance(x, jax.ShapeDtypeStruct) or x is SKIP:
         return x
     return jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=getattr(x, "sharding", None))
+
+
+def _partial_restore(abstract: Any) -> ocp.args.PyTreeRestore:
+    """Restore args that read every leaf of `abstract` onto its sharding, except SKIP leaves."""
+    restore_args = jax.tree.map(
+        lambda x: (
+            x
+            if x is SKIP
+            else ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype)
+        ),
+        abstract,
+    )
+    return ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
 
 
 # ---------------------------------------------------------------- integrity: the manifest
@@ -203,10 +226,15 @@ def check_manifest(
 # ---------------------------------------------------------------- the checkpointer
 
 
-def _manager(directory: Path, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
-    """A manager that knows every item's handler, so a fresh process can read metadata."""
+def _manager(
+    directory: Path, options: ocp.CheckpointManagerOptions, *, partial: bool = False
+) -> ocp.CheckpointManager:
+    """A manager that knows every item's handler, so a fresh process can read metadata.
+
+    partial: read "state" with the PyTree handler (the format StandardCheckpointHandler writes),
+    whose restore takes placeholders (SKIP) for leaves to leave on disk."""
     registry = ocp.handlers.create_default_handler_registry(
-        state=ocp.StandardCheckpointHandler(),
+        state=ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
         meta=ocp.JsonCheckpointHandler(),
         replay_spec=ocp.JsonCheckpointHandler(),
         replay=ocp.StandardCheckpointHandler(),
@@ -362,15 +390,20 @@ class Checkpointer:
 
         abstract_state: pytree of jax.ShapeDtypeStruct with `.sharding` (or of arrays, whose
           shape/dtype/sharding are used); the checkpoint is resharded onto these shardings,
-          so it may have been written from a different mesh.
+          so it may have been written from a different mesh. Leaves that are SKIP are not
+          read (they come back as SKIP).
         directory: read another run's checkpoints (e.g. `resolve_restore`'s answer) instead
           of this Checkpointer's own directory; saving still goes to the own directory.
         """
         self.wait()
-        own = directory is None or Path(directory).absolute() == self.directory
-        where = self.directory if own else Path(directory).absolute()
+        abstract = jax.tree.map(_as_abstract, abstract_state)
+        partial = any(x is SKIP for x in jax.tree.leaves(abstract))
+        own = not partial and (directory is None or Path(directory).absolute() == self.directory)
+        where = Path(directory).absolute() if directory is not None else self.directory
         manager = (
-            self._manager if own else _manager(where, ocp.CheckpointManagerOptions(read_only=True))
+            self._manager
+            if own
+            else _manager(where, ocp.CheckpointManagerOptions(read_only=True), partial=partial)
         )
         try:
             steps = manager.all_steps()
@@ -380,11 +413,12 @@ class Checkpointer:
                     f"no checkpoint for step {step} in {where} (found steps {sorted(steps)}); "
                     "pass one of those steps or another directory."
                 )
-            abstract = jax.tree.map(_as_abstract, abstract_state)
             stored = manager.item_metadata(step)
             self._check_shapes(abstract, stored["state"].tree, where / str(step))
             items = {
-                "state": ocp.args.StandardRestore(abstract),
+                "state": _partial_restore(abstract)
+                if partial
+                else ocp.args.StandardRestore(abstract),
                 "meta": ocp.args.JsonRestore(),
                 "replay_spec": ocp.args.JsonRestore(),
             }
@@ -416,6 +450,8 @@ class Checkpointer:
         flat, _ = jax.tree_util.tree_flatten_with_path(abstract)
         errors = []
         for path, sds in flat:
+            if sds is SKIP:
+                continue
             meta = stored.get(ocp.utils.tuple_path_from_keypath(path))
             if meta is None:
                 errors.append(f"{jax.tree_util.keystr(path)} is not in the checkpoint")
@@ -487,9 +523,9 @@ def resolve_restore(
 ) -> tuple[Path, int] | None:
     """Where to resume from: explicit path > latest in `<workdir>/checkpoints` > None (init).
 
-    `explicit_path` may be a step directory (`.../checkpoints/1200`) or a directory of step
-    directories (its latest committed step is used). Returns (directory of step dirs, step),
-    ready for `Checkpointer.restore(..., step=step, directory=directory)`.
+    `explicit_path` may be a step directory (`.../checkpoints/1200`), a directory of step
+    directories or a run's workdir (their latest committed step is used). Returns (directory
+    of step dirs, step), ready for `Checkpointer.restore(..., step=step, directory=directory)`.
     """
     if explicit_path:
         path = Path(explicit_path).absolute()
@@ -500,12 +536,14 @@ def resolve_restore(
             )
         if path.name.isdigit() and int(path.name) in _steps(path.parent):
             return path.parent, int(path.name)
-        steps = _steps(path)
-        if steps:
-            return path, steps[-1]
+        for directory in (path, checkpoint_dir(path)):  # ... or another run's workdir
+            steps = _steps(directory)
+            if steps:
+                return directory.absolute(), steps[-1]
         raise CheckpointError(
-            f"restore path {path} is not a committed Orbax checkpoint (neither a step directory "
-            "nor a directory of step directories); point it at e.g. <workdir>/checkpoints/<step>."
+            f"restore path {path} is not a committed Orbax checkpoint (neither a step directory, "
+            "a directory of step directories nor a workdir with checkpoints); point it at e.g. "
+            "<workdir>/checkpoints/<step>."
         )
     steps = _steps(checkpoint_dir(workdir))
     return (checkpoint_dir(workdir).absolute(), steps[-1]) if steps else None

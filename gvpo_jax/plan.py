@@ -58,6 +58,7 @@ class MemoryPlan:
     kv_cache: int
     notes: tuple[str, ...] = ()
     eval_kv_cache: int = 0  # held-out evaluation: train.eval_chunk prompts x train.eval_samples
+    trains: bool = True  # False for mode=eval: only the evaluation's peak counts
 
     @property
     def resident(self) -> int:
@@ -81,6 +82,8 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
+        if not self.trains:
+            return self.eval_peak
         return max(self.update_peak, self.rollout_peak, self.eval_peak)
 
     def fits(self, device_gib: float) -> bool:
@@ -101,6 +104,9 @@ class MemoryPlan:
             ("peak during rollout", self.rollout_peak, ""),
             ("peak during evaluation", self.eval_peak, ""),
         ]
+        if not self.trains:  # mode=eval: the parameters in the compute dtype, and a sampler
+            keep = ("parameters", "one layer's", "KV cache of an evaluation", "peak during eval")
+            rows = [r for r in rows if r[0].startswith(keep)]
         width = max(len(r[0]) for r in rows)
         lines = [
             f"{name:<{width}}  {nbytes / GiB:10.3f} GiB  {kind}" for name, nbytes, kind in rows
@@ -262,21 +268,26 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     state = jax.eval_shape(
         lambda p: train_step.init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params
     )
+    c = config
+    trains = assemble.trains(c)
     param_bytes = tree_bytes(state.params, mesh, rules)
-    opt_bytes = tree_bytes(state.opt_state, mesh, rules)
+    opt_bytes = tree_bytes(state.opt_state, mesh, rules) if trains else 0
     # The sampler casts the masters to the compute dtype once per rollout (a materialised copy,
     # in the parameters' shards); the update casts each weight where it is used, which XLA may
     # keep alive from the forward to the backward pass: counted once for both (an upper bound).
     compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), params)
     compute_bytes = tree_bytes(compute, mesh, rules) if cfg.compute_dtype != cfg.param_dtype else 0
+    if c.mode == "eval":  # evaluation holds the policy cast to the compute dtype, nothing else
+        param_bytes, compute_bytes = tree_bytes(compute, mesh, rules), 0
     # FSDP: a layer's weights are all-gathered (still split over tensor) where they are used.
     # One layer at a time is the least any schedule needs (a lower bound); with remat tied to
     # the cotangent, XLA CPU keeps about one layer's gathered weights (docs/sharding.md).
     gathered = 0
     if fsdp > 1:
         layer = nnx.state(models.abstract_model(cfg).layers[0], nnx.Param)
+        if c.mode == "eval":
+            layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), layer)
         gathered = tree_bytes(layer, abstract_mesh(data, 1, tensor), rules)
-    c = config
     P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
     Tp = c.data.max_prompt_len
     micro_rows = P * G // (c.algo.num_minibatches * c.optim.micro_batches)
@@ -295,7 +306,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         mesh=sizes,
         params=param_bytes,
         opt_state=opt_bytes,
-        reference=tree_bytes(compute, mesh, rules) if assemble.needs_reference(c) else 0,
+        reference=tree_bytes(compute, mesh, rules) if trains and assemble.needs_reference(c) else 0,
         compute_copy=compute_bytes,
         gathered=gathered,
         gradients=grads,
@@ -313,6 +324,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
             min(c.train.eval_num_slots, (c.train.eval_chunk or P) * c.train.eval_samples),
         ),  # fmt: skip
         notes=tuple(notes),
+        trains=c.mode != "eval",
     )
 
 

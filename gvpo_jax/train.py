@@ -35,22 +35,34 @@ __all__ = ["TrainingError", "rl_loop", "run"]
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Runs the configured mode in `workdir`; returns the final summary metrics."""
     run_, state = assemble.assemble(config, workdir)
+    # Handed over in a list that _run_mode empties: once a checkpoint's state replaces the
+    # initial one, nothing here keeps the initial parameters (and moments) alive.
+    handover = [state]
+    del state
     try:
-        return _run_mode(run_, state, assemble.start_loop(run_))
+        return _run_mode(run_, handover, assemble.start_loop(run_))
     finally:
         run_.writer.close()
         run_.task.close()
         run_.ckpt.close()
 
 
-def _run_mode(run_: assemble.Run, state: train_step.TrainState, loop: LoopState) -> dict:
+def _run_mode(run_: assemble.Run, handover: list, loop: LoopState) -> dict:
     c = run_.config
-    state, ref, resumed = restore(run_, state, loop)
+    state, ref, resumed = restore(run_, handover.pop(), loop)
     summary: dict = {}
-    if c.mode == "eval" and c.eval.sets:
-        return evaluate_sets(run_, state.params, policy=describe_policy(c, resumed, loop.step))
     if c.mode == "eval":
-        return evaluate(run_, state.params, step=loop.step, tag="eval")
+        # Sampling casts every weight to the compute dtype anyway: cast once and drop the
+        # masters, so an evaluation holds the policy at compute-dtype size (half, in bf16).
+        dtype = jnp.dtype(c.model.compute_dtype)
+        params = jax.tree.map(
+            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            state.params,
+        )
+        del state
+        if c.eval.sets:
+            return evaluate_sets(run_, params, policy=describe_policy(c, resumed, loop.step))
+        return evaluate(run_, params, step=loop.step, tag="eval")
     if c.mode == "export":
         return export(run_, state.params)
     if c.sft.steps and not resumed:
@@ -255,7 +267,11 @@ def restore(run_: assemble.Run, state, loop: LoopState):
     """
     # A checkpoint may or may not hold a reference copy (an SFT start has none, a GRPO run has
     # one); the run may or may not need one. Try the run's own layout first, then the other.
+    # A run that never updates reads the parameters alone: moments and reference stay on disk.
     ref_layout = jax.eval_shape(lambda p: reference_copy(run_, p), state.params)
+    if not assemble.trains(run_.config):
+        state = state.replace(opt_state=checkpoint.skipped(state.opt_state))
+        ref_layout = checkpoint.skipped(ref_layout)
     layouts = [ref_layout, None] if run_.needs_reference else [None, ref_layout]
 
     def attempt(directory, step):
@@ -292,9 +308,16 @@ def restore(run_: assemble.Run, state, loop: LoopState):
 def abstract_target(run_: assemble.Run, state, ref):
     """Restore target: shapes, dtypes and the run's shardings."""
     shard = run_.state_shardings
+    keep = lambda x, s: (
+        x
+        if x is checkpoint.SKIP
+        else jax.ShapeDtypeStruct(  # noqa: E731
+            np.shape(x), x.dtype, sharding=s
+        )
+    )
     return {
-        "state": sharding.abstract_with_shardings(state, shard),
-        "ref": None if ref is None else sharding.abstract_with_shardings(ref, shard.params),
+        "state": jax.tree.map(keep, state, shard),
+        "ref": None if ref is None else jax.tree.map(keep, ref, shard.params),
     }
 
 

@@ -94,6 +94,23 @@ def init_state_sharded(
     return init(params, rng), shardings
 
 
+def params_only_state(
+    params: nnx.State, tx: optax.GradientTransformation, rng: jax.Array, shardings: TrainState
+) -> TrainState:
+    """A `TrainState` for runs that never update (mode=eval, mode=export): the parameters placed
+    on their shardings and the optimizer state as shapes only (`jax.ShapeDtypeStruct`s with
+    their shardings), so no Adam moments are allocated. A restore skips those leaves
+    (`checkpoint.SKIP`); an update refuses them (they are not arrays)."""
+    abstract = jax.eval_shape(lambda p, r: init_state(p, tx, r), params, rng)
+    return TrainState(
+        step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+        params=jax.device_put(params, shardings.params),
+        opt_state=sharding.abstract_with_shardings(abstract.opt_state, shardings.opt_state),
+        rng=jax.device_put(rng, shardings.rng),
+        bad_steps=jax.device_put(jnp.zeros((), jnp.int32), shardings.bad_steps),
+    )
+
+
 def response_logprobs(
     graphdef,
     params,

@@ -185,7 +185,8 @@ def test_resolve_restore_order_and_invalid_explicit_paths(tmp_path):
     # explicit beats the workdir: a step directory, or a directory of step directories
     assert resolve_restore(other_ckpts / "3", workdir) == (other_ckpts, 3)
     assert resolve_restore(str(other_ckpts), workdir) == (other_ckpts, 6)
-    for bad in (tmp_path / "missing", other, other_ckpts / "4"):
+    assert resolve_restore(other, workdir) == (other_ckpts, 6)  # or another run's workdir
+    for bad in (tmp_path / "missing", tmp_path, other_ckpts / "4"):
         with pytest.raises(CheckpointError, match=str(bad)):
             resolve_restore(bad, workdir)
     (tmp_path / "file.txt").write_text("x")

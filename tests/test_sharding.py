@@ -412,6 +412,27 @@ def test_planner_compiles_the_train_step_and_reports_fit():
     assert fp32.compute_copy == 0 and fp32.kv_cache > 1.9 * mixed.kv_cache
 
 
+def test_eval_mode_plans_the_policy_in_the_compute_dtype_without_optimizer_state():
+    """mode=eval (docs/eval.md): Qwen2.5-Math-7B on 8 devices holds the bf16 policy, one gathered
+    bf16 layer and the evaluation's KV cache; no masters, moments, reference or update peak.
+    With 64-problem calls and 256 slots it fits a v5e-8; training the same config does not."""
+    from configs import qwen_math
+
+    q = qwen_math.get_config()
+    q.algo.anchor = "ref"  # a reference copy that training would keep and evaluation does not
+    q.train.eval_chunk, q.train.eval_num_slots = 64, 256
+    trained = plan.plan_memory(q, num_devices=8)
+    q.mode = "eval"
+    ev = plan.plan_memory(q, num_devices=8)
+    assert ev.params == pytest.approx(7.616e9 * 2 / 8, rel=0.01) == trained.compute_copy
+    assert ev.opt_state == ev.reference == ev.compute_copy == 0
+    assert ev.gathered == trained.gathered // 2 and ev.eval_kv_cache == trained.eval_kv_cache
+    assert ev.peak == ev.params + ev.gathered + ev.eval_kv_cache < 5 * plan.GiB
+    text = plan.report(q, num_devices=8)
+    assert "AdamW" not in text and re.search(r"v5e\s+16 GiB: FITS", text)
+    assert re.search(r"v5e\s+16 GiB: DOES NOT FIT", plan.report(qwen_math.get_config(), 8))
+
+
 def test_qwen3_math_fits_a_v5e_8_and_one_80gb_gpu_and_gemma3_arith_validates():
     """configs/qwen3_math.py as planned in the README: a v5e-8 (FSDP over 8 chips of 16 GiB)
     as shipped, one 80 GB GPU with the README's three overrides; configs/gemma3_arith.py (the
