@@ -30,6 +30,7 @@ from gvpo_jax import (
     losses,
     metrics,
     models,
+    rollout_queue,
     sampler,
     sharding,
     tasks,
@@ -63,6 +64,8 @@ class Run:
     logprobs: object  # jitted (params, tokens, attn_mask) -> response log-probs [B, N]
     buckets: BucketedSteps | None  # optim.length_buckets > 0: the bucketed update / log-probs
     needs_reference: bool  # a frozen reference copy is kept (anchor "ref", KL penalty, metric)
+    # mesh.rollout_devices > 0: the devices that only sample (rollout_queue.SamplingMesh)
+    sampling_mesh: rollout_queue.SamplingMesh | None = None
 
     def model(self, params) -> models.Transformer:
         return nnx.merge(self.graphdef, params)
@@ -158,7 +161,14 @@ def rl_loss_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
         chunk_size=c.model.logprob_chunk,
         anchor=c.algo.anchor,
         loss_kwargs=loss_kwargs(c),
+        correction=rollout_correction(c),
     )
+
+
+def rollout_correction(config: ml_collections.ConfigDict) -> tuple[str, float] | None:
+    """(mode, cap) of `losses.rollout_correction`, or None when algo.rollout_correction=none."""
+    c = config.algo
+    return None if c.rollout_correction == "none" else (c.rollout_correction, c.rollout_is_cap)
 
 
 def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
@@ -182,6 +192,8 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         grad_clip=c.optim.grad_clip,
         batch_advantages=batch_advantages_fn(c),
         advantages_need_old=_reward_kl(c) > 0,
+        staleness=c.rollout.staleness,
+        corrected=rollout_correction(c) is not None,
     )
 
 
@@ -378,6 +390,48 @@ def bucketed_steps(config: ml_collections.ConfigDict, graphdef, logprobs, mesh, 
     )  # fmt: skip
 
 
+def split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, list]:
+    """(training devices, sampling devices): the last mesh.rollout_devices of `devices` only
+    sample. One process only: a sampling thread's host gathers would interleave with the
+    training mesh's collectives across processes (docs/async.md has the multi-host plan)."""
+    n = config.mesh.rollout_devices
+    if not n or not trains(config):
+        return devices, []
+    if n >= len(devices):
+        raise sharding.ShardingError(
+            f"config.mesh.rollout_devices is {n} but the mesh has {len(devices)} devices, "
+            "which leaves none to train on; use fewer."
+        )
+    if jax.process_count() > 1:
+        raise sharding.ShardingError(
+            f"config.mesh.rollout_devices is {n} in a {jax.process_count()}-process run; a "
+            "separate sampling mesh runs in one process only: use rollout_devices=0 (the lag "
+            "without overlap) on several hosts."
+        )
+    return devices[: len(devices) - n], devices[len(devices) - n :]
+
+
+def sampling_mesh(config: ml_collections.ConfigDict, devices: list, graphdef,
+                  params) -> rollout_queue.SamplingMesh | None:  # fmt: skip
+    """The sampling mesh over `devices` (data x tensor, the tensor axis as training's), with
+    the policy's shardings there; None without sampling devices."""
+    if not devices:
+        return None
+    c = config
+    mesh = sharding.make_mesh(-1, 1, c.mesh.tensor, devices=devices)
+    shards = sharding.mesh_sizes(mesh)["data"]
+    if c.rollout.prompts_per_step % shards:
+        raise sharding.ShardingError(
+            f"config.rollout.prompts_per_step ({c.rollout.prompts_per_step}) does not split "
+            f"over the sampling mesh's {shards} data shards (mesh.rollout_devices / "
+            "mesh.tensor); use rollout_devices that divide it."
+        )
+    cfg = nnx.merge(graphdef, params).config
+    rules = sharding.logical_rules(mesh, cfg)
+    shardings = sharding.param_shardings(jax.eval_shape(lambda p: p, params), mesh, rules)
+    return rollout_queue.SamplingMesh(mesh, rules, shardings, cfg.compute_dtype)
+
+
 def prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Fails early on an unusable workdir or restore path; writes config.json (process 0)."""
     if config.restore_from:  # a bad explicit path fails before anything is written
@@ -407,6 +461,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
             f"config.mesh.num_devices is {m.num_devices} but {len(jax.devices())} devices are "
             "available; use -1 (every device) or a smaller count."
         )
+    devices, sampling_devices = split_devices(config, devices)
     mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
     check_mesh(config, mesh)
     tokenizer = build_tokenizer(config, workdir)
@@ -449,6 +504,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         logprobs=logprobs,
         buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules),
         needs_reference=needs_reference(config) and trains(config),
+        sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),
     )
     if sharding.is_primary():
         print(

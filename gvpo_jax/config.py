@@ -111,6 +111,10 @@ def base_config() -> ml_collections.ConfigDict:
     # the new-token KV cache holds S rows. Same samples for every S. A multiple of the mesh's
     # data x fsdp shards.
     c.rollout.num_slots = 0
+    # Asynchronous RL with an exact lag: the rollout of step t is sampled by the policy at the
+    # start of step t - staleness (the first steps use the start policy), whatever the timing.
+    # 0: synchronous. The queued rollouts are checkpointed (docs/async.md).
+    c.rollout.staleness = 0
 
     c.algo = ml_collections.ConfigDict()
     c.algo.name = "gvpo"  # a losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo
@@ -132,6 +136,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.max_extra_rounds = 2  # dynamic sampling: extra rollout rounds per step, at most
     c.algo.overlong_cache = 4  # DAPO soft overlong penalty window (tokens before the cap)
     c.algo.overlong_factor = 1.0  # DAPO overlong penalty scale
+    # Importance correction of the clipped-ratio losses for samples drawn by another policy
+    # (stale rollouts, the sampler's bf16 / tempered distribution): none | token_tis (token
+    # weights exp(old - behaviour) truncated at rollout_is_cap) | seq_mis (samples whose
+    # sequence weight leaves [1/cap, cap] are masked out). GVPO needs none.
+    c.algo.rollout_correction = "none"
+    c.algo.rollout_is_cap = 2.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-4  # peak learning rate of AdamW
@@ -193,6 +203,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
     c.mesh.tensor = 1  # tensor-parallel axis
     c.mesh.num_devices = -1  # devices in the mesh: -1 all (every process); n: the first n
+    # Devices that only sample (rollout.staleness >= 1): the last n of the mesh's devices form
+    # a sampling mesh (data x tensor) fed the new weights after each update, the rest train.
+    c.mesh.rollout_devices = 0
     c.mesh.distributed = "auto"  # jax.distributed: auto (env / SLURM / pod) | on | off
     c.mesh.coordinator_address = ""  # "host:port" of process 0 (else JAX_COORDINATOR_ADDRESS)
     c.mesh.num_processes = -1  # -1: from the environment
@@ -214,6 +227,47 @@ def set_fields(c: ml_collections.ConfigDict, changes) -> ml_collections.ConfigDi
 
 def _fail(msg: str):
     raise ConfigError(msg)
+
+
+def _check_async(c: ml_collections.ConfigDict, preset) -> None:
+    """rollout.staleness, mesh.rollout_devices and the rollout correction."""
+    k, n = c.rollout.staleness, c.mesh.rollout_devices
+    _check_positive_int(c, "rollout.staleness", minimum=0)
+    _check_positive_int(c, "mesh.rollout_devices", minimum=0)
+    if k and c.algo.replay_fraction > 0:
+        _fail(
+            f"config.rollout.staleness is {k} with algo.replay_fraction > 0: a stale rollout "
+            "is sampled before the buffer it would share a batch with is known; use one of them."
+        )
+    if n and not k:
+        _fail(
+            f"config.mesh.rollout_devices is {n} with rollout.staleness 0: sampling on its own "
+            "devices needs the lag that lets it overlap an update; set rollout.staleness >= 1."
+        )
+    if n and n % c.mesh.tensor:
+        _fail(
+            f"config.mesh.rollout_devices is {n}, not a multiple of mesh.tensor "
+            f"({c.mesh.tensor}); the sampling mesh keeps the tensor axis: use a multiple of it."
+        )
+    if c.algo.rollout_correction not in ("none", "token_tis", "seq_mis"):
+        _fail(
+            f"config.algo.rollout_correction is {c.algo.rollout_correction!r}; use none, "
+            "token_tis or seq_mis."
+        )
+    if c.algo.rollout_correction != "none" and preset.off_policy:
+        _fail(
+            f"config.algo.rollout_correction is {c.algo.rollout_correction!r} with "
+            f"algo.name={c.algo.name!r}: GVPO's optimum holds for any sampling distribution, "
+            "so it takes stale samples without importance weights; use rollout_correction=none."
+        )
+    if c.algo.rollout_correction == "token_tis" and not losses.takes_token_weights(c.algo.name):
+        _fail(
+            f"config.algo.rollout_correction is 'token_tis' with algo.name={c.algo.name!r}, "
+            "whose loss treats a response as one action (no token advantages to weight); "
+            "use rollout_correction=seq_mis."
+        )
+    if not c.algo.rollout_is_cap > 1.0:
+        _fail(f"config.algo.rollout_is_cap is {c.algo.rollout_is_cap}; use a cap > 1 such as 2.")
 
 
 fail = _fail  # for checks that need the tokenizer (assemble): the same one-sentence ConfigError
@@ -440,6 +494,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"config.algo.overlong_cache is {c.algo.overlong_cache}; use 1 <= it < "
             f"rollout.max_new_tokens ({c.rollout.max_new_tokens})."
         )
+    _check_async(c, preset)
     if c.optim.lr <= 0 or c.sft.lr <= 0:
         _fail("config.optim.lr and config.sft.lr must be > 0; set a positive learning rate.")
     if c.optim.schedule not in ("constant", "cosine", "linear"):

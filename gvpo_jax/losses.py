@@ -914,6 +914,65 @@ def uses_batch_statistics(name: str, **overrides) -> bool:
     return preset.adv_estimator == "reinforce_pp" or adv["adv_scale"] == "batch"
 
 
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_mis")
+
+
+def takes_token_weights(name: str) -> bool:
+    """Whether preset `name` takes per-token advantages, so token-level importance weights can
+    scale them (`rollout_correction(mode="token_tis")`): the token-level clipped losses. GSPO,
+    GMPO and RLOO treat the response as one action; GVPO needs no weights."""
+    preset = get_preset(name)
+    return preset.kind in ("clip", "cispo") or (
+        preset.kind == "gspo" and bool(preset.kwargs.get("token_level"))
+    )
+
+
+def rollout_correction(old_logp, behaviour_logp, mask, *, mode: str, cap: float):
+    """Importance correction for responses drawn from a behaviour distribution mu that is not
+    the policy pi_old the clipped ratio is taken against (a stale sampler, a bf16 sampler, a
+    tempered or truncated sampling distribution). Per token w = pi_old / mu = exp(old_logp -
+    behaviour_logp) (log clamped to +-20, held constant):
+
+    - "token_tis": truncated IS (verl's token-level TIS): token weights min(w, cap), which
+      multiply the token advantages (`takes_token_weights`); the mask is unchanged.
+    - "seq_mis": masked IS: a response whose sequence weight prod_t w leaves [1/cap, cap] is
+      masked out of the loss (its tokens leave the aggregation's denominators too); no weights.
+    - "none": nothing (weights None, mask unchanged), metrics still reported.
+
+    old_logp, behaviour_logp, mask: [B, T]. Returns (weights_BxT or None, mask_BxT, aux) with
+    aux is_weight_mean / is_weight_max (token weights, before truncation, over response
+    tokens), is_clipped_frac (tokens truncated, token_tis), is_masked_frac (responses masked,
+    seq_mis), is_seq_log_weight_abs_max.
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"mode is {mode!r}; use one of {', '.join(ROLLOUT_CORRECTIONS)}.")
+    if not cap > 1.0:
+        raise ValueError(f"cap is {cap}; use a truncation cap > 1 (such as 2).")
+    m_BxT = _fp(mask)
+    log_w_BxT = jax.lax.stop_gradient(
+        jnp.clip(_fp(old_logp) - _fp(behaviour_logp), -20.0, 20.0) * m_BxT
+    )
+    w_BxT = jnp.exp(log_w_BxT)
+    n_tokens = jnp.maximum(jnp.sum(m_BxT), 1.0)
+    seq_log_w_B = jnp.sum(log_w_BxT, axis=-1)
+    has_tokens_B = jnp.sum(m_BxT, axis=-1) > 0
+    aux = {
+        "is_weight_mean": jnp.sum(w_BxT * m_BxT) / n_tokens,
+        "is_weight_max": jnp.max(jnp.where(m_BxT > 0, w_BxT, 0.0)),
+        "is_seq_log_weight_abs_max": jnp.max(jnp.abs(seq_log_w_B)),
+    }
+    weights, new_mask = None, mask
+    if mode == "token_tis":
+        weights = jnp.minimum(w_BxT, cap) * m_BxT
+        aux["is_clipped_frac"] = jnp.sum((w_BxT > cap) * m_BxT) / n_tokens
+    elif mode == "seq_mis":
+        keep_B = jnp.abs(seq_log_w_B) <= jnp.log(cap)
+        new_mask = m_BxT * keep_B[:, None].astype(m_BxT.dtype)
+        outside = jnp.sum((~keep_B & has_tokens_B).astype(jnp.float32))
+        aux["is_masked_frac"] = outside / jnp.maximum(jnp.sum(has_tokens_B), 1)
+    return weights, new_mask, _f32_aux(aux)
+
+
 def preset_advantages(
     name: str, *, rewards, mask, group_size: int, old_logp=None, ref_logp=None, **overrides
 ) -> Array:

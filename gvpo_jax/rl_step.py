@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from gvpo_jax import rewards, rollout, sampler, sharding, tasks, train_step
+from gvpo_jax import rewards, rollout, rollout_queue, sampler, sharding, tasks, train_step
 from gvpo_jax.replay import ReplayBuffer
 
 
@@ -56,6 +56,8 @@ class StepSettings:
     # whole-batch statistics (REINFORCE++); None: each loss call computes its own.
     batch_advantages: object = None
     advantages_need_old: bool = False  # batch_advantages reads pi_old (a KL in the reward)
+    staleness: int = 0  # the rollout of step t comes from the policy of step t - staleness
+    corrected: bool = False  # algo.rollout_correction: the batch carries behaviour_logp
 
 
 @dataclasses.dataclass
@@ -69,20 +71,34 @@ class LoopState:
     data: tasks.DataCursor  # the position in the task's training stream
     np_rng: np.random.Generator  # minibatch shuffles
     replay: ReplayBuffer | None  # GVPO's replay buffer (None: off)
+    # Rollouts sampled ahead of their step (rollout.staleness = k > 0): R_{t+1} .. R_{t+k}.
+    queue: list = dataclasses.field(default_factory=list)
 
     def state_dict(self) -> dict:
-        """JSON-able: the step, the data position and the shuffle stream (the replay buffer's
-        arrays are saved beside it: `replay.state_dict()`)."""
-        return {
+        """JSON-able: the step, the data position, the shuffle stream and the queued rollouts'
+        texts and metrics (their arrays and the replay buffer's go beside it: `arrays`)."""
+        meta = {
             "step": self.step,
             "data": self.data.state_dict(),
             "np_rng": self.np_rng.bit_generator.state,
         }
+        if self.queue:
+            meta["queue"] = rollout_queue.state_dict(self.queue)[0]
+        return meta
 
-    def load_state_dict(self, meta: dict, replay: dict | None) -> None:
+    def arrays(self) -> dict[str, np.ndarray] | None:
+        """The replay buffer's arrays and the queued rollouts' (under rollout_queue.PREFIX)."""
+        out = dict(self.replay.state_dict()) if self.replay is not None else {}
+        out.update(rollout_queue.state_dict(self.queue)[1])
+        return out or None
+
+    def load_state_dict(self, meta: dict, arrays: dict | None) -> None:
+        arrays = arrays or {}
         self.step = int(meta["step"])
         self.data = tasks.DataCursor.from_state_dict(meta["data"])
         self.np_rng.bit_generator.state = meta["np_rng"]
+        self.queue = rollout_queue.load_state_dict(meta.get("queue", []), arrays)
+        replay = {k: v for k, v in arrays.items() if not k.startswith(rollout_queue.PREFIX)}
         if replay and self.replay is not None:
             self.replay.load_state_dict(replay)
 
@@ -104,13 +120,27 @@ def rl_step(run, state, loop: LoopState, ref_params):
         n_replay = 0  # buffer still filling: a fresh-only batch (one extra compile at most)
 
     # 2. Rollout and rewards: P - n_replay fresh groups (dynamic sampling may run more rounds).
-    fresh, completions, examples, metrics = collect_groups(
-        run, state.params, loop, roll_rng, P - n_replay
-    )
+    #    With staleness k the step trains on the rollout sampled k steps ago and samples the one
+    #    of step t + k from its own start parameters (on the sampling mesh: during the update).
+    pending = None
+    if s.staleness:
+        current, pending = rollout_queue.take(
+            loop.queue, staleness=s.staleness, step=loop.step + 1, params=state.params,
+            rng=roll_rng, sampling=run.sampling_mesh,
+            collect=lambda params, key: collect_groups(
+                run, params, loop, key, P, mesh=run.sampling_mesh),
+        )  # fmt: skip
+        fresh, completions, examples = current.batch, current.completions, current.examples
+        metrics = dict(current.metrics, rollout_lag=float(loop.step + 1 - current.policy_step))
+    else:
+        fresh, completions, examples, metrics = collect_groups(
+            run, state.params, loop, roll_rng, P - n_replay
+        )
 
     # 3. Replay: the update batch is the fresh groups plus replayed ones; the fresh go in.
     t0 = time.perf_counter()
-    batch = {k: fresh[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
+    keys = ("tokens", "attn_mask", "resp_mask", "rewards")
+    batch = {k: fresh[k] for k in keys + (("behaviour_logp",) if s.corrected else ())}
     if n_replay:
         batch = rollout.concat_batches([batch, replay.sample(n_replay)])
     if replay is not None:
@@ -171,6 +201,16 @@ def rl_step(run, state, loop: LoopState, ref_params):
             update_metrics.append(m)
     update_metrics = jax.device_get(update_metrics)
     update_s = time.perf_counter() - t0
+    if pending is not None:  # R_{t+k} joins the queue; this step's sampling work and timeline
+        t_update_end = time.time()
+        sampled = pending.join()
+        metrics.update(
+            rollout_time_s=sampled.metrics["rollout_time_s"],
+            reward_time_s=sampled.metrics["reward_time_s"],
+            **{"timeline/sample_start": sampled.times[0], "timeline/sample_end": sampled.times[1],
+               "timeline/update_start": t_update_end - update_s,
+               "timeline/update_end": t_update_end},
+        )  # fmt: skip
 
     # 6. Metrics of the fresh groups and of the updates.
     mask, r = fresh["resp_mask"], fresh["task_rewards"]
@@ -204,6 +244,8 @@ def rl_step(run, state, loop: LoopState, ref_params):
     if not is_sampled.all():
         metrics["demo_accuracy"] = float(np.mean(r[~is_sampled] >= 1.0))
     for k in update_metrics[0]:
+        if k in train_step.AUX_MAXES and k != "sampler_logp_gap_max":  # IS weights: the max
+            metrics[k] = float(np.max([x[k] for x in update_metrics]))
         if k in train_step.AUX_SUMS or k in train_step.AUX_MAXES:
             continue
         value = float(np.mean([x[k] for x in update_metrics]))
@@ -230,9 +272,11 @@ def next_examples(task, mesh, loop: LoopState, n: int) -> list[dict]:
     return examples
 
 
-def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: int):
+def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: int, *,
+                   mesh=None):  # fmt: skip
     """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones.
-    Reads the next training prompts at `loop.data` (advanced).
+    Reads the next training prompts at `loop.data` (advanced). `mesh`: a
+    `rollout_queue.SamplingMesh` to sample on (default: the run's mesh).
 
     Returns (batch, completions, examples, metrics): `batch` is the global batch (every row, on
     every process); completions / examples are this process's rows of the first round.
@@ -244,7 +288,8 @@ def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: in
     for r in range(1 + (s.max_extra_rounds if s.dynamic_sampling else 0)):
         rounds_run += 1
         examples = next_examples(run.task, run.mesh, loop, num_prompts)
-        batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r))
+        batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r),
+                                                mesh=mesh)  # fmt: skip
         batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
         info["truncated"] = batch.pop("truncated")
         batch["task_rewards"] = batch["rewards"].copy()
@@ -283,7 +328,7 @@ def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: in
     return rollout.concat_batches(kept), completions_all, examples_all, metrics
 
 
-def sample_round(run, model, examples: list[dict], rng: jax.Array):
+def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None):
     """This process's rows of one round: sample G responses per prompt, optionally put the
     demonstration in each group's last slot, score, and lay out the update rows.
 
@@ -297,8 +342,10 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     prompts = [ex["prompt_ids"] for ex in examples]
     t0 = time.perf_counter()
     out = sampler.sample_groups(
-        model, prompts, settings=settings, rng=rng, mesh=run.mesh, rules=run.rules
-    )
+        model, prompts, settings=settings, rng=rng,
+        mesh=run.mesh if mesh is None else mesh.mesh,
+        rules=run.rules if mesh is None else mesh.rules,
+    )  # fmt: skip
     rollout_s = time.perf_counter() - t0
     tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
     rollout_logp = np.asarray(out.logp_BxN, np.float32)
@@ -332,6 +379,10 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array):
     batch.update(
         rewards=np.asarray(scores, np.float32),
         rollout_logp=rollout_logp,
+        # What the rows were drawn from (tempered, truncated): the rollout correction's mu.
+        behaviour_logp=np.where(sampled[:, None] > 0, np.asarray(out.sample_logp_BxN), 0.0).astype(
+            np.float32
+        ),
         sampled=sampled,
         lengths=np.asarray(lengths, np.int32),
         truncated=(~ended).astype(np.float32),

@@ -324,8 +324,8 @@ def abstract_target(run_: assemble.Run, state, ref):
 def save(run_: assemble.Run, state, loop: LoopState, ref) -> None:
     """Checkpoint `state`, `ref` and `loop` as step `loop.step`."""
     meta = loop.state_dict() | {"config": json.loads(run_.config.to_json_best_effort())}
-    replay = loop.replay.state_dict() if loop.replay is not None else None
-    run_.ckpt.save(loop.step, {"state": state, "ref": ref}, meta=meta, replay=replay, force=True)
+    run_.ckpt.save(loop.step, {"state": state, "ref": ref}, meta=meta, replay=loop.arrays(),
+                   force=True)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------

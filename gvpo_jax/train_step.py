@@ -189,8 +189,13 @@ def rl_loss(
     chunk_size: int,
     anchor: str,
     loss_kwargs: dict,
+    correction: tuple[str, float] | None = None,
 ):
     """The configured preset loss on one micro-batch of whole groups -> (loss, aux).
+
+    `correction` = (mode, cap) of `losses.rollout_correction` against `batch["behaviour_logp"]`
+    (what the sampler drew from): token_tis scales the token advantages by the truncated
+    weights, seq_mis masks responses out of the loss; None: no correction.
 
     The G rows of a group share their prompt, which is run once per group
     (`response_logprobs` with group_size = G). With `entropy_coef` in loss_kwargs (non-zero) the
@@ -214,20 +219,37 @@ def rl_loss(
     # Without old_logp the update is the first one from the rollout's parameters (one update
     # per step): pi_old is this forward's value, held constant.
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp_BxN)
+    advantages, loss_mask, is_aux = batch.get("advantages"), mask_BxN, {}
+    if correction is not None:
+        mode, cap = correction
+        weights_BxN, loss_mask, is_aux = losses.rollout_correction(
+            old_logp, batch["behaviour_logp"], mask_BxN, mode=mode, cap=cap
+        )
+        if weights_BxN is not None:  # token_tis: the advantages of this batch, weighted
+            if advantages is None:
+                overrides = {k: v for k, v in loss_kwargs.items()
+                             if k not in ("entropy_coef", "max_tokens")}  # fmt: skip
+                advantages = losses.preset_advantages(
+                    algo, rewards=batch["rewards"], mask=mask_BxN, group_size=group_size,
+                    old_logp=old_logp, ref_logp=batch.get("ref_logp"), **overrides,
+                )  # fmt: skip
+            if advantages.ndim == 1:
+                advantages = advantages[:, None]
+            advantages = advantages * weights_BxN
     loss, aux = losses.preset_loss(
         algo,
         logp=logp_BxN,
         old_logp=old_logp,
         rewards=batch["rewards"],
-        mask=mask_BxN,
+        mask=loss_mask,
         group_size=group_size,
         ref_logp=batch.get("ref_logp"),
         anchor_logp=anchor_logp,
-        advantages=batch.get("advantages"),
+        advantages=advantages,
         entropy=entropy_BxN,
         **loss_kwargs,
     )
-    aux = dict(aux)
+    aux = dict(aux) | is_aux
     if "rollout_logp" in batch:  # the sampler's own log-probs vs this forward, sampled rows
         sampled_BxN = mask_BxN * batch["sampled"][:, None]
         logp = jax.lax.stop_gradient(logp_BxN)
@@ -260,7 +282,7 @@ def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
 
 # rl_loss's aux totals over an update's micro-batches (every other aux value is their mean).
 AUX_SUMS = ("sampled_logp_sum", "sampled_tokens")
-AUX_MAXES = ("sampler_logp_gap_max",)
+AUX_MAXES = ("sampler_logp_gap_max", "is_weight_max", "is_seq_log_weight_abs_max")
 
 
 def _is_total(key: str) -> bool:

@@ -1,0 +1,255 @@
+"""Asynchronous rollouts with an exact lag (`rollout.staleness`), the sampling mesh
+(`mesh.rollout_devices`), a resume with rollouts in the queue, and the rollout correction of the
+clipped losses (`algo.rollout_correction`)."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gvpo_jax import config as config_lib
+from gvpo_jax import losses, rl_step, sampling_ops, train
+from tests.test_train import make_run, toy_config
+
+
+def _fingerprint(params) -> bytes:
+    return b"".join(np.asarray(jax.device_get(x)).tobytes() for x in jax.tree.leaves(params))
+
+
+def _copy(params):
+    return jax.tree.map(lambda x: np.array(jax.device_get(x)), params)
+
+
+def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkeypatch):
+    """k = 2 over 5 steps: every rollout is sampled from the parameters the run had at the start
+    of step max(t - 2, 1), and it is what a by-hand sampler call with those saved parameters,
+    the same key and the same prompts gives."""
+    k, steps = 2, 5
+    run, state, loop, ref = make_run(toy_config("grpo", **{"rollout.staleness": k}))
+    calls = []
+    real = rl_step.collect_groups
+
+    def spy(run_, params, loop_, key, num_prompts, **kw):
+        out = real(run_, params, loop_, key, num_prompts, **kw)
+        calls.append(
+            {
+                "params": _fingerprint(params),
+                "key": np.asarray(jax.device_get(key)),
+                "prompts": [ex["prompt_ids"] for ex in out[2]],
+                "tokens": out[0]["tokens"],
+            }
+        )
+        return out
+
+    monkeypatch.setattr(rl_step, "collect_groups", spy)
+    start_params, consumed, lags = {}, {}, {}
+    for t in range(1, steps + 1):
+        start_params[t] = _copy(state.params)
+        before = len(calls)
+        state, m, _, _ = rl_step.rl_step(run, state, loop, ref)
+        loop.step = t
+        # R_1 .. R_{k+1} come from step 1's calls, then R_{t+k} from step t's: R_t is call t-1.
+        consumed[t], lags[t] = calls[t - 1], m["rollout_lag"]
+        assert len(calls) - before == (k + 1 if t == 1 else 1)  # the start fills the queue
+    assert [lags[t] for t in range(1, steps + 1)] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    for t in range(1, steps + 1):
+        call = consumed[t]
+        assert call["params"] == _fingerprint(start_params[max(t - k, 1)]), t
+        # By hand: the saved parameters of step t - k, the recorded key and prompts.
+        model = run.model(jax.tree.map(jnp.asarray, start_params[max(t - k, 1)]))
+        examples = [{"prompt_ids": p, "answer": "7", "prompt": ""} for p in call["prompts"]]
+        batch, _, _ = rl_step.sample_round(run, model, examples, jax.random.fold_in(call["key"], 0))
+        np.testing.assert_array_equal(batch["tokens"], call["tokens"])
+    assert len(loop.queue) == k and [r.policy_step for r in loop.queue] == [steps - 1, steps]
+
+
+def test_split_mesh_equals_one_mesh_on_the_same_training_devices():
+    """4 sampling + 4 training devices (the sampler in a thread, weights sent after each update)
+    give the same metrics and parameters, bit for bit, as sampling on the 4 training devices."""
+    runs = {}
+    for name, changes in {
+        "split": {"mesh.num_devices": 8, "mesh.rollout_devices": 4},
+        "one": {"mesh.num_devices": 4, "mesh.rollout_devices": 0},
+    }.items():
+        settings = {"rollout.staleness": 1, "algo.rollout_correction": "token_tis", **changes}
+        run, state, loop, ref = make_run(toy_config("dapo", **settings))
+        assert (run.sampling_mesh is not None) == (name == "split")
+        rows = []
+        for t in range(1, 4):
+            state, m, _, _ = rl_step.rl_step(run, state, loop, ref)
+            loop.step = t
+            rows.append({k: v for k, v in m.items() if "time" not in k and "timeline" not in k
+                         and k != "tokens_per_s"})  # fmt: skip
+            if name == "split":  # the sampler thread started before the update ended
+                assert m["timeline/sample_start"] < m["timeline/update_end"]
+        runs[name] = rows, _copy(state.params)
+    assert runs["split"][0] == runs["one"][0]
+    for a, b in zip(
+        jax.tree.leaves(runs["split"][1]), jax.tree.leaves(runs["one"][1]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def _arith_config(**changes):
+    c = config_lib.base_config()
+    c.model.overrides.update(dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                  head_dim=16, intermediate_size=64))  # fmt: skip
+    changes = {"algo.name": "grpo", "rollout.staleness": 2, "rollout.prompts_per_step": 4,
+               "rollout.group_size": 4, "rollout.max_new_tokens": 4, "algo.overlong_cache": 2,
+               "data.eval_size": 4, "train.eval_every": 0, "train.plot": False,
+               "train.checkpoint_every": 2, "train.reward_workers": 0, "mesh.num_devices": 1,
+               "algo.rollout_correction": "token_tis", **changes}  # fmt: skip
+    config_lib.set_fields(c, changes)
+    config_lib.validate(c)
+    return c
+
+
+def _rows(workdir):
+    rows = {}
+    for line in open(os.path.join(workdir, "metrics.jsonl")):
+        r = json.loads(line)
+        if "reward_mean" in r:
+            rows[r["step"]] = {k: v for k, v in r.items()
+                               if "time" not in k and k != "tokens_per_s"}  # fmt: skip
+    return rows
+
+
+def test_a_resume_with_rollouts_in_the_queue_is_bit_exact(tmp_path):
+    """A run stopped after step 2 (its checkpoint holds R_3 and R_4, sampled but not trained on)
+    and resumed to step 4 logs the same metrics and ends with the same parameters as a run that
+    went straight to step 4."""
+    from safetensors.numpy import load_file
+
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    train.run(_arith_config(**{"train.steps": 4}), straight)
+    train.run(_arith_config(**{"train.steps": 2}), stopped)
+    meta = json.load(open(os.path.join(stopped, "checkpoints", "2", "meta", "metadata")))
+    assert [q["policy_step"] for q in meta["queue"]] == [1, 2]  # R_3 (step 1), R_4 (step 2)
+    train.run(_arith_config(**{"train.steps": 4}), stopped)
+    a, b = _rows(straight), _rows(stopped)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4] and a == b
+    assert [a[t]["rollout_lag"] for t in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
+    x = load_file(os.path.join(straight, "export", "model.safetensors"))
+    y = load_file(os.path.join(stopped, "export", "model.safetensors"))
+    assert all(np.array_equal(x[k], y[k]) for k in x)
+
+
+# ----------------------------------------------------------------------------------------------
+# The rollout correction
+
+
+def test_token_tis_truncates_and_seq_mis_masks_on_a_hand_built_batch():
+    old = np.log(np.array([[0.5, 0.4, 0.2], [0.3, 0.3, 0.9], [0.6, 0.1, 0.5]]))
+    beh = np.log(np.array([[0.25, 0.4, 0.4], [0.3, 0.05, 0.9], [0.5, 0.1, 0.5]]))
+    mask = np.array([[1, 1, 1], [1, 1, 0], [1, 0, 0]], np.float32)
+    w = np.exp(old - beh) * mask  # 2, 1, 0.5 | 1, 6, (masked) | 1.2
+    weights, m, aux = losses.rollout_correction(old, beh, mask, mode="token_tis", cap=2.0)
+    np.testing.assert_allclose(weights, np.minimum(w, 2.0) * mask, rtol=1e-6)
+    np.testing.assert_array_equal(m, mask)
+    assert float(aux["is_clipped_frac"]) == pytest.approx(1 / 6)  # only the 6: 2 is at the cap
+    assert float(aux["is_weight_max"]) == pytest.approx(6.0, rel=1e-6)
+    assert float(aux["is_weight_mean"]) == pytest.approx((2 + 1 + 0.5 + 1 + 6 + 1.2) / 6, rel=1e-6)
+    # Sequence weights: 2*1*0.5 = 1 (kept), 1*6 = 6 (outside [1/2, 2]), 1.2 (kept).
+    weights, m, aux = losses.rollout_correction(old, beh, mask, mode="seq_mis", cap=2.0)
+    assert weights is None
+    np.testing.assert_array_equal(m, mask * np.array([1, 0, 1])[:, None])
+    assert float(aux["is_masked_frac"]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="cap"):
+        losses.rollout_correction(old, beh, mask, mode="token_tis", cap=1.0)
+
+
+def test_token_tis_is_grpo_with_the_token_advantages_weighted():
+    """In the trainer's loss, token_tis equals grpo_loss on advantages x min(w, cap): values and
+    gradients; seq_mis equals grpo_loss with the out-of-band responses masked."""
+    from gvpo_jax import assemble, train_step
+
+    run, state, loop, _ = make_run(toy_config("grpo", **{"algo.kl_coef": 0.0}))
+    batch, *_ = rl_step.collect_groups(run, state.params, loop, jax.random.key_data(
+        jax.random.key(3)), 4)  # fmt: skip
+    dev = {k: jnp.asarray(batch[k]) for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
+    logp = train_step.response_logprobs(run.graphdef, state.params, dev["tokens"],
+                                        dev["attn_mask"], prompt_len=6, chunk_size=8,
+                                        group_size=4)  # fmt: skip
+    # A behaviour distribution off by a known amount per token.
+    shift = 0.6 * np.sin(np.arange(batch["resp_mask"].size)).reshape(batch["resp_mask"].shape)
+    dev["behaviour_logp"] = logp - jnp.asarray(shift, jnp.float32)
+    kwargs = assemble.loss_kwargs(run.config)
+    for mode in ("token_tis", "seq_mis"):
+        loss = lambda p, mode=mode: train_step.rl_loss(  # noqa: E731
+            p, dev, graphdef=run.graphdef, algo="grpo", group_size=4, prompt_len=6,
+            chunk_size=8, anchor="old", loss_kwargs=kwargs, correction=(mode, 1.5))[0]  # fmt: skip
+        weights, mask, _ = losses.rollout_correction(
+            logp, dev["behaviour_logp"], dev["resp_mask"], mode=mode, cap=1.5
+        )
+        adv = losses.group_advantages(dev["rewards"], 4, scale="group")
+
+        def reference(p, weights=weights, mask=mask):
+            lp = train_step.response_logprobs(run.graphdef, p, dev["tokens"], dev["attn_mask"],
+                                              prompt_len=6, chunk_size=8, group_size=4)  # fmt: skip
+            a = adv if weights is None else adv[:, None] * weights
+            return losses.grpo_loss(lp, jax.lax.stop_gradient(lp), a, mask, kl_coef=0.0,
+                                    eps_low=0.2, eps_high=0.2)[0]  # fmt: skip
+
+        (v1, g1), (v2, g2) = (
+            jax.jit(jax.value_and_grad(f))(state.params) for f in (loss, reference)
+        )
+        assert float(v1) == pytest.approx(float(v2), abs=1e-7)
+        for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+
+
+def test_the_correction_divides_by_the_distribution_the_sampler_drew_from():
+    """Tokens drawn at T = 0.7 with top-p 0.9 from a 5-token policy: weighting them by
+    exp(logp - sample_logp) (pi over what was drawn from) recovers the policy's probabilities;
+    dividing by the temperature-1 log-probs (logp_BxN, weights all 1) gives the tempered ones."""
+    logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0])
+    pi = np.asarray(jax.nn.softmax(logits))
+    n = 40000
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, logp, sample_logp = sampling_ops.select_tokens(
+        jnp.broadcast_to(logits, (n, 5)), keys, temperature=0.7, top_p=0.9
+    )
+    tokens, w = np.asarray(tokens), np.exp(np.asarray(logp) - np.asarray(sample_logp))
+    support = np.unique(tokens)
+    estimate = np.array([w[tokens == v].sum() / n for v in range(5)])
+    np.testing.assert_allclose(estimate[support], pi[support], atol=0.01)  # IS recovers pi
+    drawn = np.array([(tokens == v).mean() for v in range(5)])
+    assert np.abs(drawn[support] - pi[support]).max() > 0.05  # the draw itself is not pi
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rollout.staleness": -1}, "config.rollout.staleness is -1; set it to an integer >= 0."),
+        ({"mesh.rollout_devices": 2}, "config.mesh.rollout_devices is 2 with rollout.staleness 0"),
+        ({"rollout.staleness": 1, "mesh.rollout_devices": 3, "mesh.tensor": 2},
+         "config.mesh.rollout_devices is 3, not a multiple of mesh.tensor (2)"),
+        ({"algo.name": "gvpo", "algo.rollout_correction": "token_tis"},
+         "GVPO's optimum holds for any sampling distribution"),
+        ({"algo.name": "gspo", "algo.rollout_correction": "token_tis"},
+         "use rollout_correction=seq_mis."),
+        ({"algo.rollout_correction": "tis"}, "use none, token_tis or seq_mis."),
+        ({"algo.rollout_is_cap": 1.0}, "config.algo.rollout_is_cap is 1.0; use a cap > 1"),
+        ({"algo.name": "gvpo", "rollout.staleness": 2, "algo.replay_fraction": 0.25},
+         "with algo.replay_fraction > 0"),
+    ],
+)  # fmt: skip
+def test_bad_async_settings_fail_with_one_sentence(changes, message):
+    c = config_lib.base_config()
+    c.algo.name, c.model.preset = "grpo", "tiny"
+    config_lib.set_fields(c, changes)
+    with pytest.raises(config_lib.ConfigError, match=None) as e:
+        config_lib.validate(c)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rollout_devices_that_leave_no_training_devices_are_refused(tmp_path):
+    from gvpo_jax import assemble, sharding
+
+    c = toy_config("grpo", **{"rollout.staleness": 1, "mesh.num_devices": 4,
+                               "mesh.rollout_devices": 4})  # fmt: skip
+    with pytest.raises(sharding.ShardingError, match="leaves none to train on"):
+        assemble.assemble(c, str(tmp_path))
