@@ -117,23 +117,51 @@ def _rows(workdir):
     return rows
 
 
-def test_a_resume_with_rollouts_in_the_queue_is_bit_exact(tmp_path):
-    """A run stopped after step 2 (its checkpoint holds R_3 and R_4, sampled but not trained on)
-    and resumed to step 4 logs the same metrics and ends with the same parameters as a run that
-    went straight to step 4."""
+_KILLED_IN_STEP_3 = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from gvpo_jax import rl_step, train
+from tests.test_async import _arith_config
+real, calls = rl_step.collect_groups, []
+def collect_groups(run, *args, **kw):
+    calls.append(1)
+    if len(calls) == 5:  # step 3 samples R_5: R_3 and R_4 wait in the queue of checkpoint 2
+        run.ckpt.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(run, *args, **kw)
+rl_step.collect_groups = collect_groups
+train.run(_arith_config(**{{"train.steps": 4}}), {workdir!r})
+"""
+
+
+def test_sigkill_with_rollouts_in_the_queue_then_resume_is_bit_exact(tmp_path):
+    """SIGKILL inside step 3 (its checkpoint 2 holds R_3 and R_4, sampled but not trained on);
+    the resumed run logs the same metrics and ends with the same parameters as a run that was
+    never interrupted."""
+    import subprocess
+    import sys
+
     from safetensors.numpy import load_file
 
-    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
-    train.run(_arith_config(**{"train.steps": 4}), straight)
-    train.run(_arith_config(**{"train.steps": 2}), stopped)
-    meta = json.load(open(os.path.join(stopped, "checkpoints", "2", "meta", "metadata")))
+    from tests.conftest import child_env
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    script = _KILLED_IN_STEP_3.format(repo=repo, workdir=killed)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=repo, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    train.run(_arith_config(**{"train.steps": 4}), straight)  # meanwhile, in this process
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -9, err[-3000:]
+    meta = json.load(open(os.path.join(killed, "checkpoints", "2", "meta", "metadata")))
     assert [q["policy_step"] for q in meta["queue"]] == [1, 2]  # R_3 (step 1), R_4 (step 2)
-    train.run(_arith_config(**{"train.steps": 4}), stopped)
-    a, b = _rows(straight), _rows(stopped)
+    assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["2"]
+    train.run(_arith_config(**{"train.steps": 4}), killed)
+    a, b = _rows(straight), _rows(killed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4] and a == b
     assert [a[t]["rollout_lag"] for t in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
     x = load_file(os.path.join(straight, "export", "model.safetensors"))
-    y = load_file(os.path.join(stopped, "export", "model.safetensors"))
+    y = load_file(os.path.join(killed, "export", "model.safetensors"))
     assert all(np.array_equal(x[k], y[k]) for k in x)
 
 
