@@ -419,13 +419,11 @@ def sampling_mesh(config: ml_collections.ConfigDict, devices: list, graphdef,
         return None
     c = config
     mesh = sharding.make_mesh(-1, 1, c.mesh.tensor, devices=devices)
-    shards = sharding.mesh_sizes(mesh)["data"]
-    if c.rollout.prompts_per_step % shards:
-        raise sharding.ShardingError(
-            f"config.rollout.prompts_per_step ({c.rollout.prompts_per_step}) does not split "
-            f"over the sampling mesh's {shards} data shards (mesh.rollout_devices / "
-            "mesh.tensor); use rollout_devices that divide it."
-        )
+    fix = "use mesh.rollout_devices / mesh.tensor that divide it"
+    sharding.check_split(c.rollout.prompts_per_step, mesh, "config.rollout.prompts_per_step "
+                         "(on the sampling mesh)", fix)  # fmt: skip
+    sharding.check_split(c.rollout.num_slots, mesh, "config.rollout.num_slots (on the "
+                         "sampling mesh)", fix)  # fmt: skip
     cfg = nnx.merge(graphdef, params).config
     rules = sharding.logical_rules(mesh, cfg)
     shardings = sharding.param_shardings(jax.eval_shape(lambda p: p, params), mesh, rules)

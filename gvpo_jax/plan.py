@@ -328,6 +328,39 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     )
 
 
+def plan_sampling_mesh(config: ml_collections.ConfigDict, num_devices: int) -> dict | None:
+    """Per-device memory of the sampling mesh (mesh.rollout_devices > 0: the last n devices,
+    data = n / tensor, the tensor axis as training's): the policy in the compute dtype (split
+    over tensor, whole on every data shard) and the rollout's KV cache; plus the host memory of
+    the k queued rollouts (rollout.staleness). None without a sampling mesh."""
+    c, n = config, config.mesh.rollout_devices
+    if not n:
+        return None
+    cfg = model_config(c)
+    mesh = abstract_mesh(n // c.mesh.tensor, 1, c.mesh.tensor)
+    sizes, rules = sharding.mesh_sizes(mesh), sharding.logical_rules(mesh, cfg)
+    _, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+    policy = tree_bytes(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), params),
+        mesh, rules,
+    )  # fmt: skip
+    P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
+    Tp = c.data.max_prompt_len
+    kv = kv_cache_bytes(cfg, P, G, Tp, N, sizes, c.rollout.num_slots)
+    # tokens (int32) + attention mask over Tp + N; response mask and three log-prob rows over N
+    queue = c.rollout.staleness * P * G * ((Tp + N) * 8 + N * 16)
+    lines = [
+        f"sampling mesh: data={sizes['data']} tensor={sizes['tensor']} ({n} devices; the "
+        f"training mesh above has the other {num_devices - n}), per device:",
+        f"  policy in {jnp.dtype(cfg.compute_dtype).name} {policy / GiB:10.3f} GiB  exact",
+        f"  KV cache of the rollout batch {kv / GiB:10.3f} GiB  estimate",
+        f"  peak during sampling {(policy + kv) / GiB:10.3f} GiB",
+        f"rollout queue (host, {c.rollout.staleness} rollouts): {queue / GiB:.3f} GiB",
+    ]
+    return {"policy": policy, "kv_cache": kv, "peak": policy + kv, "queue_host": queue,
+            "lines": lines}  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------
 # Compile check
 
@@ -373,16 +406,24 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
 def report(config, num_devices: int, device: str | None = None, memory_gib: float | None = None):
     """The planner's printout (also returned as text)."""
     cfg = model_config(config)
-    plan = plan_memory(config, num_devices)
+    sampling = plan_sampling_mesh(config, num_devices)
+    plan = plan_memory(config, num_devices - config.mesh.rollout_devices)
+    if sampling:  # rollouts are sampled on the sampling mesh, not on the training devices
+        plan = dataclasses.replace(plan, kv_cache=0)
     lines = [
         f"model: {cfg.num_layers} layers, D={cfg.hidden_size}, vocab={cfg.vocab_size}, "
         f"{models.param_count(models.abstract_model(cfg)) / 1e9:.3f}B parameters "
         f"(masters {cfg.param_dtype}, compute {cfg.compute_dtype}, remat={cfg.remat})",
         f"mesh: data={plan.mesh['data']} fsdp={plan.mesh['fsdp']} tensor={plan.mesh['tensor']} "
-        f"({num_devices} devices)",
+        + (
+            f"({num_devices} devices)"
+            if not sampling
+            else f"({num_devices - config.mesh.rollout_devices} training devices of {num_devices})"
+        ),
         "per-device memory (most loaded device):",
         plan.table(),
         *[f"note: {n}" for n in plan.notes],
+        *(sampling["lines"] if sampling else []),
         f"fits (peak <= {USABLE_FRACTION:.0%} of device memory):",
     ]
     targets = dict(DEVICE_MEMORY_GIB)
@@ -392,7 +433,11 @@ def report(config, num_devices: int, device: str | None = None, memory_gib: floa
         targets = {device: DEVICE_MEMORY_GIB[device]}
     for name, gib in targets.items():
         verdict = "FITS" if plan.fits(gib) else "DOES NOT FIT"
-        lines.append(f"  {name:<9} {gib:6.0f} GiB: {verdict} (peak {plan.peak / GiB:.2f} GiB)")
+        line = f"  {name:<9} {gib:6.0f} GiB: {verdict} (peak {plan.peak / GiB:.2f} GiB)"
+        if sampling:
+            fits = sampling["peak"] <= USABLE_FRACTION * gib * GiB
+            line += f"; sampling mesh: {'FITS' if fits else 'DOES NOT FIT'}"
+        lines.append(line)
     return "\n".join(lines)
 
 

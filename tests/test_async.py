@@ -4,6 +4,7 @@ clipped losses (`algo.rollout_correction`)."""
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -281,3 +282,25 @@ def test_rollout_devices_that_leave_no_training_devices_are_refused(tmp_path):
                                "mesh.rollout_devices": 4})  # fmt: skip
     with pytest.raises(sharding.ShardingError, match="leaves none to train on"):
         assemble.assemble(c, str(tmp_path))
+
+
+def test_the_planner_counts_the_sampling_mesh_and_the_queue():
+    """qwen_math on a v5e-64 split 32 : 32 (tensor 4): the sampling devices hold the bf16 policy
+    split 4 ways and the rollout's KV cache; the training devices no rollout KV cache; the host
+    holds the queued rollouts."""
+    from configs import qwen_math
+    from gvpo_jax import plan
+
+    q = qwen_math.get_config()
+    config_lib.set_fields(q, {"rollout.staleness": 2, "mesh.rollout_devices": 32,
+                              "mesh.tensor": 4})  # fmt: skip
+    s = plan.plan_sampling_mesh(q, 64)
+    assert s["policy"] == pytest.approx(7.616e9 * 2 / 4, rel=0.01)
+    sizes = {"data": 8, "fsdp": 1, "tensor": 4}
+    cfg = plan.model_config(q)
+    assert s["kv_cache"] == plan.kv_cache_bytes(cfg, 1024, 4, 1024, 1024, sizes)
+    assert s["queue_host"] == 2 * 4096 * (2048 * 8 + 1024 * 16)
+    text = plan.report(q, 64)
+    assert "(32 training devices of 64)" in text and "sampling mesh: data=8 tensor=4" in text
+    assert re.search(r"v5e\s+16 GiB: FITS \(peak [\d.]+ GiB\); sampling mesh: FITS", text)
+    assert re.search(r"KV cache of the rollout batch\s+0\.000 GiB", text)

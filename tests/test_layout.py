@@ -92,14 +92,15 @@ def _assigned_attributes(path: pathlib.Path) -> dict[str, set[str]]:
 
 
 def test_the_run_holds_nothing_a_run_changes():
-    """What changes during a run (replay buffer, shuffle stream, data position, step) lives in
+    """What changes during a run (replay buffer, shuffle stream, data position, step, the queue
+    of rollouts sampled ahead) lives in
     rl_step.LoopState, threaded through the loop and checkpointed; `Run` and its task hold only
     what never changes."""
     fields = {f.name: str(f.type) for f in dataclasses.fields(assemble.Run)}
     for name, kind in fields.items():
         assert not any(t in kind for t in ("ReplayBuffer", "Generator", "LoopState")), name
     loop_fields = {f.name for f in dataclasses.fields(rl_step.LoopState)}
-    assert loop_fields == {"step", "data", "np_rng", "replay"}
+    assert loop_fields == {"step", "data", "np_rng", "replay", "queue"}
     # The task assigns its own attributes in its constructor only (no cursor inside it).
     task_writes = _assigned_attributes(ROOT / "tasks.py")
     assert {f for f, attrs in task_writes.items() if any(a.startswith("self.") for a in attrs)} <= {
