@@ -539,6 +539,13 @@ def test_qwen3_checkpoint_and_config_errors(checkpoints, tmp_path):
     llama_qk = models.PRESETS["tiny"].replace(architecture="llama", attention_bias=False)
     with pytest.raises(models.CheckpointError, match="use architecture='qwen3'"):
         models.config_to_hf(llama_qk.replace(qk_norm=True))
+    # transformers' Llama with attention_bias biases o_proj too, which this model has not: a
+    # checkpoint with it is refused, and so is exporting one (it would load with a random bias).
+    with pytest.raises(models.CheckpointError, match="use architecture='qwen2'"):
+        models.config_to_hf(llama_qk.replace(attention_bias=True))
+    with pytest.raises(models.CheckpointError, match="not supported for llama"):
+        models.from_pretrained(_broken_copy(checkpoints["llama"][0], tmp_path / "llama_bias",
+                                            edit=biased))  # fmt: skip
 
 
 TINY_QWEN3 = models.PRESETS["tiny"].replace(

@@ -363,6 +363,11 @@ def config_from_hf(
             f"{source}: layer_types {sorted(layer_types)} is not supported; only "
             "'full_attention' layers (no sliding window)."
         )
+    if model_type == "llama" and hf.get("attention_bias", False):
+        raise CheckpointError(
+            f"{source}: attention_bias=true is not supported for llama (its o_proj has a bias "
+            "this model lacks); only bias-free Llama attention, as in the published checkpoints."
+        )
     if model_type == "qwen3" and hf.get("attention_bias", False):
         raise CheckpointError(
             f"{source}: attention_bias=true is not supported for qwen3 (its o_proj would have a "
@@ -518,6 +523,12 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
         raise CheckpointError(
             "ModelConfig: a qwen2 model without attention_bias has no transformers equivalent; "
             "use architecture='llama' for bias-free attention."
+        )
+    if cfg.architecture == "llama" and cfg.attention_bias:
+        raise CheckpointError(
+            "ModelConfig: a llama model with attention_bias has no transformers equivalent "
+            "(transformers' Llama biases o_proj as well); use architecture='qwen2' for q/k/v "
+            "biases only."
         )
     if cfg.qk_norm and cfg.architecture not in ("qwen3", "gemma3"):
         raise CheckpointError(
