@@ -26,6 +26,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The official GVPO recipe's regime: 4 minibatches x 1 epoch per rollout (1024 prompts per
 # rollout, minibatches of 256 in the paper's verl script).
 OFFICIAL = {"algo.num_minibatches": 4, "algo.num_epochs": 1}
+# Step metrics a record keeps per step (besides losses, rewards and the gradient norms).
+STEP_KEYS = (
+    "adv_term", "var_term", "cov_term", "reward_corr", "rollout_lag", "is_weight_mean",
+    "is_weight_max", "is_clipped_frac", "is_masked_frac", "sampler_logp_gap_max",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +256,10 @@ def rl_run(
                 rec[k].append(float(m[k]))
             # the ratio clip's share of tokens (GRPO family; GSPO: sequences); GVPO has none
             rec["clip_frac"].append(float(m.get("clip_frac", float("nan"))))
+            # GVPO's loss terms, the lag and the IS weights, when the step has them (part 3)
+            kept = {k: float(m[k]) for k in STEP_KEYS if k in m}
+            if kept:
+                rec.setdefault("step_metrics", []).append(kept)
             if responses >= count["next_eval"] * budget / eval_points or responses >= budget:
                 if eval_n > 1 and (responses >= budget or not sampled_at_ends_only):
                     # one evaluation call scores greedy and avg@n

@@ -1,0 +1,213 @@
+"""Learning study, part 3: GVPO against the clipped methods on stale rollouts (rollout.staleness).
+
+Run (90 runs of the demo recipe, resumable: each finished run is a record under
+<workdir>/records; writes docs/study/stale/{results.json,results.md,stale.png}):
+    .venv/bin/python -m benchmarks.study_stale
+    .venv/bin/python -m benchmarks.study_stale --only "gvpo,grpo" --seeds 0,1
+    .venv/bin/python -m benchmarks.study_stale --report-only
+    .venv/bin/python -m benchmarks.study_stale --quick --out /tmp/st --workdir /tmp/st/runs
+
+Set-up (STUDY.md, "Part 3"): configs/arith_tiny.py (the demo recipe: addition 0-99, 600 SFT
+steps, P = 128 x G = 4, lr 1e-4) from one shared cold start, in the official regime (4
+minibatches x 1 epoch per rollout), each run training on the same number of rollouts (the
+config's 200 steps; a stale run samples k more, which stay in its queue). Cells: staleness k in
+{0, 2, 4, 8} x {GVPO, GRPO without correction, GRPO + token_tis, Dr. GRPO + token_tis}, plus
+GVPO with the norm clip off at k = 0 and 4. Measured: held-out greedy accuracy and avg@16 at
+T = 1 on the 200 held-out problems at 5 points of the run, the area under the greedy curve,
+divergences, KL to the start, and per step GVPO's variance term over its advantage term (the
+restoring term's share), corr(rc, a), the lag and the IS weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import time
+import zlib
+
+import jax
+import numpy as np
+
+from benchmarks.learning_study import base_config
+from benchmarks.study_report import auc, ci95, diverged
+from benchmarks.study_runs import OFFICIAL, REPO, config_key, make_cell, rl_run, save_record, sft
+from gvpo_jax import config as config_lib
+
+OUT = os.path.join(REPO, "docs", "study", "stale")
+STALENESS = (0, 2, 4, 8)
+METHODS = {  # name -> overrides
+    "gvpo": {"algo__name": "gvpo"},
+    "grpo": {"algo__name": "grpo"},
+    "grpo + token_tis": {"algo__name": "grpo", "algo__rollout_correction": "token_tis"},
+    "dr_grpo + token_tis": {"algo__name": "dr_grpo", "algo__rollout_correction": "token_tis"},
+}
+NOCLIP = {"algo__name": "gvpo", "optim__grad_clip": 0.0}
+
+
+def cells(quick: bool) -> list:
+    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
+    out = []
+    for k in (0, 2) if quick else STALENESS:
+        for name, over in METHODS.items():
+            out.append(make_cell("stale", f"{name} k={k}", rollout__staleness=k, **over,
+                                 **official))  # fmt: skip
+    for k in () if quick else (0, 4):
+        out.append(make_cell("noclip", f"gvpo no clip k={k}", rollout__staleness=k, **NOCLIP,
+                             **official))  # fmt: skip
+    return out
+
+
+def summarise(recs: list[dict], budget: int) -> dict:
+    final = np.array([r["curve"][-1][1] for r in recs])
+    sampled = np.array([r["curve_sampled"][-1][1] for r in recs if r.get("curve_sampled")])
+
+    def step_mean(key, fn=lambda m: m):
+        vals = [fn(s) for r in recs for s in r.get("step_metrics", []) if key in s]
+        vals = [v for v in vals if np.isfinite(v)]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    return {
+        "seeds": len(recs),
+        "greedy": float(final.mean()), "greedy_ci95": ci95(final),
+        "avg16": float(sampled.mean()) if sampled.size else float("nan"),
+        "avg16_ci95": ci95(sampled) if sampled.size > 1 else 0.0,
+        "auc": float(np.mean([auc(r["curve"], budget) for r in recs])),
+        "diverged": int(sum(diverged(r) for r in recs)),
+        "kl_start": float(np.nanmean([r["kl_start"] for r in recs])),
+        # over the steps whose groups had a reward spread (adv_term > 0): sum var / sum adv
+        "restoring_share": _ratio(recs, "var_term", "adv_term"),
+        "reward_corr": step_mean("reward_corr", lambda m: m["reward_corr"]),
+        "lag": step_mean("rollout_lag", lambda m: m["rollout_lag"]),
+        "is_clipped_frac": step_mean("is_clipped_frac", lambda m: m["is_clipped_frac"]),
+        "grad_clipped_frac": float(np.mean([np.mean(r["grad_clipped_frac"]) for r in recs])),
+        "time_s": float(np.mean([r["time_s"] for r in recs])),
+    }  # fmt: skip
+
+
+def _ratio(recs: list[dict], num: str, den: str) -> float:
+    steps = [s for r in recs for s in r.get("step_metrics", []) if s.get(den, 0.0) > 0]
+    total = sum(s[den] for s in steps)
+    return sum(s[num] for s in steps) / total if total > 0 else float("nan")
+
+
+def _f(x, spec=".3f"):
+    return "-" if not np.isfinite(x) else format(x, spec)
+
+
+def report(summary: dict) -> str:
+    lines = [
+        "| cell | seeds | greedy (95% CI) | avg@16 (95% CI) | AUC greedy | diverged | KL to start "
+        "| var/adv term | corr(rc, a) | IS clipped | norm-clipped updates |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summary["cells"].items():
+        lines.append(
+            f"| {name} | {s['seeds']} | {_f(s['greedy'])} +- {_f(s['greedy_ci95'])} | "
+            f"{_f(s['avg16'])} +- {_f(s['avg16_ci95'])} | {_f(s['auc'])} | {s['diverged']} | "
+            f"{_f(s['kl_start'], '.4f')} | {_f(s['restoring_share'], '.4f')} | "
+            f"{_f(s['reward_corr'])} | {_f(s['is_clipped_frac'], '.4f')} | "
+            f"{_f(s['grad_clipped_frac'], '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(summary: dict, out_png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title in ((axes[0], "avg16", "held-out avg@16 (T = 1)"),
+                           (axes[1], "greedy", "held-out greedy")):  # fmt: skip
+        for method in METHODS:
+            ks = [k for k in STALENESS if f"{method} k={k}" in summary["cells"]]
+            if not ks:
+                continue
+            cells_ = [summary["cells"][f"{method} k={k}"] for k in ks]
+            ax.errorbar(ks, [c[key] for c in cells_], yerr=[c[f"{key}_ci95"] for c in cells_],
+                        marker="o", capsize=3, label=method)  # fmt: skip
+        ax.set_xlabel("rollout.staleness k (updates between sampling and training)")
+        ax.set_title(title)
+        ax.set_xticks(list(STALENESS))
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--workdir", default="runs/study_stale")
+    p.add_argument("--only", default="", help="comma-separated substrings of cell names")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (default 0-4)")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    config = base_config(args.quick)
+    P, G = config.rollout.prompts_per_step, config.rollout.group_size
+    steps = 2 if args.quick else config.train.steps
+    budget, eval_points, eval_n = steps * P * G, (1 if args.quick else 5), (2 if args.quick else 16)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (
+        [0] if args.quick else [0, 1, 2, 3, 4])  # fmt: skip
+    only = [w for w in args.only.split(",") if w]
+    todo = [c for c in cells(args.quick) if not only or any(w in c.name for w in only)]
+    jax.config.update("jax_compilation_cache_dir", os.path.join(args.workdir, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.perf_counter()
+    start_dir = os.path.join(args.workdir, "start")
+    meta = os.path.join(start_dir, "start.json")
+    if not os.path.exists(meta) and not args.report_only:
+        info = sft(config, start_dir, noise=0.0, steps=config.sft.steps, eval_points=2)
+        with open(meta, "w") as fh:
+            json.dump(info, fh)
+    start = json.load(open(meta)) if os.path.exists(meta) else None
+    records = {}
+    for cell in todo:
+        key = config_key(cell, config)
+        for seed in seeds:
+            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
+            cached = os.path.join(args.workdir, "records", f"{tag}.json")
+            if not os.path.exists(cached):
+                if args.report_only:
+                    continue
+                cfg = config_lib.set_fields(config.copy_and_resolve_references(),
+                                            dict(cell.overrides))  # fmt: skip
+                cfg.seed = seed
+                wd = os.path.join(args.workdir, "runs", tag)
+                shutil.rmtree(wd, ignore_errors=True)
+                print(f"== {cell.name} / seed {seed}", flush=True)
+                rec = rl_run(cfg, wd, start_dir, budget=budget, eval_points=eval_points,
+                             start_acc=start["curve"][-1][1], eval_n=eval_n)  # fmt: skip
+                save_record(rec, cell, cached)
+                shutil.rmtree(wd, ignore_errors=True)  # the record is what is kept
+                greedy, sampled = rec["curve"][-1][1], rec["curve_sampled"][-1][1]
+                print(f"   greedy {greedy:.3f}  avg@{eval_n} {sampled:.3f}  {rec['time_s']:.0f}s",
+                      flush=True)  # fmt: skip
+            with open(cached) as fh:
+                records.setdefault(cell.name, []).append(json.load(fh))
+    summary = {
+        "command": "python -m benchmarks.study_stale " + " ".join(argv or []),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "budget_rollouts": steps, "prompts_per_step": P, "group_size": G, "eval_n": eval_n,
+        "start": start and {"curve": start["curve"]},
+        "cells": {name: summarise(recs, budget) for name, recs in records.items()},
+        "wall_time_s": time.perf_counter() - t0,
+    }  # fmt: skip
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump({**summary, "records": records}, fh, indent=1)
+    md = "\n".join([f"# Part 3: stale rollouts ({summary['date']})", "", report(summary), ""])
+    with open(os.path.join(args.out, "results.md"), "w") as fh:
+        fh.write(md)
+    if summary["cells"]:
+        plot(summary, os.path.join(args.out, "stale.png"))
+    print(md)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
