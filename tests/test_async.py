@@ -69,11 +69,13 @@ def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkey
 
 def test_split_mesh_equals_one_mesh_on_the_same_training_devices():
     """4 sampling + 4 training devices (the sampler in a thread, weights sent after each update)
-    give the same metrics and parameters, bit for bit, as sampling on the 4 training devices."""
+    give the same metrics and parameters, bit for bit, as sampling on the 4 training devices;
+    against one mesh of all 8 devices (data 4 x tensor 2), the same up to float summation order."""
     runs = {}
     for name, changes in {
         "split": {"mesh.num_devices": 8, "mesh.rollout_devices": 4},
         "one": {"mesh.num_devices": 4, "mesh.rollout_devices": 0},
+        "eight": {"mesh.num_devices": 8, "mesh.rollout_devices": 0, "mesh.tensor": 2},
     }.items():
         settings = {"rollout.staleness": 1, "algo.rollout_correction": "token_tis", **changes}
         run, state, loop, ref = make_run(toy_config("dapo", **settings))
@@ -92,6 +94,13 @@ def test_split_mesh_equals_one_mesh_on_the_same_training_devices():
         jax.tree.leaves(runs["split"][1]), jax.tree.leaves(runs["one"][1]), strict=True
     ):
         np.testing.assert_array_equal(a, b)
+    for a, b in zip(runs["split"][0], runs["eight"][0], strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    split, eight = jax.tree.leaves(runs["split"][1]), jax.tree.leaves(runs["eight"][1])
+    for a, b in zip(split, eight, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def _arith_config(**changes):
