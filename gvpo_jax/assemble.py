@@ -38,6 +38,7 @@ from gvpo_jax import (
 )
 from gvpo_jax import config as config_lib
 from gvpo_jax.buckets import BucketedSteps
+from gvpo_jax.models import lora
 from gvpo_jax.replay import ReplayBuffer
 from gvpo_jax.rl_step import LoopState, StepSettings
 
@@ -61,11 +62,14 @@ class Run:
     tx: optax.GradientTransformation  # the RL optimizer
     state_shardings: train_step.TrainState  # NamedShardings of the train state
     update: object  # jitted (state, batch) -> (state, metrics), state donated
-    logprobs: object  # jitted (params, tokens, attn_mask) -> response log-probs [B, N]
+    # jitted (params, tokens, attn_mask) -> response log-probs [B, N]; a 4th argument True:
+    # the LoRA policy's with its adapters off
+    logprobs: object
     buckets: BucketedSteps | None  # optim.length_buckets > 0: the bucketed update / log-probs
     needs_reference: bool  # a frozen reference copy is kept (anchor "ref", KL penalty, metric)
     # mesh.rollout_devices > 0: the devices that only sample (rollout_queue.SamplingMesh)
     sampling_mesh: rollout_queue.SamplingMesh | None = None
+    lora: lora.LoRASpec | None = None  # config.lora.enabled: the adapters on a frozen base
 
     def model(self, params) -> models.Transformer:
         return nnx.merge(self.graphdef, params)
@@ -97,6 +101,48 @@ def trains(config: ml_collections.ConfigDict) -> bool:
     """Whether the run updates the policy. mode=eval and mode=export only read the parameters:
     they build no optimizer state and keep no reference copy."""
     return config.mode not in ("eval", "export")
+
+
+def lora_spec(config: ml_collections.ConfigDict) -> lora.LoRASpec | None:
+    """The run's adapters (None: full fine-tuning)."""
+    c = config.lora
+    if not c.enabled:
+        return None
+    targets = config_lib.lora_targets(config)
+    return lora.LoRASpec(rank=c.rank, alpha=float(c.alpha), targets=targets, rslora=c.rslora)
+
+
+def base_dtype(config: ml_collections.ConfigDict) -> str:
+    """Storage of the model's own weights: the masters' param_dtype, or with LoRA the compute
+    dtype (the base is frozen and only ever cast to it)."""
+    return config.model.compute_dtype if config.lora.enabled else config.model.param_dtype
+
+
+def check_lora(config: ml_collections.ConfigDict, cfg: models.ModelConfig) -> None:
+    """LoRA settings that need the model's shapes or the reference rule (ConfigError)."""
+    spec = lora_spec(config)
+    if spec is None:
+        return
+    widths = {"q_proj": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+              "k_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
+              "v_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
+              "o_proj": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}  # fmt: skip
+    for name in spec.targets:
+        width = min(widths[name])
+        if spec.rank > width:
+            config_lib.fail(
+                f"config.lora.rank is {spec.rank} but {name} is only {width} wide in this model "
+                f"(a rank above the layer width adds nothing); set lora.rank <= {width}."
+            )
+    if config.mode in ("train", "sft") and config.sft.steps and needs_reference(config):
+        config_lib.fail(
+            "config.lora.enabled with sft.steps > 0 and a reference: LoRA's reference is the base "
+            "with the adapters off, not the SFT result; set sft.steps=0 or drop the reference "
+            "(algo.anchor=old, no KL, train.kl_ref_metric=False)."
+        )
 
 
 def needs_reference(config: ml_collections.ConfigDict) -> bool:
@@ -194,6 +240,7 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         advantages_need_old=_reward_kl(c) > 0,
         staleness=c.rollout.staleness,
         corrected=rollout_correction(c) is not None,
+        reference_adapters_off=bool(c.lora.enabled) and needs_reference(c),
     )
 
 
@@ -301,17 +348,18 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     Returns (model, tokenizer, rules).
     """
     c = config.model
+    param_dtype = base_dtype(config)
     if c.hf_dir:
-        cfg = sharding.hf_model_config(c.hf_dir, c.param_dtype, c.compute_dtype)
+        cfg = sharding.hf_model_config(c.hf_dir, param_dtype, c.compute_dtype)
         rules = sharding.logical_rules(mesh, cfg.replace(remat=c.remat))
         model = sharding.load_pretrained_sharded(
-            c.hf_dir, mesh, c.param_dtype, c.compute_dtype, remat=c.remat, rules=rules
+            c.hf_dir, mesh, param_dtype, c.compute_dtype, remat=c.remat, rules=rules
         )
         return models.with_config(model, attention=c.attention), tokenizer, rules
     if c.gguf:
         from gvpo_jax.config import resolve_gguf
 
-        model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), c.param_dtype, c.compute_dtype)
+        model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), param_dtype, c.compute_dtype)
         model = models.with_config(model, remat=c.remat, attention=c.attention)
         rules = sharding.logical_rules(mesh, model.config)
         return sharding.shard_model(model, mesh, rules), tokenizer or gguf_tok, rules
@@ -319,7 +367,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     fields = dict(c.overrides.to_dict())
     if tokenizer is not None and "vocab_size" not in fields and base is None:
         fields["vocab_size"] = len(tokenizer)
-    fields.setdefault("param_dtype", c.param_dtype)
+    fields.setdefault("param_dtype", param_dtype)
     fields.setdefault("compute_dtype", c.compute_dtype)
     fields.setdefault("remat", c.remat)
     fields.setdefault("attention", c.attention)
@@ -351,11 +399,21 @@ def check_mesh(config: ml_collections.ConfigDict, mesh) -> None:
         )
 
 
+def attach_lora(config: ml_collections.ConfigDict, model, mesh, rules):
+    """The model with the config's fresh adapters, in their shards (unchanged without LoRA)."""
+    spec = lora_spec(config)
+    if spec is None:
+        return model
+    check_lora(config, model.config)
+    return sharding.shard_model(lora.attach(model, spec, seed=config.seed), mesh, rules)
+
+
 def step_functions(config: ml_collections.ConfigDict, graphdef, params, rng, mesh, rules):
     """The jitted RL update and log-prob forward for `mesh`, with the state's shardings.
 
     `params` and `rng` may be concrete or abstract (the planner compiles full-size configs from
-    shapes). Returns (tx, state_shardings, update, logprobs).
+    shapes). With LoRA the log-prob forward also runs with the adapters off (`reference=True`).
+    Returns (tx, state_shardings, update, logprobs).
     """
     tx, lr_fn = optimizer(config, rl_updates(config))
     shardings = train_step.train_state_shardings(params, tx, rng, mesh, rules)
@@ -366,7 +424,7 @@ def step_functions(config: ml_collections.ConfigDict, graphdef, params, rng, mes
     logprobs = train_step.jit_logprobs(
         graphdef, prompt_len=config.data.max_prompt_len, chunk_size=config.model.logprob_chunk,
         group_size=config.rollout.group_size, mesh=mesh, param_shardings=shardings.params,
-        rules=rules,
+        rules=rules, reference_graphdef=lora.with_adapters(graphdef, params, False),
     )  # fmt: skip
     return tx, shardings, update, logprobs
 
@@ -464,6 +522,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
     check_mesh(config, mesh)
     tokenizer = build_tokenizer(config, workdir)
     model, tokenizer, rules = build_model(config, tokenizer, mesh)
+    model = attach_lora(config, model, mesh, rules)
     graphdef, params = nnx.split(model, nnx.Param)
     rng = jax.random.key_data(jax.random.key(config.seed))
     tx, shardings, update, logprobs = step_functions(config, graphdef, params, rng, mesh, rules)
@@ -501,12 +560,17 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         update=update,
         logprobs=logprobs,
         buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules),
-        needs_reference=needs_reference(config) and trains(config),
+        # with LoRA the reference is the base (adapters off): no copy
+        needs_reference=needs_reference(config) and trains(config) and not config.lora.enabled,
         sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),
+        lora=lora_spec(config),
     )
     if sharding.is_primary():
+        adapters = nnx.state(state.params, nnx.LoRAParam)
+        lora_note = f" ({models.param_count(adapters) / 1e6:.3f}M in LoRA adapters)"
         print(
-            f"model: {models.param_count(run.model(state.params)) / 1e6:.2f}M parameters; "
+            f"model: {models.param_count(run.model(state.params)) / 1e6:.2f}M parameters"
+            f"{lora_note if config.lora.enabled else ''}; "
             f"{jax.device_count()} {jax.devices()[0].platform} devices; mesh "
             + " x ".join(f"{k}={v}" for k, v in sharding.mesh_sizes(mesh).items())
         )

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from gvpo_jax import sharding, train_step
+from gvpo_jax.models import lora
 
 SEQUENCE_KEYS = ("tokens", "attn_mask")  # [B, prompt_len + N]; every other 2-D array is [B, N]
 
@@ -101,7 +102,8 @@ class BucketedSteps:
         self._loss_fn, self._logprobs, self._aux_shape = loss_fn, logprobs_fn, None
         repl = sharding.replicated(mesh)
         rows = sharding.batch_sharding(mesh)
-        acc_sh = {"grads": state_shardings.params, "loss": repl, "aux": repl}
+        trained = lora.split_trainable(state_shardings.params)[0]  # LoRA: the adapters' only
+        acc_sh = {"grads": trained, "loss": repl, "aux": repl}
         self._acc_shardings = acc_sh
 
         def accumulate(params, acc, batch, weight):
@@ -174,15 +176,18 @@ class BucketedSteps:
         state, metrics = self._apply(state, acc)
         return state, {**metrics, "update_slot_frac": slot_frac}
 
-    def logprobs(self, params, batch: dict) -> np.ndarray:
+    def logprobs(self, params, batch: dict, reference: bool = False) -> np.ndarray:
         """[B, N] response log-probs of a host batch (tokens, attn_mask, resp_mask), chunk by
-        chunk; slots past a chunk's width are 0, as masked slots are."""
+        chunk; slots past a chunk's width are 0, as masked slots are. reference=True: with the
+        LoRA adapters off (`train_step.jit_logprobs`)."""
         resp_mask = np.asarray(batch["resp_mask"])
         sequences = {k: batch[k] for k in SEQUENCE_KEYS}
         parts = []
         for rows, width, dev in self._device_chunks(sequences, resp_mask, self.chunks):
             # dispatch every chunk, then wait for all of them
-            parts.append((rows, width, self._logprobs(params, dev["tokens"], dev["attn_mask"])))
+            off = (True,) if reference else ()  # LoRA: the adapters off (jit_logprobs)
+            logp = self._logprobs(params, dev["tokens"], dev["attn_mask"], *off)
+            parts.append((rows, width, logp))
         out = np.zeros(resp_mask.shape, np.float32)
         for rows, width, logp in parts:
             out[rows, :width] = sharding.gather(logp)

@@ -21,6 +21,8 @@ TASKS = ("arith", "gsm8k", "math", "math_gsm8k", "jsonl")
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The projections LoRA can adapt, named as transformers and PEFT name them (models/lora.py).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(BadInputError):
@@ -75,6 +77,16 @@ def base_config() -> ml_collections.ConfigDict:
     # blocked (flash-style, O(T) memory) | xla (jax.nn.dot_product_attention) | splash (TPU).
     c.model.attention = "auto"
     c.model.logprob_chunk = 128  # log-prob blocks hold <= this many tokens x vocab fp32 logits
+
+    # LoRA (docs/lora.md): the base frozen in compute_dtype, outside the optimizer; rank-r
+    # adapters trained as fp32 masters; the reference is the base (adapters off), not a copy.
+    c.lora = ml_collections.ConfigDict()
+    c.lora.enabled = False  # train adapters instead of the whole model
+    c.lora.rank = 16  # r: rank of every adapter
+    c.lora.alpha = 32.0  # the adapters' output is scaled by alpha / rank
+    c.lora.rslora = False  # rank-stabilised scaling alpha / sqrt(rank) instead
+    c.lora.dropout = 0.0  # only 0: dropout would make the policy's log-probs random
+    c.lora.targets = ",".join(LORA_TARGETS)  # projections that get adapters, comma-separated
 
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.kind = (
@@ -528,6 +540,42 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         if not isinstance(value, int) or (value < 1 and value != -1):
             _fail(f"config.mesh.{axis} is {value!r}; use a positive size or -1 to fill the rest.")
     _validate_eval(c, check_paths=check_paths)
+    _validate_lora(c)
+
+
+def lora_targets(c: ml_collections.ConfigDict) -> tuple[str, ...]:
+    return tuple(t.strip() for t in c.lora.targets.split(",") if t.strip())
+
+
+def _validate_lora(c: ml_collections.ConfigDict) -> None:
+    """The lora section (the rank against the layer widths, and SFT with a reference, are
+    checked in `assemble.check_lora`, once the model's shapes are known)."""
+    if not c.lora.enabled:
+        return
+    rank = c.lora.rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        _fail(f"config.lora.rank is {rank!r}; set a positive integer such as 16.")
+    if not c.lora.alpha > 0:
+        _fail(f"config.lora.alpha is {c.lora.alpha}; set a positive scale such as 2 x lora.rank.")
+    if c.lora.dropout != 0:
+        _fail(
+            f"config.lora.dropout is {c.lora.dropout}; only 0 is supported, because dropout "
+            "makes the policy's log-probs random (pi_theta != pi_old at the first update); set 0."
+        )
+    targets = lora_targets(c)
+    if not targets:
+        _fail(f"config.lora.targets is empty; name projections from {', '.join(LORA_TARGETS)}.")
+    for name in targets:
+        if name not in LORA_TARGETS:
+            close = difflib.get_close_matches(name, LORA_TARGETS, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}?" if close else f"use {', '.join(LORA_TARGETS)}."
+            _fail(f"config.lora.targets names {name!r}, which matches no projection; {hint}")
+    if c.model.param_dtype != "float32":
+        _fail(
+            f"config.model.param_dtype is {c.model.param_dtype} with lora.enabled, but LoRA keeps "
+            "the base frozen in model.compute_dtype and trains fp32 adapters; set "
+            "model.param_dtype=float32 (or lora.enabled=False to train the base)."
+        )
 
 
 def _validate_eval(c: ml_collections.ConfigDict, *, check_paths: bool) -> None:

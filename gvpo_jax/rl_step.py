@@ -58,6 +58,8 @@ class StepSettings:
     advantages_need_old: bool = False  # batch_advantages reads pi_old (a KL in the reward)
     staleness: int = 0  # the rollout of step t comes from the policy of step t - staleness
     corrected: bool = False  # algo.rollout_correction: the batch carries behaviour_logp
+    # LoRA: the reference log-probs are the policy's with its adapters off (no copy is kept)
+    reference_adapters_off: bool = False
 
 
 @dataclasses.dataclass
@@ -153,13 +155,15 @@ def rl_step(run, state, loop: LoopState, ref_params):
     #    consistency and entropy metrics then come from the update (rows sampled this step).
     single_update = s.num_epochs * s.num_minibatches == 1
     bucketed = run.buckets  # None: every pass spans all max_new_tokens response slots
-    if bucketed is None and (not single_update or ref_params is not None):
+    reference = ref_params is not None or s.reference_adapters_off
+    if bucketed is None and (not single_update or reference):
         dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
 
-    def logprobs(params):  # [B, N] on the host, every row (a pass runs: the rows go to devices)
+    def logprobs(params, adapters_off=False):  # [B, N] on the host, every row
         if bucketed is not None:
-            return bucketed.logprobs(params, batch)
-        return sharding.gather(run.logprobs(params, dev["tokens"], dev["attn_mask"]))
+            return bucketed.logprobs(params, batch, reference=adapters_off)
+        off = (True,) if adapters_off else ()  # LoRA's base: the same parameters, adapters off
+        return sharding.gather(run.logprobs(params, dev["tokens"], dev["attn_mask"], *off))
 
     if single_update:
         rows_total = len(batch["rewards"])
@@ -170,6 +174,8 @@ def rl_step(run, state, loop: LoopState, ref_params):
         batch["old_logp"] = logprobs(state.params)
     if ref_params is not None:
         batch["ref_logp"] = logprobs(ref_params)
+    elif s.reference_adapters_off:  # LoRA: the base, i.e. the same parameters without adapters
+        batch["ref_logp"] = logprobs(state.params, adapters_off=True)
     whole = single_update and s.micro_batches == 1 and bucketed is None  # one loss call, all rows
     if s.batch_advantages is not None and not whole:
         # Whole-batch statistics (REINFORCE++'s global normalisation) from every row, once,

@@ -4,7 +4,9 @@ work: cold-start SFT, the RL loop over `rl_step.rl_step`, evaluation, export.
 Resume order: `config.restore_from` > the latest checkpoint in the workdir > a fresh start. A
 checkpoint holds the train state, the frozen reference (when the run keeps one) and the loop
 state (`rl_step.LoopState`: step, data position, shuffle stream, replay buffer), so a resumed
-run continues bit for bit.
+run continues bit for bit. A LoRA run's checkpoint holds the adapters and their optimizer state,
+not the frozen base: the run reloads that from its source and checks it against the
+checkpoint's fingerprint of it (`models.lora.fingerprint`).
 
 `rl_loop` is the one RL loop: the CLI's run (`train_rl`), the learning study and the benchmarks
 drive their steps through it (`on_step` lets them record, evaluate or stop).
@@ -27,6 +29,7 @@ import tqdm
 
 from gvpo_jax import assemble, checkpoint, metrics, models, rollout, sharding, train_step
 from gvpo_jax import eval as eval_lib
+from gvpo_jax.models import lora
 from gvpo_jax.rl_step import LoopState, TrainingError, next_examples, rl_step
 
 __all__ = ["TrainingError", "rl_loop", "run"]
@@ -292,6 +295,11 @@ def restore(run_: assemble.Run, state, loop: LoopState):
     if found is None:
         return state, None, False
     (restored, meta, replay), directory, step = found
+    if run_.lora is not None:  # the checkpoint's adapters on the base this run loaded
+        check_base(run_, state.params, meta, directory)
+        base = lora.split_trainable(state.params)[1]
+        adapted = lora.join(restored["state"].params, base)
+        restored = {**restored, "state": restored["state"].replace(params=adapted)}
     ref = None
     if run_.needs_reference:  # start of RL from a checkpoint without reference: freeze now
         ref = (
@@ -305,6 +313,26 @@ def restore(run_: assemble.Run, state, loop: LoopState):
     return restored["state"], ref, True
 
 
+def stored_state(run_: assemble.Run, state):
+    """What a checkpoint holds of a train state (or of its shardings): all of it, or with LoRA
+    all but the frozen base."""
+    if run_.lora is None:
+        return state
+    return state.replace(params=lora.split_trainable(state.params)[0])
+
+
+def check_base(run_: assemble.Run, params, meta: dict, directory) -> None:
+    """A LoRA checkpoint resumes only onto the base it was trained on (CheckpointError)."""
+    saved, ours = meta.get("lora_base"), lora.fingerprint(params)
+    # fp32 sums: the reduction order (the mesh) may change the last digits, another base more
+    if saved is None or abs(saved - ours) > 1e-5 * abs(ours) + 1e-6:
+        raise checkpoint.CheckpointError(
+            f"the LoRA checkpoint in {directory} was trained on another base model (fingerprint "
+            f"{saved} != {ours} of this run's); point config.model at the base it was trained "
+            "on (its config.json in the checkpoint names it) or use another workdir."
+        )
+
+
 def abstract_target(run_: assemble.Run, state, ref):
     """Restore target: shapes, dtypes and the run's shardings."""
     shard = run_.state_shardings
@@ -316,7 +344,7 @@ def abstract_target(run_: assemble.Run, state, ref):
         )
     )
     return {
-        "state": jax.tree.map(keep, state, shard),
+        "state": jax.tree.map(keep, stored_state(run_, state), stored_state(run_, shard)),
         "ref": None if ref is None else jax.tree.map(keep, ref, shard.params),
     }
 
@@ -324,8 +352,10 @@ def abstract_target(run_: assemble.Run, state, ref):
 def save(run_: assemble.Run, state, loop: LoopState, ref) -> None:
     """Checkpoint `state`, `ref` and `loop` as step `loop.step`."""
     meta = loop.state_dict() | {"config": json.loads(run_.config.to_json_best_effort())}
-    run_.ckpt.save(loop.step, {"state": state, "ref": ref}, meta=meta, replay=loop.arrays(),
-                   force=True)  # fmt: skip
+    if run_.lora is not None:
+        meta["lora_base"] = lora.fingerprint(state.params)
+    stored = {"state": stored_state(run_, state), "ref": ref}
+    run_.ckpt.save(loop.step, stored, meta=meta, replay=loop.arrays(), force=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -450,17 +480,25 @@ def evaluate_sets(run_: assemble.Run, params, *, policy: str) -> dict:
 def export(run_: assemble.Run, params) -> dict:
     """The policy as a Hugging Face directory (model + tokenizer) in workdir/export.
 
-    Tensors are written in `train.export_dtype` (default: the compute dtype).
+    Tensors are written in `train.export_dtype` (default: the compute dtype). A LoRA policy is
+    exported merged (W + scale A B, summed in fp32) there, and its adapters alone in PEFT's
+    format in workdir/export_adapter.
     """
     out = os.path.join(run_.workdir, "export")
     c = run_.config
     dtype = c.train.export_dtype or c.model.compute_dtype
     host = sharding.gather(params)  # an all-gather in multi-process runs: every process calls
+    result = {"export_dir": out}
     if sharding.is_primary():
-        models.save_pretrained(run_.model(host), out, dtype=dtype)
+        model = run_.model(host)
+        if run_.lora is not None:
+            result["adapter_dir"] = os.path.join(run_.workdir, "export_adapter")
+            lora.save_peft(model, result["adapter_dir"], run_.lora, base_model=c.model.hf_dir)
+            model = lora.merged(model, dtype)
+        models.save_pretrained(model, out, dtype=dtype)
         run_.tokenizer.save_pretrained(out)
         print(f"Exported the policy to {out}")
-    return {"export_dir": out}
+    return result
 
 
 def finish(run_: assemble.Run, params, summary: dict) -> None:

@@ -11,6 +11,7 @@ import optax
 from flax import nnx, struct
 
 from gvpo_jax import losses, models, sharding
+from gvpo_jax.models import lora
 
 
 @struct.dataclass
@@ -18,8 +19,8 @@ class TrainState:
     """Everything an update changes. Graph definition and optimizer are static, bound elsewhere."""
 
     step: jax.Array  # optimizer updates applied (skipped non-finite updates do not count)
-    params: nnx.State  # policy parameters
-    opt_state: optax.OptState
+    params: nnx.State  # policy parameters (with LoRA: the frozen base and the adapters)
+    opt_state: optax.OptState  # of the trained parameters only (with LoRA: the adapters')
     rng: jax.Array  # the run's PRNG key, split once per RL step
     bad_steps: jax.Array  # consecutive non-finite updates skipped so far
 
@@ -57,10 +58,12 @@ def make_optimizer(
 
 
 def init_state(params: nnx.State, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    """Step 0: optimizer state for the trained part of `params` (`lora.split_trainable`: all of
+    them, or with LoRA the adapters alone; the frozen base has no moments)."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=tx.init(params),
+        opt_state=tx.init(lora.split_trainable(params)[0]),
         rng=rng,
         bad_steps=jnp.zeros((), jnp.int32),
     )
@@ -160,22 +163,27 @@ def jit_logprobs(
     mesh,
     param_shardings,
     rules=sharding.LOGICAL_RULES,
+    reference_graphdef=None,
 ):
     """`response_logprobs` as a jitted function of (params, tokens_BxS, attn_mask_BxS) -> [B, N].
 
     group_size > 1: batches of whole groups sharing their prompt (see `response_logprobs`).
     Explicit shardings: params as given, rows over data x fsdp in and out, with the model's
     activation constraints active under `rules`; the same function serves the policy and the
-    frozen reference, which share their shardings.
+    frozen reference, which share their shardings. A fourth argument True (static, positional:
+    jit takes no keywords with in_shardings) runs `reference_graphdef` instead: with LoRA, the
+    same parameters with the adapters off.
     """
     kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, group_size=group_size)
     rows = sharding.batch_sharding(mesh)
 
-    def logprobs(params, tokens_BxS, attn_mask_BxS):
+    def logprobs(params, tokens_BxS, attn_mask_BxS, reference=False):
+        graph = reference_graphdef if reference else graphdef
         with sharding.tracing_mesh(mesh, rules):
-            return response_logprobs(graphdef, params, tokens_BxS, attn_mask_BxS, **kw)
+            return response_logprobs(graph, params, tokens_BxS, attn_mask_BxS, **kw)
 
-    return jax.jit(logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows)
+    return jax.jit(logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows,
+                   static_argnums=3)  # fmt: skip
 
 
 def rl_loss(
@@ -361,11 +369,12 @@ def apply_gradients(state: TrainState, grads, loss, aux: dict, *, micro_batches:
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-    updates, new_opt = tx.update(safe_grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    trained, frozen = lora.split_trainable(state.params)
+    updates, new_opt = tx.update(safe_grads, state.opt_state, trained)
+    new_trained = optax.apply_updates(trained, updates)
     new_state = state.replace(
         step=state.step + finite.astype(jnp.int32),
-        params=_where_tree(finite, new_params, state.params),
+        params=lora.join(_where_tree(finite, new_trained, trained), frozen),
         opt_state=_where_tree(finite, new_opt, state.opt_state),
         bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
     )
@@ -383,8 +392,12 @@ def apply_gradients(state: TrainState, grads, loss, aux: dict, *, micro_batches:
 def accumulate(params, acc: dict, batch: dict, *, loss_fn: Callable) -> dict:
     """acc + (gradients, loss, aux) of `loss_fn` on one micro-batch: one step of a host-side
     gradient accumulation, whose micro-batches may have different shapes. `acc` holds
-    {"grads", "loss", "aux"} (start from `zero_accumulator`)."""
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    {"grads", "loss", "aux"} (start from `zero_accumulator`). Gradients are taken with respect to
+    the trained part of `params` only (`lora.split_trainable`): a LoRA run never computes the
+    frozen base's."""
+    trained, frozen = lora.split_trainable(params)
+    loss_of_trained = lambda t, b: loss_fn(lora.join(t, frozen), b)
+    (loss, aux), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(trained, batch)
     return {
         "grads": jax.tree.map(jnp.add, acc["grads"], grads),
         "loss": acc["loss"] + loss,
@@ -393,9 +406,10 @@ def accumulate(params, acc: dict, batch: dict, *, loss_fn: Callable) -> dict:
 
 
 def zero_accumulator(params, aux_shape: dict) -> dict:
-    """The empty `accumulate` carry: zero gradients shaped like params, zero loss and aux."""
+    """The empty `accumulate` carry: zero gradients shaped like the trained params, zero loss
+    and aux."""
     return {
-        "grads": jax.tree.map(jnp.zeros_like, params),
+        "grads": jax.tree.map(jnp.zeros_like, lora.split_trainable(params)[0]),
         "loss": jnp.zeros((), jnp.float32),
         "aux": {k: jnp.zeros(v.shape, v.dtype) for k, v in aux_shape.items()},
     }

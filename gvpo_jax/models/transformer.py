@@ -43,6 +43,14 @@ def weight(param: nnx.Param, dtype) -> jax.Array:
     return param[...].astype(dtype)
 
 
+def adapted(y_MxO: jax.Array, x_MxI: jax.Array, adapter) -> jax.Array:
+    """y + a LoRA adapter's branch on x (`models/lora.py`), when one is attached and on.
+    y [M, out] is the projection x [M, in] @ W in the compute dtype."""
+    if adapter is None or not adapter.enabled:
+        return y_MxO
+    return y_MxO + adapter(x_MxI, y_MxO.dtype)
+
+
 def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
     """Sharding constraint by logical axis names (no-op without axis rules and a mesh)."""
     return with_logical_constraint(x, axes)
@@ -124,13 +132,15 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, _zeros, (k, h), dt, ("kv_heads", "head_dim"))
         else:
             self.q_bias = self.k_bias = self.v_bias = None
+        # LoRA adapters (models/lora.py attaches them; None: the plain projection).
+        self.q_lora = self.k_lora = self.v_lora = self.o_lora = nnx.data(None)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(h, cfg.rms_norm_eps, cfg, rngs)
             self.k_norm = RMSNorm(h, cfg.rms_norm_eps, cfg, rngs)
         else:
             self.q_norm = self.k_norm = None
 
-    def _project(self, x_BxTxD, kernel, bias, axes):
+    def _project(self, x_BxTxD, kernel, bias, axes, adapter=None):
         """x @ kernel [D, N|K, H] -> [B, T, N|K, H], as one 2-D matmul on [B*T, D].
 
         XLA CPU computes the weight gradient of the 3-D einsum "btd,dnh->btnh" (contracting b
@@ -138,7 +148,8 @@ class Attention(nnx.Module):
         """
         b, t, d = x_BxTxD.shape
         w = weight(kernel, self.compute_dtype)
-        y = (x_BxTxD.reshape(b * t, d) @ w.reshape(d, -1)).reshape(b, t, *w.shape[1:])
+        x_BTxD = x_BxTxD.reshape(b * t, d)
+        y = adapted(x_BTxD @ w.reshape(d, -1), x_BTxD, adapter).reshape(b, t, *w.shape[1:])
         if bias is not None:
             y = y + weight(bias, self.compute_dtype)
         return constrain(y, axes)
@@ -146,12 +157,11 @@ class Attention(nnx.Module):
     def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
         """Returns (out_BxTxD, new_layer_cache). Without a cache, keys are the T inputs."""
         b, t, d = x_BxTxD.shape
-        q_BxTxNxH = self._project(
-            x_BxTxD, self.q_kernel, self.q_bias, ("batch", "length", "heads", "head_dim")
-        )
+        q_axes = ("batch", "length", "heads", "head_dim")
+        q_BxTxNxH = self._project(x_BxTxD, self.q_kernel, self.q_bias, q_axes, self.q_lora)
         kv_axes = ("batch", "length", "kv_heads", "head_dim")
-        k_BxTxKxH = self._project(x_BxTxD, self.k_kernel, self.k_bias, kv_axes)
-        v_BxTxKxH = self._project(x_BxTxD, self.v_kernel, self.v_bias, kv_axes)
+        k_BxTxKxH = self._project(x_BxTxD, self.k_kernel, self.k_bias, kv_axes, self.k_lora)
+        v_BxTxKxH = self._project(x_BxTxD, self.v_kernel, self.v_bias, kv_axes, self.v_lora)
         if self.q_norm is not None:  # QK-norm: per head over H, before RoPE
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
@@ -188,7 +198,8 @@ class Attention(nnx.Module):
         b, t, n, h = out_BxTxNxH.shape
         d = self.o_kernel.shape[-1]
         o_NHxD = weight(self.o_kernel, self.compute_dtype).reshape(n * h, d)
-        out_BxTxD = out_BxTxNxH.reshape(b * t, n * h) @ o_NHxD
+        out_BTxNH = out_BxTxNxH.reshape(b * t, n * h)
+        out_BxTxD = adapted(out_BTxNH @ o_NHxD, out_BTxNH, self.o_lora)
         return constrain(out_BxTxD.reshape(b, t, d), ("batch", "length", "embed"))
 
 
@@ -227,13 +238,16 @@ class MLP(nnx.Module):
         self.gate_kernel = _param(rngs, _normal, (d, f), dt, ("embed", "mlp"))
         self.up_kernel = _param(rngs, _normal, (d, f), dt, ("embed", "mlp"))
         self.down_kernel = _param(rngs, _normal, (f, d), dt, ("mlp", "embed"))
+        self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)  # LoRA (models/lora.py)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         # 2-D matmuls on [B*T, D]: see Attention._project for why not 3-D einsums.
         b, t, d = x_BxTxD.shape
         x_BTxD = x_BxTxD.reshape(b * t, d)
-        gate_BTxF = x_BTxD @ weight(self.gate_kernel, self.compute_dtype)
-        up_BTxF = x_BTxD @ weight(self.up_kernel, self.compute_dtype)
+        gate_BTxF = adapted(x_BTxD @ weight(self.gate_kernel, self.compute_dtype), x_BTxD,
+                            self.gate_lora)  # fmt: skip
+        up_BTxF = adapted(x_BTxD @ weight(self.up_kernel, self.compute_dtype), x_BTxD,
+                          self.up_lora)  # fmt: skip
         if self.gelu:
             hidden_BTxF = jax.nn.gelu(gate_BTxF, approximate=True) * up_BTxF
         else:
@@ -241,7 +255,8 @@ class MLP(nnx.Module):
         hidden_BxTxF = hidden_BTxF.reshape(b, t, -1)
         hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "mlp"))
         down_FxD = weight(self.down_kernel, self.compute_dtype)
-        return (hidden_BxTxF.reshape(b * t, -1) @ down_FxD).reshape(b, t, d)
+        hidden_BTxF = hidden_BxTxF.reshape(b * t, -1)
+        return adapted(hidden_BTxF @ down_FxD, hidden_BTxF, self.down_lora).reshape(b, t, d)
 
 
 class Block(nnx.Module):

@@ -1,0 +1,238 @@
+"""LoRA adapters on the transformer's projections: attach, switch off, merge, PEFT export.
+
+An adapter adds `scale * (x @ A) @ B` to one projection `x @ W` (arXiv 2106.09685), with A
+[in, r] drawn as PEFT draws it (uniform in +-1/sqrt(in)) and B [r, out] zero, so a model with
+fresh adapters computes exactly what its base computes. `scale` is alpha / r, or alpha / sqrt(r)
+with rank-stabilised scaling (rsLoRA, arXiv 2312.03732).
+
+A and B are `nnx.LoRAParam`s (a subclass of `nnx.Param`): `nnx.split(model, nnx.Param)` keeps
+them in the policy's parameters, and `split_trainable` cuts those into the adapters (trained,
+fp32 masters with their Adam moments) and the frozen base (in the compute dtype, never in the
+optimizer). They carry the logical axes of the weight they adapt (`embed`, `heads`, `mlp`, ...)
+on their in / out dimensions and none on the rank, so the mesh rules shard them as the base.
+
+Switching the adapters off (`with_adapters(graphdef, False)`) changes the graph, not the
+parameters: the reference policy of a LoRA run is the same parameters run without the adapter
+branch, so no second copy of the weights exists. Why a hand-written adapter and not
+`nnx.LoRALinear`: docs/lora.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gvpo_jax.models import safetensors_io
+from gvpo_jax.models.transformer import Transformer, abstract_model
+
+# Target name (as PEFT and transformers name the modules) -> (sub-module, attribute stem).
+TARGETS = {
+    "q_proj": ("attn", "q"),
+    "k_proj": ("attn", "k"),
+    "v_proj": ("attn", "v"),
+    "o_proj": ("attn", "o"),
+    "gate_proj": ("mlp", "gate"),
+    "up_proj": ("mlp", "up"),
+    "down_proj": ("mlp", "down"),
+}
+_HF_PARENT = {"attn": "self_attn", "mlp": "mlp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASpec:
+    """Rank, alpha, the target projections and the scaling rule of a run's adapters."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = tuple(TARGETS)
+    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+class Adapter(nnx.Module):
+    """`scale * (x @ A) @ B` for one projection whose kernel is [*in_shape, *out_shape].
+
+    A is [*in_shape, r], B [r, *out_shape] (fp32 masters); the branch runs in the compute
+    dtype, like the base weight. `enabled` is static: turning it off changes the graph.
+    """
+
+    def __init__(self, in_shape, out_shape, in_axes, out_axes, *, rank: int, scale: float,
+                 rngs: nnx.Rngs):  # fmt: skip
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        a = jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound)
+        self.a = nnx.LoRAParam(a, out_sharding=(*in_axes, None), eager_sharding=False)
+        b = jnp.zeros((rank, *out_shape), jnp.float32)
+        self.b = nnx.LoRAParam(b, out_sharding=(None, *out_axes), eager_sharding=False)
+        self.scale = scale
+        self.enabled = True
+
+    def __call__(self, x_MxI: jax.Array, dtype) -> jax.Array:
+        """x [M, prod(in_shape)] -> [M, prod(out_shape)] in `dtype`."""
+        r = self.a.shape[-1]
+        a_IxR = self.a[...].astype(dtype).reshape(-1, r)
+        b_RxO = self.b[...].astype(dtype).reshape(r, -1)
+        return ((x_MxI @ a_IxR) * jnp.asarray(self.scale, dtype)) @ b_RxO
+
+    def delta(self) -> jax.Array:
+        """fp32 scale * A @ B in the kernel's own shape [*in_shape, *out_shape]."""
+        return self.scale * jnp.tensordot(self.a[...], self.b[...], axes=1)
+
+
+def _kernel(module, stem: str):
+    return getattr(module, f"{stem}_kernel")
+
+
+def _axes(param) -> tuple:
+    return tuple(param.get_metadata().get("out_sharding") or (None,) * param.ndim)
+
+
+def _split_at(kernel, stem: str) -> int:
+    """How many leading kernel dims are inputs: o_kernel is [N, H, D], every other one [in, ...]."""
+    return 2 if stem == "o" else 1
+
+
+def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
+    """Adds fresh adapters (B = 0) to `spec.targets` of every layer, in place; returns `model`.
+
+    Their A matrices come from their own stream (`seed`), so the base is untouched and equal to
+    the model built without LoRA.
+    """
+    rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 0x10A))
+    for block in model.layers:
+        for name in spec.targets:
+            part, stem = TARGETS[name]
+            module = getattr(block, part)
+            kernel = _kernel(module, stem)
+            k, axes = _split_at(kernel, stem), _axes(kernel)
+            adapter = Adapter(kernel.shape[:k], kernel.shape[k:], axes[:k], axes[k:],
+                              rank=spec.rank, scale=spec.scale, rngs=rngs)  # fmt: skip
+            setattr(module, f"{stem}_lora", adapter)
+    return model
+
+
+def abstract_lora_model(cfg, spec: LoRASpec) -> Transformer:
+    """`attach` on a model of ShapeDtypeStructs (no memory): for the planner and shape checks."""
+    return nnx.eval_shape(lambda: attach(Transformer(cfg, rngs=nnx.Rngs(0)), spec, seed=0))
+
+
+def adapters(model: Transformer) -> list[tuple[int, str, Adapter]]:
+    """(layer, target name, adapter) of every adapter attached to `model`."""
+    out = []
+    for i, block in enumerate(model.layers):
+        for name, (part, stem) in TARGETS.items():
+            adapter = getattr(getattr(block, part), f"{stem}_lora", None)
+            if adapter is not None:
+                out.append((i, name, adapter))
+    return out
+
+
+def with_adapters(graphdef: nnx.GraphDef, params, enabled: bool) -> nnx.GraphDef:
+    """The graph definition of the same model with every adapter on or off (parameters shared:
+    an adapter that is off keeps its A and B, the forward just skips its branch)."""
+    model = nnx.merge(graphdef, params)
+    for _, _, adapter in adapters(model):
+        adapter.enabled = enabled
+    return nnx.split(model, nnx.Param)[0]
+
+
+def has_adapters(params) -> bool:
+    return bool(jax.tree.leaves(nnx.state(params, nnx.LoRAParam)))
+
+
+def split_trainable(params):
+    """(trained, frozen) parts of a policy's parameters (an nnx.State, or shardings shaped like
+    one): with adapters, (the adapters, the rest: the frozen base); without, (params, empty)."""
+    if not has_adapters(params):
+        return params, nnx.State({})
+    return nnx.split_state(params, nnx.LoRAParam, ...)
+
+
+def join(trained, frozen):
+    """The inverse of `split_trainable`."""
+    if not jax.tree.leaves(frozen):
+        return trained
+    return nnx.merge_state(trained, frozen)
+
+
+def merged(model: Transformer, dtype=None) -> Transformer:
+    """A plain model (no adapters) whose kernels are W + scale * A @ B, summed in fp32 and stored
+    in `dtype` (default: the base's dtype). Adapters that are off are not merged."""
+    graphdef, _ = nnx.split(abstract_model(model.config), nnx.Param)
+    state = nnx.state(model, nnx.Param)
+    state = nnx.split_state(state, nnx.LoRAParam, ...)[1] if has_adapters(state) else state
+    flat = dict(nnx.to_flat_state(state))
+    for i, name, adapter in adapters(model):
+        if not adapter.enabled:
+            continue
+        part, stem = TARGETS[name]
+        path = ("layers", i, part, f"{stem}_kernel")
+        w = flat[path].get_value()
+        out = (w.astype(jnp.float32) + adapter.delta()).astype(dtype or w.dtype)
+        flat[path] = flat[path].replace(out)
+    return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
+
+
+def save_peft(model: Transformer, out_dir, spec: LoRASpec, *, base_model: str = "") -> Path:
+    """The adapters in PEFT's format: adapter_config.json + adapter_model.safetensors, which
+    `peft.PeftModel.from_pretrained(<the transformers base model>, out_dir)` loads.
+
+    PEFT's lora_A.weight is [r, in_features] and lora_B.weight [out_features, r], with the
+    features flattened as transformers' Linear weights are (q_proj out = heads x head_dim).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for i, name, adapter in adapters(model):
+        part, _ = TARGETS[name]
+        prefix = f"base_model.model.model.layers.{i}.{_HF_PARENT[part]}.{name}"
+        r = adapter.a.shape[-1]
+        a = lambda adapter=adapter, r=r: np.asarray(adapter.a.get_value()).reshape(-1, r).T
+        b = lambda adapter=adapter, r=r: np.asarray(adapter.b.get_value()).reshape(r, -1).T
+        a_shape = (r, math.prod(adapter.a.shape[:-1]))
+        b_shape = (math.prod(adapter.b.shape[1:]), r)
+        sources.append((f"{prefix}.lora_A.weight", a_shape, np.dtype(np.float32), a))
+        sources.append((f"{prefix}.lora_B.weight", b_shape, np.dtype(np.float32), b))
+    safetensors_io.write_file(out_dir / "adapter_model.safetensors", sources)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": 0.0,
+        "use_rslora": spec.rslora,
+        "target_modules": sorted(spec.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def fingerprint(params) -> float:
+    """A number that identifies the frozen base (the parameters outside the adapters): the fp32
+    sums of every base weight and of its square, weighted by its position in the tree. LoRA
+    checkpoints store it, so a resume onto another base fails instead of silently pairing the
+    adapters with the wrong weights."""
+    base = split_trainable(params)[1] if has_adapters(params) else params
+    leaves = jax.tree.leaves(base)
+
+    @jax.jit
+    def total(leaves):
+        sums = [jnp.sum(x.astype(jnp.float32)) + jnp.sum(jnp.square(x.astype(jnp.float32)))
+                for x in leaves]  # fmt: skip
+        return jnp.sum(jnp.stack(sums) * jnp.arange(1, len(sums) + 1, dtype=jnp.float32))
+
+    return float(total(leaves))
