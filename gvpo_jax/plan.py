@@ -7,7 +7,9 @@
 Parameters, Adam moments, the reference copy and the compute-dtype copy of the parameters are
 exact (the shapes `jax.eval_shape` gives, split as `sharding.logical_rules` says, counted per
 device with padding to whole shards). Masters and moments are in `model.param_dtype`; the
-reference, activations and the KV cache in `model.compute_dtype`.
+reference, activations and the KV cache in `model.compute_dtype`. With LoRA (`config.lora`) the
+base is stored in the compute dtype and frozen: moments and gradients are the adapters' alone,
+and no reference copy exists (the reference is the base with the adapters off).
 Gradients, the rollout's KV cache and activations are estimates (formulas in
 `activation_bytes` / `kv_cache_bytes`). `--compile` lowers and compiles the real train step for
 the mesh on fake CPU devices (small presets: compile time grows with the layer count) and prints
@@ -27,6 +29,7 @@ from flax import nnx
 
 from gvpo_jax import assemble, models, sharding, train_step
 from gvpo_jax.models import attention as attention_kernels
+from gvpo_jax.models import lora
 
 GiB = 2**30
 # Memory per device (GiB) as the accelerator reports it (one JAX device each).
@@ -121,7 +124,7 @@ class MemoryPlan:
 def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
     """The run's ModelConfig without loading weights: hf_dir/config.json > preset > overrides."""
     c = config.model
-    dtypes = {"param_dtype": c.param_dtype, "compute_dtype": c.compute_dtype}
+    dtypes = {"param_dtype": assemble.base_dtype(config), "compute_dtype": c.compute_dtype}
     if c.hf_dir and os.path.isfile(os.path.join(c.hf_dir, "config.json")):
         cfg = sharding.hf_model_config(c.hf_dir, **dtypes)
     elif c.preset:  # overrides apply on top of a preset, as in `assemble.build_model`
@@ -251,6 +254,12 @@ def activation_bytes(
     return int(layers + logits)
 
 
+def policy_model(config: ml_collections.ConfigDict, cfg: models.ModelConfig):
+    """The abstract policy: the model, with the config's LoRA adapters attached."""
+    spec = assemble.lora_spec(config)
+    return models.abstract_model(cfg) if spec is None else lora.abstract_lora_model(cfg, spec)
+
+
 def resolve_mesh(config, num_devices: int) -> tuple[int, int, int]:
     m = config.mesh
     return sharding.mesh_shape(m.data, m.fsdp, m.tensor, num_devices=num_devices)
@@ -263,7 +272,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     mesh = abstract_mesh(data, fsdp, tensor)
     sizes = sharding.mesh_sizes(mesh)
     rules = sharding.logical_rules(mesh, cfg)
-    _, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+    _, params = nnx.split(policy_model(config, cfg), nnx.Param)
     tx, _ = assemble.optimizer(config, assemble.rl_updates(config))
     state = jax.eval_shape(
         lambda p: train_step.init_state(p, tx, jnp.zeros((2,), jnp.uint32)), params
@@ -291,8 +300,16 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
     Tp = c.data.max_prompt_len
     micro_rows = P * G // (c.algo.num_minibatches * c.optim.micro_batches)
-    grads = param_bytes * (2 if c.optim.micro_batches > 1 else 1)
+    trained_bytes = tree_bytes(lora.split_trainable(state.params)[0], mesh, rules)
+    grads = trained_bytes * (2 if c.optim.micro_batches > 1 else 1)
     notes = []
+    if c.lora.enabled:
+        n = models.param_count(nnx.state(params, nnx.LoRAParam))
+        notes.append(
+            f"LoRA rank {c.lora.rank}: {n / 1e6:.1f}M adapter parameters (fp32, with their "
+            f"AdamW moments); the base is frozen in {cfg.compute_dtype} and the reference is "
+            "the base with the adapters off (no copy)."
+        )
     if dict(rules)["kv_heads"] is None and tensor > 1:
         notes.append(
             f"num_kv_heads={cfg.num_kv_heads} is not divisible by tensor={tensor}: K/V "
@@ -306,7 +323,9 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         mesh=sizes,
         params=param_bytes,
         opt_state=opt_bytes,
-        reference=tree_bytes(compute, mesh, rules) if trains and assemble.needs_reference(c) else 0,
+        reference=tree_bytes(compute, mesh, rules)
+        if trains and assemble.needs_reference(c) and not c.lora.enabled
+        else 0,
         compute_copy=compute_bytes,
         gathered=gathered,
         gradients=grads,
@@ -339,7 +358,7 @@ def plan_sampling_mesh(config: ml_collections.ConfigDict, num_devices: int) -> d
     cfg = model_config(c)
     mesh = abstract_mesh(n // c.mesh.tensor, 1, c.mesh.tensor)
     sizes, rules = sharding.mesh_sizes(mesh), sharding.logical_rules(mesh, cfg)
-    _, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+    _, params = nnx.split(policy_model(c, cfg), nnx.Param)
     policy = tree_bytes(
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), params),
         mesh, rules,
@@ -373,7 +392,7 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
     """
     cfg = model_config(config)
     rules = sharding.logical_rules(mesh, cfg)
-    graphdef, params = nnx.split(models.abstract_model(cfg), nnx.Param)
+    graphdef, params = nnx.split(policy_model(config, cfg), nnx.Param)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
     tx, shardings, update, _ = assemble.step_functions(config, graphdef, params, rng, mesh, rules)
     state = jax.eval_shape(lambda p, r: train_step.init_state(p, tx, r), params, rng)

@@ -1,0 +1,164 @@
+"""LoRA (rank 16) against full fine-tuning on `configs/smollm2_arith.py` (BENCHMARKS.md "LoRA").
+
+    python -m benchmarks.lora --seeds=0,1,2 --workdir=runs/lora_bench     # the comparison
+    python -m benchmarks.lora --sampler                                   # adapters vs merged
+
+The comparison runs the config as it is (20 GVPO steps) and its LoRA variant (the command-line
+override documented in the config) for each seed, each run in its own process, interleaved
+(full s0, lora s0, full s1, ...), and records per run: the mean update time of steps 2.. (step
+1 compiles), the process's peak RSS, XLA's compiled memory of the update (arguments +
+temporaries + outputs of the jitted step), and held-out greedy accuracy at the start and the
+end. Records go to `<workdir>/records/<arm>_s<seed>.json` as each run ends; a recorded run is
+skipped, so the script continues where it stopped.
+
+`--sampler` times one rollout of the config with the adapters applied in every decode step
+against the same adapters merged into the weights once before the rollout (the merge included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+# The LoRA variant documented in configs/smollm2_arith.py (--config.lora.enabled=True
+# --config.optim.lr=5e-5): rank 16, alpha 32, every projection; 10x the learning rate.
+LORA_OVERRIDES = {"lora.enabled": True, "optim.lr": 5e-5}
+ARMS = {"full": {}, "lora": LORA_OVERRIDES}
+CONFIG = "configs/smollm2_arith.py"
+
+
+def load_config(overrides: dict):
+    import importlib.util
+
+    from gvpo_jax import config as config_lib
+
+    spec = importlib.util.spec_from_file_location("smollm2_arith", CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = config_lib.set_fields(module.get_config(), overrides)
+    config_lib.validate(c)
+    return c
+
+
+def child(arm: str, seed: int, workdir: str) -> None:
+    """One run in this process: assemble, wrap the update to record its compiled memory, train."""
+    import dataclasses
+
+    import numpy as np
+
+    from gvpo_jax import assemble, metrics, train
+
+    extra = {"seed": seed, "train.plot": False, "train.export": False}
+    c = load_config({**ARMS[arm], **extra})
+    run_, state = assemble.assemble(c, workdir)
+    compiled, jitted = {}, run_.update
+
+    def update(state, batch):
+        if not compiled:
+            mem = jitted.lower(state, batch).compile().memory_analysis()
+            compiled.update(
+                argument_bytes=mem.argument_size_in_bytes,
+                temp_bytes=mem.temp_size_in_bytes,
+                output_bytes=mem.output_size_in_bytes,
+            )
+        return jitted(state, batch)
+
+    run_ = dataclasses.replace(run_, update=update)
+    t0 = time.time()
+    try:
+        summary = train._run_mode(run_, state, assemble.start_loop(run_))
+    finally:
+        run_.writer.close()
+        run_.task.close()
+        run_.ckpt.close()
+    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    updates = [r["update_time_s"] for r in rows if "update_time_s" in r and r["step"] > 1]
+    record = {
+        "arm": arm,
+        "seed": seed,
+        "overrides": ARMS[arm],
+        "steps": c.train.steps,
+        "update_time_s": float(np.mean(updates)),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "compiled_update_gib": {k: v / 2**30 for k, v in compiled.items()},
+        "greedy_start": summary.get("eval_start"),
+        "greedy_end": summary.get("eval_end"),
+        "wall_s": time.time() - t0,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),  # fmt: skip
+    }
+    print("RECORD " + json.dumps(record), flush=True)
+
+
+def sampler_timing() -> None:
+    """One rollout of the LoRA config: adapters applied in every step vs merged once."""
+    import jax
+
+    from gvpo_jax import assemble, rl_step, sampler
+    from gvpo_jax.models import lora
+
+    c = load_config(LORA_OVERRIDES)
+    run_, state = assemble.assemble(c, tempfile.mkdtemp(prefix="lora_sampler_"))
+    loop = assemble.start_loop(run_)
+    examples = rl_step.next_examples(run_.task, run_.mesh, loop, c.rollout.prompts_per_step)
+    prompts = [ex["prompt_ids"] for ex in examples]
+
+    def rollout(model, seed):
+        out = sampler.sample_groups(
+            model, prompts, settings=run_.sampling, rng=jax.random.key(seed), mesh=run_.mesh,
+            rules=run_.rules,
+        )  # fmt: skip
+        return jax.block_until_ready(out.tokens_BxN)
+
+    times = {"applied": [], "merged": []}
+    for i in range(4):  # the first of each compiles
+        t0 = time.perf_counter()
+        rollout(run_.model(state.params), i)
+        times["applied"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        merged = lora.merged(run_.model(state.params))
+        rollout(merged, i)
+        times["merged"].append(time.perf_counter() - t0)
+    print(json.dumps({k: [round(t, 3) for t in v] for k, v in times.items()}))
+
+
+def main() -> None:
+    args = dict(a.lstrip("-").split("=", 1) if "=" in a else (a.lstrip("-"), "1")
+                for a in sys.argv[1:])  # fmt: skip
+    if "child" in args:
+        arm, seed, workdir = args["child"].split(",")
+        sys.argv = sys.argv[:1]
+        child(arm, int(seed), workdir)
+        return
+    if "sampler" in args:
+        sys.argv = sys.argv[:1]
+        sampler_timing()
+        return
+    root = args.get("workdir", "runs/lora_bench")
+    os.makedirs(os.path.join(root, "records"), exist_ok=True)
+    for seed in [int(s) for s in args.get("seeds", "0").split(",")]:
+        for arm in ARMS:
+            path = os.path.join(root, "records", f"{arm}_s{seed}.json")
+            if os.path.exists(path):
+                continue
+            workdir = os.path.join(root, f"{arm}_s{seed}")
+            cmd = [sys.executable, "-m", "benchmarks.lora", f"--child={arm},{seed},{workdir}"]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [x for x in out.stdout.splitlines() if x.startswith("RECORD ")]
+            if out.returncode or not lines:
+                print(out.stdout[-2000:], out.stderr[-4000:], flush=True)
+                raise SystemExit(f"{arm} seed {seed} failed (exit {out.returncode})")
+            record = json.loads(lines[-1][len("RECORD ") :])
+            with open(path, "w") as f:
+                json.dump(record, f, indent=2)
+            print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
