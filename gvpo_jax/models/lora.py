@@ -20,6 +20,7 @@ branch, so no second copy of the weights exists. Why a hand-written adapter and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -121,8 +122,15 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
 
 
 def abstract_lora_model(cfg, spec: LoRASpec) -> Transformer:
-    """`attach` on a model of ShapeDtypeStructs (no memory): for the planner and shape checks."""
-    return nnx.eval_shape(lambda: attach(Transformer(cfg, rngs=nnx.Rngs(0)), spec, seed=0))
+    """`attach` on a model of ShapeDtypeStructs (no memory): for the planner and shape checks.
+    A new module per call; the traced structure is cached per (config, spec)."""
+    return nnx.merge(*_abstract_split(cfg, spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_split(cfg, spec: LoRASpec):
+    return nnx.split(nnx.eval_shape(lambda: attach(Transformer(cfg, rngs=nnx.Rngs(0)), spec,
+                                                   seed=0)))  # fmt: skip
 
 
 def adapters(model: Transformer) -> list[tuple[int, str, Adapter]]:
