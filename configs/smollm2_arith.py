@@ -7,6 +7,13 @@ Problems read "Sam has 12 marbles and finds 7 more. How many marbles does Sam ha
 through the model's chat template, and are scored by math-verify on the reply. No SFT: the
 instruction model already answers some of them. Measured time and accuracy: STUDY.md ("The
 configs' own runs").
+
+LoRA variant (rank 16, alpha 32, every projection; the base frozen, the reference the base with
+the adapters off; 10x the learning rate, as LoRA needs):
+    python -m gvpo_jax.main --config=configs/smollm2_arith.py --workdir=runs/smollm2_lora \
+        --config.lora.enabled=True --config.optim.lr=5e-5
+Against full fine-tuning (update time, memory, accuracy; `python -m benchmarks.lora`):
+docs/lora.md ("Measured").
 """
 
 from gvpo_jax.config import base_config

@@ -293,7 +293,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     # the cotangent, XLA CPU keeps about one layer's gathered weights (docs/sharding.md).
     gathered = 0
     if fsdp > 1:
-        layer = nnx.state(models.abstract_model(cfg).layers[0], nnx.Param)
+        layer = nnx.state(policy_model(config, cfg).layers[0], nnx.Param)
         if c.mode == "eval":
             layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), layer)
         gathered = tree_bytes(layer, abstract_mesh(data, 1, tensor), rules)

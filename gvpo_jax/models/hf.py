@@ -257,6 +257,11 @@ def save_pretrained(
     with model.safetensors.index.json, as transformers does. Optionally saves a tokenizer.
     """
     cfg = model.config
+    if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):  # would silently write the base alone
+        raise ValueError(
+            "save_pretrained got a model with LoRA adapters; save models.lora.merged(model) "
+            "(and models.lora.save_peft for the adapters alone)."
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
