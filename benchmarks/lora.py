@@ -29,6 +29,8 @@ import time
 # --config.optim.lr=5e-5): rank 16, alpha 32, every projection; 10x the learning rate.
 LORA_OVERRIDES = {"lora.enabled": True, "optim.lr": 5e-5}
 ARMS = {"full": {}, "lora": LORA_OVERRIDES}
+# Not in the default run (--arms=...): the same LoRA at 4x that learning rate.
+EXTRA_ARMS = {"lora_lr2e-4": {"lora.enabled": True, "optim.lr": 2e-4}}
 CONFIG = "configs/smollm2_arith.py"
 
 
@@ -54,7 +56,7 @@ def child(arm: str, seed: int, workdir: str) -> None:
     from gvpo_jax import assemble, metrics, train
 
     extra = {"seed": seed, "train.plot": False, "train.export": False}
-    c = load_config({**ARMS[arm], **extra})
+    c = load_config({**{**ARMS, **EXTRA_ARMS}[arm], **extra})
     run_, state = assemble.assemble(c, workdir)
     compiled, jitted = {}, run_.update
 
@@ -81,7 +83,7 @@ def child(arm: str, seed: int, workdir: str) -> None:
     record = {
         "arm": arm,
         "seed": seed,
-        "overrides": ARMS[arm],
+        "overrides": {**ARMS, **EXTRA_ARMS}[arm],
         "steps": c.train.steps,
         "update_time_s": float(np.mean(updates)),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -98,7 +100,10 @@ def child(arm: str, seed: int, workdir: str) -> None:
 
 def sampler_timing() -> None:
     """One rollout of the LoRA config: adapters applied in every step vs merged once."""
+    import statistics
+
     import jax
+    from flax import nnx
 
     from gvpo_jax import assemble, rl_step, sampler
     from gvpo_jax.models import lora
@@ -116,16 +121,20 @@ def sampler_timing() -> None:
         )  # fmt: skip
         return jax.block_until_ready(out.tokens_BxN)
 
-    times = {"applied": [], "merged": []}
-    for i in range(4):  # the first of each compiles
+    times = {"applied": [], "merged": [], "merge_only": []}
+    for i in range(11):  # the first of each compiles; alternated so load drifts hit both
         t0 = time.perf_counter()
         rollout(run_.model(state.params), i)
         times["applied"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         merged = lora.merged(run_.model(state.params))
+        jax.block_until_ready(nnx.state(merged))
+        times["merge_only"].append(time.perf_counter() - t0)
         rollout(merged, i)
         times["merged"].append(time.perf_counter() - t0)
-    print(json.dumps({k: [round(t, 3) for t in v] for k, v in times.items()}))
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    print(json.dumps({"median_s": med, "all_s": {k: [round(t, 3) for t in v] for k, v in
+                                                  times.items()}}))  # fmt: skip
 
 
 def main() -> None:
@@ -142,8 +151,9 @@ def main() -> None:
         return
     root = args.get("workdir", "runs/lora_bench")
     os.makedirs(os.path.join(root, "records"), exist_ok=True)
+    arms = args["arms"].split(",") if "arms" in args else list(ARMS)
     for seed in [int(s) for s in args.get("seeds", "0").split(",")]:
-        for arm in ARMS:
+        for arm in arms:
             path = os.path.join(root, "records", f"{arm}_s{seed}.json")
             if os.path.exists(path):
                 continue
