@@ -160,9 +160,9 @@ def rl_step(run, state, loop: LoopState, ref_params):
         dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
 
     def logprobs(params, adapters_off=False):  # [B, N] on the host, every row
-        if bucketed is not None:
-            return bucketed.logprobs(params, batch, reference=adapters_off)
         off = (True,) if adapters_off else ()  # LoRA's base: the same parameters, adapters off
+        if bucketed is not None:
+            return bucketed.logprobs(params, batch, *off)
         return sharding.gather(run.logprobs(params, dev["tokens"], dev["attn_mask"], *off))
 
     if single_update:
