@@ -11,6 +11,9 @@ temporaries + outputs of the jitted step), and held-out greedy accuracy at the s
 end. Records go to `<workdir>/records/<arm>_s<seed>.json` as each run ends; a recorded run is
 skipped, so the script continues where it stopped.
 
+`--report` prints the table of BENCHMARKS.md from the records (per arm, over seeds: the median
+update time of each run, peak RSS, the compiled update's memory, greedy accuracy start -> end).
+
 `--sampler` times one rollout of the config with the adapters applied in every decode step
 against the same adapters merged into the weights once before the rollout (the merge included).
 """
@@ -26,11 +29,11 @@ import tempfile
 import time
 
 # The LoRA variant documented in configs/smollm2_arith.py (--config.lora.enabled=True
-# --config.optim.lr=5e-5): rank 16, alpha 32, every projection; 10x the learning rate.
-LORA_OVERRIDES = {"lora.enabled": True, "optim.lr": 5e-5}
+# --config.optim.lr=2e-4): rank 16, alpha 32, every projection, 40x full fine-tuning's rate.
+LORA_OVERRIDES = {"lora.enabled": True, "optim.lr": 2e-4}
 ARMS = {"full": {}, "lora": LORA_OVERRIDES}
-# Not in the default run (--arms=...): the same LoRA at 4x that learning rate.
-EXTRA_ARMS = {"lora_lr2e-4": {"lora.enabled": True, "optim.lr": 2e-4}}
+# Not in the default run (--arms=...): the same LoRA at 10x full fine-tuning's rate.
+EXTRA_ARMS = {"lora_lr5e-5": {"lora.enabled": True, "optim.lr": 5e-5}}
 CONFIG = "configs/smollm2_arith.py"
 
 
@@ -86,6 +89,7 @@ def child(arm: str, seed: int, workdir: str) -> None:
         "overrides": {**ARMS, **EXTRA_ARMS}[arm],
         "steps": c.train.steps,
         "update_time_s": float(np.mean(updates)),
+        "update_time_median_s": float(np.median(updates)),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "compiled_update_gib": {k: v / 2**30 for k, v in compiled.items()},
         "greedy_start": summary.get("eval_start"),
@@ -137,6 +141,38 @@ def sampler_timing() -> None:
                                                   times.items()}}))  # fmt: skip
 
 
+def report(root: str) -> None:
+    """The markdown table of the recorded runs (update time: each run's median over its steps,
+    read from its metrics, then mean +- std over seeds)."""
+    import glob
+    import statistics as st
+
+    from gvpo_jax import metrics
+
+    records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(root, "records", "*")))]
+    print(
+        "| arm | lr | seeds | update (s, median per run) | peak RSS (GiB) | compiled update: "
+        "arguments + temporaries (GiB) | greedy start -> end (each seed) | mean end |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for arm in sorted({r["arm"] for r in records}, key=lambda a: (a != "full", a)):
+        rs = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["seed"])
+        med = []
+        for r in rs:
+            rows = metrics.read_jsonl(os.path.join(root, f"{arm}_s{r['seed']}", "metrics.jsonl"))
+            med.append(st.median(x["update_time_s"] for x in rows
+                                 if "update_time_s" in x and x["step"] > 1))  # fmt: skip
+        sd = lambda xs: f" +- {st.stdev(xs):.2f}" if len(xs) > 1 else ""  # noqa: E731
+        mem = rs[0]["compiled_update_gib"]
+        ends = [r["greedy_end"] for r in rs]
+        lr = rs[0]["overrides"].get("optim.lr", 5e-6)
+        print(f"| {arm} | {lr:g} | {len(rs)} | {st.mean(med):.2f}{sd(med)} | "
+              f"{st.mean(r['peak_rss_gib'] for r in rs):.2f} | "
+              f"{mem['argument_bytes']:.3f} + {mem['temp_bytes']:.3f} | "
+              + ", ".join(f"{r['greedy_start']:.3f} -> {r['greedy_end']:.3f}" for r in rs)
+              + f" | {st.mean(ends):.3f}{sd(ends)} |")  # fmt: skip
+
+
 def main() -> None:
     args = dict(a.lstrip("-").split("=", 1) if "=" in a else (a.lstrip("-"), "1")
                 for a in sys.argv[1:])  # fmt: skip
@@ -144,6 +180,9 @@ def main() -> None:
         arm, seed, workdir = args["child"].split(",")
         sys.argv = sys.argv[:1]
         child(arm, int(seed), workdir)
+        return
+    if "report" in args:
+        report(args.get("workdir", "runs/lora_bench"))
         return
     if "sampler" in args:
         sys.argv = sys.argv[:1]
