@@ -20,6 +20,7 @@ import json
 import os
 import time
 import zlib
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -288,6 +289,9 @@ def restore(run_: assemble.Run, state, loop: LoopState):
                 first_error = first_error or e
         raise first_error
 
+    newest = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
+    if newest is not None:
+        check_lora_layout(run_, *newest)
     found = checkpoint.restore_newest(
         run_.ckpt, run_.config.restore_from or None, run_.workdir, attempt,
         log=lambda line: print(line, flush=True),
@@ -319,6 +323,27 @@ def stored_state(run_: assemble.Run, state):
     if run_.lora is None:
         return state
     return state.replace(params=lora.split_trainable(state.params)[0])
+
+
+def check_lora_layout(run_: assemble.Run, directory, step: int) -> None:
+    """A LoRA checkpoint needs a LoRA run and the other way round (CheckpointError, raised before
+    any read, so a mismatch is not taken for damage). The checkpoint's meta says which it is
+    (`lora_base`)."""
+    try:
+        meta = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return  # unreadable: the restore itself reports it
+    if ("lora_base" in meta) == (run_.lora is not None):
+        return
+    if run_.lora is None:
+        raise checkpoint.CheckpointError(
+            f"the checkpoint {Path(directory) / str(step)} holds LoRA adapters; set "
+            "--config.lora.enabled=True with its lora settings to resume or evaluate it."
+        )
+    raise checkpoint.CheckpointError(
+        f"the checkpoint {Path(directory) / str(step)} holds a fully trained model, not LoRA "
+        "adapters; set --config.lora.enabled=False to resume or evaluate it."
+    )
 
 
 def check_base(run_: assemble.Run, params, meta: dict, directory) -> None:

@@ -5,6 +5,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -246,8 +247,8 @@ def _in_process(workdir):
 def test_lora_resume_after_sigkill_is_bit_exact_and_checkpoints_hold_no_base(tmp_path, capsys):
     """Killed after its step-2 checkpoint and resumed: the same metrics and exports as a run
     that was never stopped. The checkpoint holds the adapters and their moments only (the base
-    is reloaded and checked against its fingerprint), and the run exports the merged model and
-    the PEFT adapters."""
+    is reloaded and checked against its fingerprint), the run exports the merged model and the
+    PEFT adapters, and a run without LoRA refuses the checkpoint in one sentence."""
     import orbax.checkpoint as ocp
     from safetensors.numpy import load_file
 
@@ -281,6 +282,11 @@ def test_lora_resume_after_sigkill_is_bit_exact_and_checkpoints_hold_no_base(tmp
     leaves = jax.tree_util.tree_leaves_with_path(tree["state"]["params"])
     paths = ["/".join(map(str, p)) for p, _ in leaves]
     assert paths and all("_lora" in p for p in paths), paths  # adapters only, no base
+    # A run without LoRA is told so in one sentence, before anything is read or moved aside.
+    from gvpo_jax import checkpoint, train
+
+    with pytest.raises(checkpoint.CheckpointError, match="set --config.lora.enabled=True"):
+        train.check_lora_layout(types.SimpleNamespace(lora=None), killed / "checkpoints", 4)
 
 
 @pytest.mark.parametrize(
