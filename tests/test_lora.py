@@ -139,15 +139,17 @@ def test_trainer_reference_is_the_base_not_a_copy():
     assert np.abs(np.asarray(real(state.params, tokens, attn)) - base_logp).max() > 1e-4
 
 
-@pytest.fixture(scope="module")
-def hf_lora(tmp_path_factory):
-    """A tiny random Qwen2 checkpoint, and our load of it with random (trained-like) adapters."""
+@pytest.fixture(scope="module", params=["qwen2-untied", "llama", "qwen3-tied", "gemma3-tied"])
+def hf_lora(tmp_path_factory, request):
+    """A tiny random checkpoint of each family (Qwen2 with biases, Llama, Qwen3 with QK-norm,
+    Gemma 3 with sandwich norms and sliding layers), and our load of it with random
+    (trained-like) adapters."""
     import transformers
 
     from tests.test_models import _make_hf
 
     root = tmp_path_factory.mktemp("lora_hf")
-    _make_hf("qwen2-untied", root / "base")
+    _make_hf(request.param, root / "base")
     model = lora.attach(models.from_pretrained(root / "base"), SPEC, seed=0)
     for i, (_, _, adapter) in enumerate(lora.adapters(model)):
         adapter.b.set_value(0.3 * jax.random.normal(jax.random.key(i), adapter.b.shape))
