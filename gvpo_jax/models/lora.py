@@ -97,7 +97,7 @@ def _axes(param) -> tuple:
     return tuple(param.get_metadata().get("out_sharding") or (None,) * param.ndim)
 
 
-def _split_at(kernel, stem: str) -> int:
+def _input_dims(stem: str) -> int:
     """How many leading kernel dims are inputs: o_kernel is [N, H, D], every other one [in, ...]."""
     return 2 if stem == "o" else 1
 
@@ -108,13 +108,13 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
     Their A matrices come from their own stream (`seed`), so the base is untouched and equal to
     the model built without LoRA.
     """
-    rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 0x10A))
+    rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 0x10A))  # not the base's
     for block in model.layers:
         for name in spec.targets:
             part, stem = TARGETS[name]
             module = getattr(block, part)
             kernel = _kernel(module, stem)
-            k, axes = _split_at(kernel, stem), _axes(kernel)
+            k, axes = _input_dims(stem), _axes(kernel)
             adapter = Adapter(kernel.shape[:k], kernel.shape[k:], axes[:k], axes[k:],
                               rank=spec.rank, scale=spec.scale, rngs=rngs)  # fmt: skip
             setattr(module, f"{stem}_lora", adapter)
@@ -235,12 +235,12 @@ def fingerprint(params) -> float:
     checkpoints store it, so a resume onto another base fails instead of silently pairing the
     adapters with the wrong weights."""
     base = split_trainable(params)[1] if has_adapters(params) else params
-    leaves = jax.tree.leaves(base)
+    return float(_weighted_sums(jax.tree.leaves(base)))
 
-    @jax.jit
-    def total(leaves):
-        sums = [jnp.sum(x.astype(jnp.float32)) + jnp.sum(jnp.square(x.astype(jnp.float32)))
-                for x in leaves]  # fmt: skip
-        return jnp.sum(jnp.stack(sums) * jnp.arange(1, len(sums) + 1, dtype=jnp.float32))
 
-    return float(total(leaves))
+@jax.jit
+def _weighted_sums(leaves):
+    """sum_i i * (sum(x_i) + sum(x_i^2)) over the leaves, in fp32 (compiled once per layout)."""
+    sums = [jnp.sum(x.astype(jnp.float32)) + jnp.sum(jnp.square(x.astype(jnp.float32)))
+            for x in leaves]  # fmt: skip
+    return jnp.sum(jnp.stack(sums) * jnp.arange(1, len(sums) + 1, dtype=jnp.float32))
