@@ -183,9 +183,9 @@ class BucketedSteps:
         resp_mask = np.asarray(batch["resp_mask"])
         sequences = {k: batch[k] for k in SEQUENCE_KEYS}
         parts = []
+        off = (True,) if reference else ()  # LoRA: the adapters off (jit_logprobs)
         for rows, width, dev in self._device_chunks(sequences, resp_mask, self.chunks):
             # dispatch every chunk, then wait for all of them
-            off = (True,) if reference else ()  # LoRA: the adapters off (jit_logprobs)
             logp = self._logprobs(params, dev["tokens"], dev["attn_mask"], *off)
             parts.append((rows, width, logp))
         out = np.zeros(resp_mask.shape, np.float32)

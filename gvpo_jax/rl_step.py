@@ -159,7 +159,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
     if bucketed is None and (not single_update or reference):
         dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
 
-    def logprobs(params, adapters_off=False):  # [B, N] on the host, every row
+    def logprobs(params, adapters_off=False):  # [B, N] on the host, every row (a pass runs)
         off = (True,) if adapters_off else ()  # LoRA's base: the same parameters, adapters off
         if bucketed is not None:
             return bucketed.logprobs(params, batch, *off)
