@@ -430,21 +430,31 @@ def step_functions(config: ml_collections.ConfigDict, graphdef, params, rng, mes
 
 
 def bucketed_steps(config: ml_collections.ConfigDict, graphdef, logprobs, mesh, state_shardings,
-                   rules) -> BucketedSteps | None:  # fmt: skip
+                   rules, params=None) -> BucketedSteps | None:  # fmt: skip
     """The length-bucketed update and log-prob passes (`gvpo_jax.buckets`); None when
-    optim.length_buckets is 0. `logprobs` is `step_functions`' jitted log-prob forward."""
+    optim.length_buckets is 0. `logprobs` is `step_functions`' jitted log-prob forward;
+    `params` (with LoRA) gives packed passes their adapters-off graph."""
     c = config
     if not c.optim.length_buckets:
         return None
     tx, lr_fn = optimizer(config, rl_updates(config))
+    n, G, K = c.rollout.max_new_tokens, c.rollout.group_size, c.optim.length_buckets
+    widths = buckets.bucket_widths(n, K)
+    if c.optim.pack_groups:  # one row per group: its prompt, then its G responses back to back
+        widths = buckets.pack_widths(n, G, K)
+        off = None if params is None else lora.with_adapters(graphdef, params, False)
+        logprobs = train_step.jit_packed_logprobs(
+            graphdef, prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk,
+            mesh=mesh, param_shardings=state_shardings.params, rules=rules,
+            reference_graphdef=off,
+        )  # fmt: skip
     return BucketedSteps(
         rl_loss_fn(config, graphdef), tx, lr_fn, logprobs,
         micro_batches=c.optim.micro_batches,
         chunks=c.algo.num_minibatches * c.optim.micro_batches,
-        widths=buckets.bucket_widths(c.rollout.max_new_tokens, c.optim.length_buckets),
-        prompt_len=c.data.max_prompt_len, group_size=c.rollout.group_size,
+        widths=widths, prompt_len=c.data.max_prompt_len, group_size=G,
         token_weighted=losses.get_preset(c.algo.name).kwargs.get("agg") == "token-mean",
-        mesh=mesh, state_shardings=state_shardings, rules=rules,
+        mesh=mesh, state_shardings=state_shardings, rules=rules, packed=c.optim.pack_groups,
     )  # fmt: skip
 
 
@@ -559,7 +569,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         state_shardings=shardings,
         update=update,
         logprobs=logprobs,
-        buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules),
+        buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules, state.params),
         # with LoRA the reference is the base (adapters off): no copy
         needs_reference=needs_reference(config) and trains(config) and not config.lora.enabled,
         sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),

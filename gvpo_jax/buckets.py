@@ -21,6 +21,15 @@ groups or sequences of a micro-batch, which that assignment does not change, exc
 token mean: there each micro-batch is weighted by its share of the minibatch's tokens, so the
 accumulated loss is the minibatch's exact token mean (sorting by length would otherwise weight
 short answers' tokens up).
+
+Packed groups (`optim.pack_groups`, with buckets): one row per group instead of G, [its prompt |
+its G responses back to back | padding] (`pack`), each response attending to the prompt and to
+itself only (`Transformer.hidden_packed`), groups sorted by their packed length (the sum of their
+responses') and each micro-batch cut to the smallest of K * G widths up to G * max_new_tokens
+(`pack_widths`). Per-group buckets still pay for every group's longest response G times; packed,
+a micro-batch pays for its longest group's total only, and still runs each prompt once. The loss
+sees the unpacked [B, N] log-probs (`train_step.packed_logprobs`), so every preset works as on
+whole groups, GVPO's centring included.
 """
 
 from __future__ import annotations
@@ -50,17 +59,24 @@ def response_ends(resp_mask_BxN) -> np.ndarray:
     return np.where(m.any(1), n - np.argmax(m[:, ::-1], axis=1), 0)
 
 
+def pack_widths(max_new_tokens: int, group_size: int, buckets: int) -> tuple[int, ...]:
+    """Widths of packed groups: K * G evenly spaced up to G * max_new_tokens (multiples of 8)."""
+    return bucket_widths(group_size * max_new_tokens, group_size * buckets)
+
+
 def plan_chunks(
-    resp_mask_BxN, group_size: int, chunks: int, widths
+    resp_mask_BxN, group_size: int, chunks: int, widths, *, packed: bool = False
 ) -> list[tuple[np.ndarray, int]]:
-    """Groups sorted by their longest response and cut into `chunks` equal runs of whole groups:
-    [(row indices, response width)], the width being the smallest of `widths` that holds every
-    response of the chunk. Ties keep the batch order (a stable sort)."""
+    """Groups sorted by their longest response (packed: by the sum of their responses' lengths)
+    and cut into `chunks` equal runs of whole groups: [(row indices, width)], the width being
+    the smallest of `widths` that holds every response (packed: every group) of the chunk. Ties
+    keep the batch order (a stable sort)."""
     ends_B = response_ends(resp_mask_BxN)
     num_groups = len(ends_B) // group_size
     if num_groups % chunks:
         raise ValueError(f"{num_groups} groups cannot be cut into {chunks} equal chunks.")
-    group_end = ends_B.reshape(num_groups, group_size).max(1)
+    per_group = ends_B.reshape(num_groups, group_size)
+    group_end = per_group.sum(1) if packed else per_group.max(1)
     order = np.argsort(group_end, kind="stable")
     per = num_groups // chunks
     out = []
@@ -84,6 +100,60 @@ def trim(batch: dict, rows: np.ndarray, width: int, prompt_len: int) -> dict:
     return out
 
 
+def pack(batch: dict, rows: np.ndarray, width: int, prompt_len: int, group_size: int) -> dict:
+    """The given rows (whole groups) of a host batch in the packed layout: the PACK_KEYS of
+    `train_step.packed_logprobs` (one row per group: its prompt, then its responses back to
+    back, `width` response slots; segment g + 1 is response g, padding G + 1), and every other
+    [B, ...] array of the batch as it is (full width; the loss reads those unpacked)."""
+    G, J = group_size, prompt_len
+    tokens = np.asarray(batch["tokens"])[rows]
+    attn = np.asarray(batch["attn_mask"])[rows]
+    b, n = len(rows), tokens.shape[1] - J
+    r = b // G
+    ends = response_ends(attn[:, J:])
+    out = {
+        "pack_tokens": np.zeros((r, J + width), np.int32),
+        "pack_mask": np.zeros((r, J + width), attn.dtype),
+        "pack_positions": np.zeros((r, J + width), np.int32),
+        "pack_segments": np.full((r, width), G + 1, np.int32),
+        "pack_pred": np.full((r, width), J - 1, np.int32),
+        "pack_index": np.full((b, n), -1, np.int32),
+    }
+    for g in range(r):
+        first = g * G
+        out["pack_tokens"][g, :J] = tokens[first, :J]
+        out["pack_mask"][g, :J] = attn[first, :J]
+        real = np.cumsum(attn[first, :J] > 0)
+        out["pack_positions"][g, :J] = np.maximum(real - 1, 0)
+        offset = 0
+        for i in range(G):
+            row, length = first + i, int(ends[first + i])
+            if offset + length > width:
+                raise ValueError(f"group of {int(ends[first:first + G].sum())} response tokens "
+                                 f"does not fit a packed width of {width}.")  # fmt: skip
+            at = np.arange(length)
+            slots = J + offset + at
+            out["pack_tokens"][g, slots] = tokens[row, J : J + length]
+            out["pack_mask"][g, slots] = attn[row, J : J + length]
+            out["pack_positions"][g, slots] = real[-1] + at
+            out["pack_segments"][g, offset + at] = i + 1
+            out["pack_pred"][g, offset + at[1:]] = slots[:-1]  # token 0: the last prompt slot
+            out["pack_index"][row, :length] = g * width + offset + at
+            offset += length
+    for k, v in batch.items():
+        if k not in SEQUENCE_KEYS:
+            out[k] = np.asarray(v)[rows]
+    return out
+
+
+def device_pack(host: dict, mesh, group_size: int) -> dict:
+    """A packed host batch on the mesh: the group rows and the response rows split alike."""
+    packed = {k: v for k, v in host.items() if k in train_step.PACK_KEYS and k != "pack_index"}
+    rest = {k: v for k, v in host.items() if k not in packed}
+    return {**sharding.device_batch(packed, mesh),
+            **sharding.device_batch(rest, mesh, group_size=group_size)}  # fmt: skip
+
+
 class BucketedSteps:
     """The length-bucketed update and log-prob passes of one run (built by `gvpo_jax.assemble`).
 
@@ -95,10 +165,10 @@ class BucketedSteps:
 
     def __init__(self, loss_fn, tx, lr_fn, logprobs_fn, *, micro_batches: int, chunks: int,
                  widths, prompt_len: int, group_size: int, token_weighted: bool, mesh,
-                 state_shardings, rules=sharding.LOGICAL_RULES):  # fmt: skip
+                 state_shardings, rules=sharding.LOGICAL_RULES, packed: bool = False):  # fmt: skip
         self.micro_batches, self.chunks, self.widths = micro_batches, chunks, tuple(widths)
         self.prompt_len, self.group_size, self.mesh = prompt_len, group_size, mesh
-        self.token_weighted = token_weighted
+        self.token_weighted, self.packed = token_weighted, packed
         self._loss_fn, self._logprobs, self._aux_shape = loss_fn, logprobs_fn, None
         repl = sharding.replicated(mesh)
         rows = sharding.batch_sharding(mesh)
@@ -143,52 +213,81 @@ class BucketedSteps:
             )
         return self._zeros(params)
 
-    def _device_chunks(self, batch: dict, resp_mask, chunks: int):
-        """(rows, width, device batch) per chunk of `plan_chunks(resp_mask, ...)`: the rows of
-        whole groups of `batch`, trimmed to the chunk's width and put on the mesh."""
-        plan = plan_chunks(resp_mask, self.group_size, chunks, self.widths)
-        for rows, width in plan:
-            host = trim(batch, rows, width, self.prompt_len)
-            yield rows, width, sharding.device_batch(host, self.mesh, group_size=self.group_size)
+    def _plan(self, batch: dict, chunks: int):
+        """`plan_chunks` of a host batch, on the response part of its attention mask (what the
+        passes run): [(rows, width)]."""
+        real = np.asarray(batch["attn_mask"])[:, self.prompt_len :]
+        return plan_chunks(real, self.group_size, chunks, self.widths, packed=self.packed)
+
+    def computed_slots(self, batch: dict, chunks: int) -> int:
+        """Response slots the passes compute over a host batch cut into `chunks`: rows x width
+        per chunk, or groups x packed width when packed."""
+        per_row = self.group_size if self.packed else 1
+        return sum(len(rows) // per_row * width for rows, width in self._plan(batch, chunks))
+
+    def logprob_slots(self, batch: dict) -> int:
+        """`computed_slots` of one log-prob pass over a host batch."""
+        return self.computed_slots(batch, self.chunks)
+
+    def _device_chunks(self, batch: dict, chunks: int):
+        """(rows, device batch) per chunk of `_plan`: the rows of whole groups of `batch`,
+        trimmed to the chunk's width (or packed into it) and put on the mesh."""
+        G, J = self.group_size, self.prompt_len
+        for rows, width in self._plan(batch, chunks):
+            if self.packed:
+                yield rows, device_pack(pack(batch, rows, width, J, G), self.mesh, G)
+            else:
+                host = trim(batch, rows, width, J)
+                yield rows, sharding.device_batch(host, self.mesh, group_size=G)
 
     def accumulated(self, params, batch: dict) -> tuple[dict, float]:
         """Gradients, loss and aux summed over the micro-batches of a host minibatch of whole
         groups (the `train_step.accumulate` carry), and the share of its response slots that
-        were computed."""
+        were computed (of B x max_new_tokens)."""
         M = self.micro_batches
         resp_mask = np.asarray(batch["resp_mask"])
         total_tokens = max(float(resp_mask.sum()), 1.0)
-        acc, slots = None, 0
-        for rows, width, mb in self._device_chunks(batch, resp_mask, M):
+        acc = None
+        for rows, mb in self._device_chunks(batch, M):
             weight = 1.0
             if self.token_weighted:  # the minibatch's exact token mean (see the module doc)
-                weight = M * float(resp_mask[rows, :width].sum()) / total_tokens
+                weight = M * float(resp_mask[rows].sum()) / total_tokens
             if acc is None:
                 acc = self._zero_acc(params, mb)
             acc = self._accumulate(params, acc, mb, np.float32(weight))
-            slots += len(rows) * width
-        return acc, slots / resp_mask.size
+        return acc, self.computed_slots(batch, M) / resp_mask.size
 
     def update(self, state, batch: dict):
         """One optimizer update on a host minibatch of whole groups -> (state, metrics);
-        metrics["update_slot_frac"] is the share of the response slots computed."""
+        metrics["update_slot_frac"] is the share of the response slots computed,
+        ["update_pad_ratio"] the slots computed per real response token (1: no padding)."""
         acc, slot_frac = self.accumulated(state.params, batch)
         state, metrics = self._apply(state, acc)
-        return state, {**metrics, "update_slot_frac": slot_frac}
+        computed = slot_frac * np.asarray(batch["resp_mask"]).size
+        ratio = computed / real_tokens(batch, self.prompt_len)
+        return state, {**metrics, "update_slot_frac": slot_frac, "update_pad_ratio": ratio}
 
     def logprobs(self, params, batch: dict, reference: bool = False) -> np.ndarray:
-        """[B, N] response log-probs of a host batch (tokens, attn_mask, resp_mask), chunk by
-        chunk; slots past a chunk's width are 0, as masked slots are. reference=True: with the
-        LoRA adapters off (`train_step.jit_logprobs`)."""
-        resp_mask = np.asarray(batch["resp_mask"])
+        """[B, N] response log-probs of a host batch (tokens, attn_mask), chunk by chunk; slots
+        past a row's response are 0, as masked slots are. reference=True: with the LoRA
+        adapters off (`train_step.jit_logprobs` / `jit_packed_logprobs`)."""
         sequences = {k: batch[k] for k in SEQUENCE_KEYS}
         parts = []
-        off = (True,) if reference else ()  # LoRA: the adapters off (jit_logprobs)
-        for rows, width, dev in self._device_chunks(sequences, resp_mask, self.chunks):
+        off = (True,) if reference else ()  # LoRA: the adapters off
+        for rows, dev in self._device_chunks(sequences, self.chunks):
             # dispatch every chunk, then wait for all of them
-            logp = self._logprobs(params, dev["tokens"], dev["attn_mask"], *off)
-            parts.append((rows, width, logp))
-        out = np.zeros(resp_mask.shape, np.float32)
-        for rows, width, logp in parts:
-            out[rows, :width] = sharding.gather(logp)
+            if self.packed:
+                parts.append((rows, self._logprobs(params, dev, *off)))
+            else:
+                parts.append((rows, self._logprobs(params, dev["tokens"], dev["attn_mask"], *off)))
+        n = np.asarray(batch["tokens"]).shape[1] - self.prompt_len
+        out = np.zeros((len(batch["tokens"]), n), np.float32)
+        for rows, logp in parts:
+            logp = sharding.gather(logp)
+            out[rows, : logp.shape[1]] = logp
         return out
+
+
+def real_tokens(batch: dict, prompt_len: int) -> float:
+    """The real response tokens of a host batch (its attention mask after the prompt)."""
+    return max(float((np.asarray(batch["attn_mask"])[:, prompt_len:] > 0).sum()), 1.0)

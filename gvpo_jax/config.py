@@ -168,6 +168,9 @@ def base_config() -> ml_collections.ConfigDict:
     # groups sorted by their longest response, each micro-batch (and log-prob chunk) cut to the
     # smallest of K widths that holds it; gradients accumulate across the K compiled shapes.
     c.optim.length_buckets = 0
+    # With length buckets: one row per group, [prompt | its G responses back to back], groups
+    # sorted by their total response length, micro-batches cut to one of K * G packed widths.
+    c.optim.pack_groups = False
 
     c.sft = ml_collections.ConfigDict()
     c.sft.steps = 0  # cold-start SFT steps before RL (mode=train) or in total (mode=sft)
@@ -456,6 +459,9 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"{c.rollout.max_new_tokens} slots (rollout.max_new_tokens); use 0 (off) or at most "
             "that, such as 4."
         )
+    if c.optim.pack_groups and not c.optim.length_buckets:
+        _fail("config.optim.pack_groups needs length buckets; set optim.length_buckets > 0 "
+              "(such as 4).")  # fmt: skip
     if not 0.0 < c.rollout.temperature <= 10.0:
         _fail(f"config.rollout.temperature is {c.rollout.temperature}; use a value in (0, 10].")
     if not 0.0 < c.rollout.top_p <= 1.0:

@@ -188,6 +188,13 @@ def rl_step(run, state, loop: LoopState, ref_params):
                                  old_logp=old, ref_logp=batch.get("ref_logp"))  # fmt: skip
         batch["advantages"] = np.asarray(jax.device_get(adv), np.float32)
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
+    # Response slots computed per real response token (1.0: no padding) of a log-prob pass and
+    # of the full-width update (the bucketed updates report their own).
+    real = max(float(batch["resp_mask"].sum()), 1.0)
+    computed = bucketed.logprob_slots(batch) if bucketed is not None else batch["resp_mask"].size
+    pad = {"logprob_pad_ratio": computed / real}
+    if bucketed is None:
+        pad["update_pad_ratio"] = batch["resp_mask"].size / real
 
     # 5. num_epochs x num_minibatches updates on shuffled whole groups.
     t0 = time.perf_counter()
@@ -242,6 +249,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
             "entropy_mc": entropy_mc,
             "sampler_logp_gap_max": gap_max,
             "replayed_groups": float(n_replay),
+            **pad,
             "logprob_time_s": logprob_s,
             "update_time_s": update_s,
             "tokens_per_s": ntok / max(metrics["rollout_time_s"] + logprob_s + update_s, 1e-9),

@@ -154,6 +154,58 @@ def response_logprobs(
     return jnp.where(real_BxN, out, 0.0)
 
 
+PACK_KEYS = ("pack_tokens", "pack_mask", "pack_positions", "pack_segments", "pack_pred",
+             "pack_index")  # fmt: skip  # a packed micro-batch (`gvpo_jax.buckets.pack`)
+
+
+def packed_logprobs(graphdef, params, batch, *, prompt_len: int, chunk_size: int,
+                    with_entropy: bool = False):  # fmt: skip
+    """`response_logprobs` of a packed micro-batch -> [B, N] in the unpacked layout.
+
+    `batch` holds the packed rows of `gvpo_jax.buckets.pack` (PACK_KEYS): R groups, each one
+    row [prompt (prompt_len slots) | its G responses back to back | padding] of width
+    prompt_len + W, with per-slot RoPE positions and segment ids; `pack_pred` [R, W] the slot
+    whose hidden state predicts each packed response slot (the last prompt slot for a
+    response's first token); `pack_index` [B, N] where row b's response token t sits in the
+    flattened [R * W] packed slots (-1: none). The output layer runs on the R * W packed slots
+    only; the [B, N] result is 0 where pack_index is -1, as masked slots are.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden_RxSxD = model.hidden_packed(
+        batch["pack_tokens"], batch["pack_mask"], batch["pack_positions"],
+        batch["pack_segments"], prefix_len=prompt_len,
+    )  # fmt: skip
+    pred_RxW = batch["pack_pred"]
+    hidden_RxWxD = jnp.take_along_axis(hidden_RxSxD, pred_RxW[:, :, None], axis=1)
+    out = models.chunked_logprobs(
+        hidden_RxWxD, model.unembed_matrix(), batch["pack_tokens"][:, prompt_len:],
+        chunk_size=chunk_size, with_entropy=with_entropy,
+    )  # fmt: skip
+    index_BxN = batch["pack_index"]
+    found_BxN = index_BxN >= 0
+
+    def unpack(x_RxW):
+        return jnp.where(found_BxN, jnp.take(x_RxW.reshape(-1), jnp.maximum(index_BxN, 0)), 0.0)
+
+    return tuple(unpack(x) for x in out) if with_entropy else unpack(out)
+
+
+def jit_packed_logprobs(graphdef, *, prompt_len: int, chunk_size: int, mesh, param_shardings,
+                        rules=sharding.LOGICAL_RULES, reference_graphdef=None):  # fmt: skip
+    """`packed_logprobs` jitted as (params, packed batch) -> [B, N], rows over data x fsdp; a
+    third argument True runs `reference_graphdef` instead (as in `jit_logprobs`)."""
+    rows = sharding.batch_sharding(mesh)
+
+    def logprobs(params, batch, reference=False):
+        graph = reference_graphdef if reference else graphdef
+        with sharding.tracing_mesh(mesh, rules):
+            return packed_logprobs(graph, params, batch, prompt_len=prompt_len,
+                                   chunk_size=chunk_size)  # fmt: skip
+
+    return jax.jit(logprobs, in_shardings=(param_shardings, rows), out_shardings=rows,
+                   static_argnums=2)  # fmt: skip
+
+
 def jit_logprobs(
     graphdef,
     *,
@@ -211,16 +263,20 @@ def rl_loss(
     computed on the whole rollout batch (`losses.uses_batch_statistics`) and is used as it is.
     """
     with_entropy = loss_kwargs.get("entropy_coef", 0.0) != 0.0
-    out = response_logprobs(
-        graphdef,
-        params,
-        batch["tokens"],
-        batch["attn_mask"],
-        prompt_len=prompt_len,
-        chunk_size=chunk_size,
-        group_size=group_size,
-        with_entropy=with_entropy,
-    )
+    if "pack_tokens" in batch:  # a packed micro-batch (`gvpo_jax.buckets`): same log-probs
+        out = packed_logprobs(graphdef, params, batch, prompt_len=prompt_len,
+                              chunk_size=chunk_size, with_entropy=with_entropy)  # fmt: skip
+    else:
+        out = response_logprobs(
+            graphdef,
+            params,
+            batch["tokens"],
+            batch["attn_mask"],
+            prompt_len=prompt_len,
+            chunk_size=chunk_size,
+            group_size=group_size,
+            with_entropy=with_entropy,
+        )
     logp_BxN, entropy_BxN = out if with_entropy else (out, None)
     mask_BxN = batch["resp_mask"]
     anchor_logp = batch.get("ref_logp") if anchor == "ref" else None

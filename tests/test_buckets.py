@@ -145,3 +145,105 @@ def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
     assert calls == {"update": 4, "logprobs": 1 + (ref is not None)}
     assert 0 < metrics["update_slot_frac"] <= 1 and np.isfinite(metrics["loss"])
     assert np.abs(_flat(state.params) - before).max() > 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed groups: one row per group, its G responses back to back behind one copy of its prompt
+
+
+def test_packed_attention_sees_the_prefix_and_its_own_segment_only(monkeypatch):
+    """dense and blocked (small blocks, so key blocks of earlier segments are skipped) against
+    each segment attended on its own: [prefix, that segment] with the plain causal kernel."""
+    from gvpo_jax.models import attention as kernels
+
+    rng = np.random.default_rng(0)
+    R, J, T, N, K, H = 2, 5, 24, 4, 2, 8
+    lengths = [[7, 3, 9], [11, 1, 6]]  # per row; the rest is padding
+    q = jnp.asarray(rng.normal(size=(R, T, N, H)), jnp.float32)
+    pk, pv = (jnp.asarray(rng.normal(size=(R, K, J, H)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(R, K, T, H)), jnp.float32) for _ in range(2))
+    prefix_valid = jnp.asarray(np.arange(J)[None] >= [[2], [0]])  # left-padded prefixes
+    seg, valid = np.full((R, T), 9, np.int32), np.zeros((R, T), bool)
+    for r, lens in enumerate(lengths):
+        at = 0
+        for i, n in enumerate(lens):
+            seg[r, at : at + n], valid[r, at : at + n], at = i + 1, True, at + n
+    monkeypatch.setattr(kernels, "BLOCK_Q", 8)
+    monkeypatch.setattr(kernels, "BLOCK_K", 4)
+    args = (q, pk, pv, prefix_valid, k, v, jnp.asarray(valid), jnp.asarray(seg))
+    outs = {impl: np.asarray(kernels.packed_prefix(impl, *args)) for impl in ("dense", "blocked")}
+    for r, lens in enumerate(lengths):
+        at = 0
+        for n in lens:
+            own = slice(at, at + n)
+            keys = jnp.concatenate([pk[r : r + 1], k[r : r + 1, :, own]], axis=2)
+            values = jnp.concatenate([pv[r : r + 1], v[r : r + 1, :, own]], axis=2)
+            kvalid = jnp.concatenate([prefix_valid[r : r + 1], jnp.ones((1, n), bool)], axis=1)
+            want = kernels.causal("dense", q[r : r + 1, own], keys, values, jnp.ones((1, n), bool),
+                                  kvalid, J + jnp.arange(n), jnp.arange(J + n))  # fmt: skip
+            for impl, out in outs.items():
+                np.testing.assert_allclose(out[r, own], np.asarray(want[0]), atol=2e-6,
+                                           err_msg=impl)  # fmt: skip
+            at += n
+
+
+def test_pack_puts_each_group_behind_one_prompt_with_restarting_positions():
+    G, J, n = 2, 3, 4
+    tokens = np.array([[0, 5, 6, 10, 11, 12, 0], [0, 5, 6, 20, 0, 0, 0],
+                       [7, 8, 9, 30, 31, 0, 0], [7, 8, 9, 40, 41, 42, 43]])  # fmt: skip
+    resp = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]], np.float32)
+    attn = np.concatenate([[[0, 1, 1]] * 2 + [[1, 1, 1]] * 2, resp], axis=1).astype(np.float32)
+    batch = {"tokens": tokens, "attn_mask": attn, "resp_mask": resp, "rewards": np.arange(4.0)}
+    plan = buckets.plan_chunks(resp, G, 2, buckets.pack_widths(n, G, 2), packed=True)
+    assert [(list(r), w) for r, w in plan] == [([0, 1], 8), ([2, 3], 8)]  # 4 and 6 tokens
+    p = buckets.pack(batch, np.arange(4), 8, J, G)
+    np.testing.assert_array_equal(p["pack_tokens"][0], [0, 5, 6, 10, 11, 12, 20, 0, 0, 0, 0])
+    np.testing.assert_array_equal(p["pack_positions"][0, J:7], [2, 3, 4, 2])  # restarts at 2
+    np.testing.assert_array_equal(p["pack_positions"][1, J:9], [3, 4, 3, 4, 5, 6])
+    np.testing.assert_array_equal(p["pack_segments"][0], [1, 1, 1, 2, 3, 3, 3, 3])
+    np.testing.assert_array_equal(p["pack_pred"][1, :6], [2, 3, 2, 5, 6, 7])  # first: prompt end
+    np.testing.assert_array_equal(p["pack_index"][1], [3, -1, -1, -1])
+    np.testing.assert_array_equal(p["pack_index"][3], [10, 11, 12, 13])
+    assert (p["rewards"] == batch["rewards"]).all() and "tokens" not in p
+
+
+@pytest.mark.parametrize("algo", ["gvpo", "dapo"])
+def test_packed_update_and_logprobs_equal_the_full_width_pass(algo):
+    """Packed micro-batches give the full-width pass's log-probs and the gradient and loss of
+    one full-width pass over the minibatch (GVPO's group centring and DAPO's token mean
+    included), computing fewer response slots than per-group buckets."""
+    c = _bucketed(algo, **{"optim.pack_groups": True})
+    run, state, loop, ref = make_run(c)
+    batch = _varied_batch(run, state, ref, seed=3)
+    full = np.asarray(run.logprobs(state.params, batch["tokens"], batch["attn_mask"]))
+    np.testing.assert_allclose(run.buckets.logprobs(state.params, batch), full, rtol=0, atol=1e-5)
+
+    acc, slot_frac = run.buckets.accumulated(state.params, batch)
+    loss_fn = assemble.rl_loss_fn(c, run.graphdef)
+    dev = sharding.device_batch(batch, run.mesh, group_size=c.rollout.group_size)
+    (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, dev)
+    M = c.optim.micro_batches
+    g_packed, g_full = _flat(acc["grads"]) / M, _flat(grads)
+    np.testing.assert_allclose(g_packed, g_full, rtol=0, atol=2e-5 * np.abs(g_full).max())
+    assert np.abs(g_full).max() > 1e-4
+    np.testing.assert_allclose(float(acc["loss"]) / M, float(loss), rtol=2e-5, atol=1e-7)
+    real = batch["resp_mask"].sum()
+    per_group = buckets.plan_chunks(batch["resp_mask"], c.rollout.group_size, M,
+                                    buckets.bucket_widths(N, 4))  # fmt: skip
+    assert slot_frac * batch["resp_mask"].size < sum(len(r) * w for r, w in per_group)
+    _, metrics = run.buckets.update(state, batch)
+    assert 1.0 <= metrics["update_pad_ratio"] == slot_frac * batch["resp_mask"].size / real
+
+
+def test_packed_steps_compile_one_shape_per_packed_width():
+    """New lengths every call: one compiled update and log-prob shape per packed width used,
+    none again for a width already seen."""
+    c = _bucketed("grpo", **{"optim.pack_groups": True, "train.kl_ref_metric": False})
+    run, state, loop, ref = make_run(c)
+    seen = set()
+    for seed in range(4):
+        batch = _varied_batch(run, state, ref, seed=seed)
+        seen |= {w for _, w in run.buckets._plan(batch, run.buckets.micro_batches)}
+        state, _ = run.buckets.update(state, batch)
+        assert run.buckets._accumulate._cache_size() == len(seen)
+    assert run.buckets._apply._cache_size() == 1 and len(seen) < len(run.buckets.widths)

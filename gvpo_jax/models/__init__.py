@@ -10,6 +10,7 @@ from gvpo_jax.models.cache import (
     CACHE_AXES,
     DECODE_CACHE_AXES,
     KVCache,
+    PackedPrefixCache,
     SharedPrefixCache,
     SlotCache,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "KVCache",
     "ModelConfig",
+    "PackedPrefixCache",
     "SharedPrefixCache",
     "SlotCache",
     "Transformer",

@@ -36,6 +36,7 @@ __all__ = [
     "choose",
     "dense",
     "merge",
+    "packed_prefix",
     "resolve",
     "shared_prefix",
 ]
@@ -574,6 +575,58 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
     new_out, new_lse = blocked(
         _rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS
     )
+    out, _ = merge(pre_out, pre_lse, new_out, new_lse)
+    return _from_rows_t_major(out, t)
+
+
+def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_RxKxTxH,
+                  v_RxKxTxH, valid_RxT, segments_RxT):  # fmt: skip
+    """Attention of packed rows: row r holds several sequences (segments, ids non-decreasing
+    along the row, padding last with the largest id) that all continue prefix r. Token t sees
+    the prefix's valid keys and the valid keys of its own segment at slots <= t; other
+    segments are invisible. dense / xla: the prefix and own keys joined under one mask;
+    blocked (also for splash, whose static masks cannot hold per-row segments next to a shared
+    prefix): one pass over the prefix and one causal pass over the row, where a segment test
+    in the kernel's window form (`visible` with positions = segment ids and window 1: a key of
+    an earlier segment is "too far back") also skips key blocks of earlier segments; the two
+    are merged through their log-denominators. Returns [R, T, N, H]."""
+    r, t, n, h = q_RxTxNxH.shape
+    kv, j = pk_RxKxJxH.shape[1], pk_RxKxJxH.shape[2]
+    g = n // kv
+    seg = segments_RxT.astype(jnp.int32)
+    impl = "blocked" if impl == "splash" else impl
+    if impl in ("dense", "xla"):
+        own_RxTxT = (
+            valid_RxT[:, None, :]
+            & (jnp.arange(t)[None, :, None] >= jnp.arange(t)[None, None, :])
+            & (seg[:, :, None] == seg[:, None, :])
+        )
+        pre_RxTxJ = jnp.broadcast_to(prefix_valid_RxJ[:, None, :], (r, t, j))
+        mask_RxTxS = jnp.concatenate([pre_RxTxJ, own_RxTxT], axis=2)
+        keys = jnp.concatenate([pk_RxKxJxH, k_RxKxTxH], axis=2)
+        values = jnp.concatenate([pv_RxKxJxH, v_RxKxTxH], axis=2)
+        if impl == "xla":
+            return jax.nn.dot_product_attention(
+                q_RxTxNxH, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
+                mask=mask_RxTxS[:, None],
+            ).astype(q_RxTxNxH.dtype)  # fmt: skip
+        q_RxKxQxH = (
+            q_RxTxNxH.reshape(r, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(r, kv, g * t, h)
+        )
+        out = dense(q_RxKxQxH, keys, values, mask_RxTxS)
+        return out.reshape(r, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(r, t, n, h)
+    if impl != "blocked":
+        raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
+    q_rows = _rows_t_major(q_RxTxNxH, kv)  # [R, K, T * G, H]
+    every_key = jnp.full((r, t * g), NO_SLOT, jnp.int32)
+    prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (r, j))
+    pre_out, pre_lse = blocked(q_rows, pk_RxKxJxH, pv_RxKxJxH, every_key, prefix_slot,
+                               prefix_valid_RxJ)  # fmt: skip
+    slots = jnp.arange(t, dtype=jnp.int32)
+    q_slot = jnp.broadcast_to(jnp.repeat(slots, g)[None], (r, t * g))
+    k_slot = jnp.broadcast_to(slots[None], (r, t))
+    new_out, new_lse = blocked(q_rows, k_RxKxTxH, v_RxKxTxH, q_slot, k_slot, valid_RxT,
+                               BLOCK_Q, BLOCK_K, 1, jnp.repeat(seg, g, axis=1), seg)  # fmt: skip
     out, _ = merge(pre_out, pre_lse, new_out, new_lse)
     return _from_rows_t_major(out, t)
 

@@ -5,6 +5,7 @@
   prompt). Two layouts: [.., S, H] for the update's multi-token forward
   (`Transformer.hidden_shared_prefix`) and slot-last [.., H, S] for decode steps (the sampler).
 - `SlotCache`: continuous batching's decode slots, each pointing at one of P stored prefixes.
+- `PackedPrefixCache`: the update's packed rows, several sequences (segments) behind one prefix.
 
 `Transformer.init_cache`, `share_prefix_cache` and `slot_cache` build them; a layer's
 `Attention` hands its new keys and values to `cache.attend(...)`, which writes them and returns
@@ -300,6 +301,49 @@ class SharedPrefixCache:
             )
         out_PxKxRxQxH = (out_PxKxRxQxH / total_PxKxRxQx1).astype(dtype)
         return _prefix_rows(out_PxKxRxQxH, t), cache
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed rows
+
+
+@struct.dataclass
+class PackedPrefixCache:
+    """The update's packed layout: row r holds the G responses of one prompt back to back
+    (segments 1..G, ids non-decreasing, padding last with a larger id) after prefix r, stored
+    once: prefix_k, prefix_v [R, K, J, H], prefix_valid [R, J], and `segments` int32 [R, T] of
+    the T packed slots. One call attends the whole packed row (index 0, T = the row's width):
+    each token sees the prefix and its own segment causally (`kernels.packed_prefix`); nothing
+    is stored, so the cache comes back unchanged. No sliding windows (a layer with one raises).
+    """
+
+    prefix_k: jax.Array
+    prefix_v: jax.Array
+    prefix_valid: jax.Array
+    segments: jax.Array
+
+    @classmethod
+    def share(cls, prefix: KVCache, segments_RxT: jax.Array) -> PackedPrefixCache:
+        return cls(prefix.k, prefix.v, prefix.valid, segments_RxT.astype(jnp.int32))
+
+    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, window=None,
+               positions_BxT=None):  # fmt: skip
+        if window is not None:
+            raise ValueError(
+                "packed update rows do not support sliding-window layers; set "
+                "optim.pack_groups=False for this model."
+            )
+        t, n = q_BxTxNxH.shape[1], q_BxTxNxH.shape[2]
+        if t != self.segments.shape[1]:
+            raise ValueError(f"a packed row is attended in one call of {self.segments.shape[1]} "
+                             f"tokens, got {t}.")  # fmt: skip
+        kv, j = self.prefix_k.shape[1], self.prefix_k.shape[2]
+        impl = kernels.choose(impl, t=t, g=n // kv, keys=j + t)
+        out = kernels.packed_prefix(
+            impl, q_BxTxNxH, self.prefix_k, self.prefix_v, self.prefix_valid, k_BxKxTxH,
+            v_BxKxTxH, valid_BxT, self.segments,
+        )  # fmt: skip
+        return out, self
 
 
 # ----------------------------------------------------------------------------------------------

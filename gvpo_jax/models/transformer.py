@@ -432,6 +432,30 @@ class Transformer(nnx.Module):
         )
         return jnp.concatenate([jnp.repeat(prefix_PxJxD, g, axis=0), new_BxNxD], axis=1)
 
+    def hidden_packed(self, tokens_RxS, mask_RxS, positions_RxS, segments_RxW, *,
+                      prefix_len: int):  # fmt: skip
+        """Final-norm hidden states [R, S, D] of packed rows: row r is a prefix of
+        `prefix_len` slots (left-padded) followed by several continuations back to back, each
+        with its own segment id (`segments_RxW`, W = S - prefix_len, ids non-decreasing along
+        the row, padding last with the largest id) and its own RoPE positions (given: each
+        continuation restarts after the prefix). Each continuation sees the prefix and itself
+        only (`cache.PackedPrefixCache`), so a token's hidden state is the one it has in an
+        unpacked row [prefix, its continuation] (fp32 rounding aside): the update runs a
+        group's G responses behind one copy of its prompt with no padding between them.
+        """
+        j = prefix_len
+        r = tokens_RxS.shape[0]
+        valid_RxS = mask_RxS.astype(bool)
+        prefix_RxJxD, cache = self.hidden(
+            tokens_RxS[:, :j], positions_RxS[:, :j], valid_RxS[:, :j],
+            cache=self.init_cache(r, j), cache_index=0,
+        )  # fmt: skip
+        packed = [caches.PackedPrefixCache.share(c, segments_RxW) for c in cache]
+        new_RxWxD, _ = self.hidden(
+            tokens_RxS[:, j:], positions_RxS[:, j:], valid_RxS[:, j:], cache=packed, cache_index=0
+        )
+        return jnp.concatenate([prefix_RxJxD, new_RxWxD], axis=1)
+
     def unembed_matrix(self) -> jax.Array:
         """[V, D] output projection (the embedding when tied), in the compute dtype."""
         table = self.embedding if self.lm_head is None else self.lm_head
