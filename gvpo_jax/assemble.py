@@ -296,6 +296,7 @@ def sampling_settings(config: ml_collections.ConfigDict, tokenizer) -> sampler.S
         buckets=(config.data.max_prompt_len,),
         num_slots=config.rollout.num_slots,
         eval_num_slots=config.train.eval_num_slots,
+        shed=config.rollout.shed,
     )
 
 

@@ -127,6 +127,9 @@ def base_config() -> ml_collections.ConfigDict:
     # start of step t - staleness (the first steps use the start policy), whatever the timing.
     # 0: synchronous. The queued rollouts are checkpointed (docs/async.md).
     c.rollout.staleness = 0
+    # Static batch only: halve the decode batch up to this many times as rows end (2: 32 ->
+    # 16 -> 8 rows), the running rows compacted into the smaller batch. Same samples; 0: off.
+    c.rollout.shed = 0
 
     c.algo = ml_collections.ConfigDict()
     c.algo.name = "gvpo"  # a losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo
@@ -424,6 +427,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         "sft.warmup_steps",
         "optim.warmup_steps",
         "rollout.num_slots",
+        "rollout.shed",
         "optim.length_buckets",
         "train.eval_num_slots",
         "train.eval_chunk",

@@ -306,6 +306,12 @@ def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: in
                                                 mesh=mesh)  # fmt: skip
         batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
         info["truncated"] = batch.pop("truncated")
+        settings = run.sampling
+        info["decode_slots"] = sampler.decode_slots(
+            batch["lengths"], max_new_tokens=settings.max_new_tokens, shed=settings.shed,
+            num_slots=sampler.resolve_slots(settings.num_slots, len(batch["lengths"])),
+        )  # fmt: skip
+        info["decode_tokens"] = float(np.sum(batch["lengths"]))
         batch["task_rewards"] = batch["rewards"].copy()
         if s.overlong is not None:  # DAPO's soft overlong penalty on the response lengths
             max_len, cache_len, factor = s.overlong
@@ -336,6 +342,9 @@ def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: in
         "reward_time_s": float(np.sum(info_acc.pop("reward_time_s"))),
         "truncated_frac": float(np.mean(np.concatenate(info_acc.pop("truncated")))),
         "rollout_rounds": float(rounds_run),
+        # decode row-steps computed per generated token (1.0: no finished row computed)
+        "decode_pad_ratio": float(np.sum(info_acc.pop("decode_slots")))
+        / max(float(np.sum(info_acc.pop("decode_tokens"))), 1.0),
     }
     for k, v in info_acc.items():  # counts (reward timeouts, errors) of this process's rows
         metrics[k] = sharding.sum_over_shards(np.sum(v), run.mesh)

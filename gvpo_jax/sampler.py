@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -56,6 +57,7 @@ class SamplingSettings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS  # prompt-length buckets (one compile per bucket)
     num_slots: int = 0  # decode slots S (continuous batching); 0: one per row (static batch)
     eval_num_slots: int = 0  # the same for evaluation calls (capped at their rows)
+    shed: int = 0  # static batch: halvings of its rows as rows finish (`shed_levels`); 0: off
 
     def generate_kwargs(self) -> dict:
         """The static keywords of `generate` / `generate_sharded`."""
@@ -69,6 +71,7 @@ class SamplingSettings:
             eos_ids=self.eos_ids,
             group_size=self.group_size,
             pad_id=self.pad_id,
+            shed=self.shed,
         )
 
 
@@ -150,6 +153,7 @@ def generate(
     pad_id: int = 0,
     num_slots: int = 0,
     max_lengths: jax.Array | None = None,
+    shed: int = 0,
 ) -> SampleOutput:
     """Sample `group_size` responses per prompt, all in one compiled graph.
 
@@ -176,6 +180,9 @@ def generate(
         b is drawn with a key of its own, `sampling_ops.token_keys(rng, b, t)`.
       max_lengths: optional int32 [P*G] per-row length caps (clipped to [1, max_new_tokens]):
         row b stops after max_lengths[b] tokens, as at an EOS. None: max_new_tokens for all.
+      shed: static batch only: L > 0 halves the decode batch up to L times as rows finish
+        (`shed_levels`: e.g. 32 -> 16 -> 8 rows for L = 2), the still-running rows compacted
+        into the smaller batch as soon as they fit. Same output: tokens are keyed by row.
 
     Returns:
       `SampleOutput` with B = P * G rows (row p*G + g = sample g of prompt p). `logp_BxN` is the
@@ -192,8 +199,10 @@ def generate(
         group_size=group_size,
         pad_id=pad_id,
         num_slots=num_slots,
+        shed=shed,
     )
     settings["num_slots"] = resolve_slots(settings["num_slots"], prompt_ids.shape[0] * group_size)
+    settings["shed"] = settings["shed"] if settings["num_slots"] == 0 else 0
     graphdef, state = nnx.split(model)
     # Without caps, call as `generate_split(graphdef, state, ids, lens, rng, **settings)` does:
     # an explicit None would key another jit cache entry (a program compiled ahead of time with
@@ -219,6 +228,7 @@ def canonical_settings(
     group_size: int = 1,
     pad_id: int = 0,
     num_slots: int = 0,
+    shed: int = 0,
 ) -> dict:
     """Validated, canonical static settings for `generate_split` (same meaning as `generate`).
 
@@ -240,6 +250,8 @@ def canonical_settings(
         raise ValueError(f"min_p must be in [0, 1) (0 = off), got {min_p}.")
     if int(num_slots) < 0:
         raise ValueError(f"num_slots must be >= 0 (0 = one slot per row), got {num_slots}.")
+    if int(shed) < 0:
+        raise ValueError(f"shed must be >= 0 (0 = off), got {shed}.")
     if isinstance(eos_ids, int):
         eos_ids = (eos_ids,)
     if float(temperature) == 0.0:
@@ -254,7 +266,45 @@ def canonical_settings(
         eos_ids=tuple(sorted({int(e) for e in eos_ids})),
         pad_id=int(pad_id),
         num_slots=int(num_slots),
+        shed=int(shed),
     )
+
+
+def shed_levels(rows: int, shed: int) -> tuple[int, ...]:
+    """The decode batch sizes of a shedding static batch: `rows`, then up to `shed` halvings
+    (rounded up), e.g. (32, 16, 8) for shed = 2; (rows,) when shed is 0."""
+    levels = [rows]
+    for _ in range(shed):
+        half = -(-levels[-1] // 2)
+        if half == levels[-1]:
+            break
+        levels.append(half)
+    return tuple(levels)
+
+
+def decode_slots(lengths_B, *, max_new_tokens: int, num_slots: int = 0, shed: int = 0) -> int:
+    """Row-steps a decode computes for responses of these lengths (the prefill's first token
+    of each row counted once), on the host: the static batch runs every row until the longest
+    ends; with `shed` it runs the smallest level that holds the rows still running; with
+    `num_slots` = S its S slots run until the queue is empty (the sampler's schedule).
+    Divide by sum(lengths) for the decode's computed / real token slots."""
+    lengths = np.asarray(lengths_B, np.int64)
+    b, n = len(lengths), max_new_tokens
+    if 0 < num_slots < b:
+        free = [0] * num_slots
+        for length in lengths:
+            if length > 1:
+                heapq.heappush(free, heapq.heappop(free) + int(length) - 1)
+        return b + max(free) * num_slots
+    levels, level, total = shed_levels(b, shed), 0, b
+    for step in range(1, n):
+        running = int((lengths > step).sum())
+        if not running:
+            break
+        while level + 1 < len(levels) and running <= levels[level + 1]:
+            level += 1
+        total += levels[level]
+    return total
 
 
 def decode_segments(slots: int, max_segments: int = 4, min_segment: int = 16) -> tuple[int, ...]:
@@ -283,6 +333,7 @@ def decode_segments(slots: int, max_segments: int = 4, min_segment: int = 16) ->
         "num_slots",
         "num_queues",
         "with_iterations",
+        "shed",
     ),
 )
 def generate_split(
@@ -304,6 +355,7 @@ def generate_split(
     num_slots: int = 0,
     num_queues: int = 1,
     with_iterations: bool = False,
+    shed: int = 0,
 ):
     """`generate` on a split model `(graphdef, state) = nnx.split(model)`; all settings static.
 
@@ -355,7 +407,7 @@ def generate_split(
     args = (graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, select)
     settings = dict(group_size=g, max_new_tokens=n, eos_ids=eos_ids, pad_id=pad_id)
     if slots == b:
-        out, iterations = _decode_static(*args, **settings)
+        out, iterations = _decode_static(*args, **settings, shed=shed)
     else:
         out, iterations = _decode_continuous(*args, **settings, slots=slots, queues=num_queues)
     return (out, iterations) if with_iterations else out
@@ -368,10 +420,11 @@ def _is_eos(tokens_xB: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 def _decode_static(
     graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, select, *,
-    group_size, max_new_tokens, eos_ids, pad_id,
+    group_size, max_new_tokens, eos_ids, pad_id, shed=0,
 ):  # fmt: skip
     """The static batch: every one of the B = P * G rows keeps its decode slot until the last
-    row ends. Returns (SampleOutput, decode iterations)."""
+    row ends (with `shed`: until the rows still running fit the next smaller batch, see
+    `_decode_shed`). Returns (SampleOutput, decode iterations)."""
     p, g, n = logits_PxV.shape[0], group_size, max_new_tokens
     b = p * g
     # Share the prefill: every sample of prompt p starts from its logits, and the prompt's keys
@@ -406,9 +459,14 @@ def _decode_static(
             sample_logp_BxN=write(s.sample_logp_BxN, jnp.where(active_B, sample_logp_B, 0.0)),
         )
 
+    levels = shed_levels(b, shed)
+
     def keep_going(s: DecodeState, slots: int) -> jax.Array:
         # Step `step` writes slot step - 1, so a segment with `slots` slots ends at step slots.
-        return (s.step < n) & (s.step <= slots) & ~jnp.all(s.done_B)
+        go = (s.step < n) & (s.step <= slots) & ~jnp.all(s.done_B)
+        if len(levels) > 1:  # hand over to the smaller batch once the running rows fit it
+            go &= jnp.sum(~s.done_B) > levels[1]
+        return go
 
     def decode_step(s: DecodeState) -> DecodeState:
         """Feed token step-1 (new-token slot step-1, position len + step-1); sample token step."""
@@ -440,9 +498,85 @@ def _decode_static(
         if j:
             final = final.replace(cache=[layer.grow(slots) for layer in final.cache])
         final = jax.lax.while_loop(functools.partial(keep_going, slots=slots), decode_step, final)
+    if len(levels) > 1:
+        final = _decode_shed(graphdef, state, final, lens_B, caps_B, select, levels=levels,
+                             group_size=g, max_new_tokens=n, eos_ids=eos_ids,
+                             pad_id=pad_id)  # fmt: skip
     return _output(final.tokens_BxN, final.logp_BxN, final.sample_logp_BxN, final.lengths_B), (
         final.step - 1
     )
+
+
+def _decode_shed(graphdef, state, s: DecodeState, lens_B, caps_B, select, *, levels, group_size,
+                 max_new_tokens, eos_ids, pad_id) -> DecodeState:  # fmt: skip
+    """The static batch's decode after its rows thinned out: at each of `levels[1:]` (a
+    halving each), the rows still running are compacted into a batch of that size, and decode
+    goes on there until the running rows fit the next one (or all end). `s` is the static
+    loop's state on its exit, its cache grown to all N - 1 slots (`SharedPrefixCache`, slot
+    last). The compacted rows keep their new-token columns and point at their prompt in the
+    prefixes stored once (`cache.SlotCache`, one queue, every row at the same column); tokens
+    are drawn with each row's own key (`token_keys(rng, row, step)`) and written to its own
+    output row, so the output is the static batch's. A compacted step attends over all N - 1
+    columns (masked by position), not over its segment's."""
+    b, n, g = levels[0], max_new_tokens, group_size
+    layers = [c.as_slots() for c in s.cache]  # slot b continues prompt b // G
+    row_K = jnp.arange(b, dtype=jnp.int32)  # the output row of each compacted slot (b: none)
+    done_K = s.done_B
+    s = s.replace(cache=None)  # the static rows' cache is not carried on
+
+    def step(carry):
+        s, row_K, done_K, layers = carry
+        k = row_K.shape[0]
+        safe_K = jnp.minimum(row_K, b - 1)
+        fed_K = jax.lax.dynamic_index_in_dim(s.tokens_BxN[safe_K], s.step - 1, axis=1,
+                                             keepdims=False)  # fmt: skip
+        fed_K = jnp.where(done_K, 0, fed_K)
+        positions_Kx1 = (lens_B[safe_K] + s.step - 1)[:, None]
+        logits_Kx1xV, layers = nnx.merge(graphdef, state)(
+            fed_K[:, None], positions_Kx1, jnp.ones((k, 1), jnp.bool_), cache=layers,
+            cache_index=jnp.broadcast_to(s.step - 1, (k,)),
+        )  # fmt: skip
+        tokens_K, logp_K, sample_logp_K = select(
+            logits_Kx1xV[:, 0], token_keys(s.rng, safe_K, jnp.broadcast_to(s.step, (k,)))
+        )
+        active_K = ~done_K
+        target_K = jnp.where(active_K, row_K, b)  # finished or empty slots write nothing
+        put = lambda buf, x: buf.at[target_K, s.step].set(x.astype(buf.dtype), mode="drop")
+        ends_K = _is_eos(tokens_K, eos_ids) | (s.step + 1 >= caps_B[safe_K])
+        s = s.replace(
+            step=s.step + 1,
+            lengths_B=s.lengths_B.at[target_K].add(1, mode="drop"),
+            tokens_BxN=put(s.tokens_BxN, tokens_K),
+            logp_BxN=put(s.logp_BxN, logp_K),
+            sample_logp_BxN=put(s.sample_logp_BxN, sample_logp_K),
+        )
+        return s, row_K, done_K | (active_K & ends_K), layers
+
+    for j, size in enumerate(levels[1:], start=1):
+        # Compact: the first `size` running slots (every running one: the loop before ended
+        # when they fit), then empty slots (output row b, done).
+        pick_K = jnp.nonzero(~done_K, size=size, fill_value=done_K.shape[0])[0]
+        valid_K = pick_K < done_K.shape[0]
+        pick_K = jnp.minimum(pick_K, done_K.shape[0] - 1)
+        row_K = jnp.where(valid_K, row_K[pick_K], b)
+        done_K = ~valid_K
+        layers = [
+            c.replace(
+                k=c.k[pick_K],
+                v=c.v[pick_K],
+                pos=c.pos[pick_K],
+                prefix_index=(jnp.minimum(row_K, b - 1) // g)[None],
+            )  # fmt: skip
+            for c in layers
+        ]
+        nxt = levels[j + 1] if j + 1 < len(levels) else 0
+
+        def go(carry, nxt=nxt):
+            s, _, done_K, _ = carry
+            return (s.step < n) & (jnp.sum(~done_K) > nxt)
+
+        s, row_K, done_K, layers = jax.lax.while_loop(go, step, (s, row_K, done_K, layers))
+    return s
 
 
 def _output(tokens_BxN, logp_BxN, sample_logp_BxN, lengths_B) -> SampleOutput:

@@ -506,3 +506,58 @@ def test_benchmark_length_mixes_have_their_documented_shape():
         assert table["S = 8"] < table["chunks of 8"], (kind, table)
     with pytest.raises(ValueError, match="length mix 'uniform'"):
         continuous.length_mix(32, 256, kind="uniform")
+
+
+# ---------------------------------------------------------------------------------------------
+# The shedding static batch: still-running rows compacted into halved batches
+
+
+def test_shedding_static_batch_equals_the_static_batch(peaked):
+    """shed = 3 (12 -> 6 -> 3 -> 2 rows): every output array equals the static batch's, with
+    EOS and per-row caps ending rows at varied lengths, so the batch sheds rows three times;
+    the decode runs as many iterations as the static batch, computing the row-steps that
+    `sampler.decode_slots` counts on the host."""
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    graphdef, state = nnx.split(peaked)
+    kw = dict(max_new_tokens=N, **MODES["t1"])
+    rng = jax.random.key(11)  # the settings of test_continuous_equals_static_token_for_token
+    eos, _ = _eos_for_mix(_run(peaked, ids, lens, rng, 0, **kw).tokens_BxN)
+    caps = np.array([16, 3, 12, 2, 5, 16, 4, 9, 2, 7, 3, 14], np.int32)
+    ref = _run(peaked, ids, lens, rng, 0, eos_ids=eos, pad_id=-1, max_lengths=caps, **kw)
+    lengths = ref.lengths_B
+    # the running rows fit 6, then 3, then 2 rows before the last one ends
+    assert len(set(lengths.tolist())) >= 6 and (lengths > 9).sum() == 2, lengths
+    settings = sampler.canonical_settings(**kw, eos_ids=eos, pad_id=-1, group_size=G, shed=3)
+    out, steps = sampler.generate_split(graphdef, state, ids, lens, rng, caps, with_iterations=True,
+                                        **settings)  # fmt: skip
+    _assert_same(jax.tree.map(np.asarray, out), ref)
+    assert int(steps) == lengths.max() - 1
+    assert sampler.shed_levels(12, 3) == (12, 6, 3, 2) and sampler.shed_levels(32, 2) == (32, 16, 8)
+    # The host count of the row-steps: the static batch runs all 12 rows to the longest.
+    assert sampler.decode_slots(lengths, max_new_tokens=N) == 12 * lengths.max()
+    shed_slots = sampler.decode_slots(lengths, max_new_tokens=N, shed=3)
+    by_hand = 12 + sum(
+        next(k for k in (2, 3, 6, 12) if k >= (lengths > t).sum()) for t in range(1, lengths.max())
+    )
+    assert shed_slots == by_hand < 12 * lengths.max()
+
+
+def test_shedding_compiles_once_and_is_off_for_slots():
+    """One program per shed setting, reused for new prompts and keys; with decode slots the
+    setting is dropped (continuous batching already frees finished rows): the shed=0 program
+    runs."""
+    model = _model(12.0, norm=3.0)
+    ids, lens = sampler.pad_prompts(PROMPTS, (16,))
+    caps = np.array([1, 8, 3, 2, 8, 5, 2, 2, 7, 1, 4, 2], np.int32)
+    kw = dict(max_new_tokens=8, temperature=1.0, pad_id=-1, max_lengths=caps)
+    _run(model, ids, lens, jax.random.key(0), 0, shed=2, **kw)
+    size = sampler.generate_split._cache_size()
+    for seed in (1, 2):
+        sampler.generate(model, ids[::-1].copy(), lens[::-1].copy(), rng=jax.random.key(seed),
+                         group_size=G, shed=2, **kw)  # fmt: skip
+    assert sampler.generate_split._cache_size() == size
+    with pytest.raises(ValueError, match="shed must be >= 0"):
+        sampler.canonical_settings(max_new_tokens=4, shed=-1)
+    _run(model, ids, lens, jax.random.key(0), 5, **kw)
+    _run(model, ids, lens, jax.random.key(0), 5, shed=2, **kw)
+    assert sampler.generate_split._cache_size() == size + 1

@@ -203,6 +203,21 @@ class SharedPrefixCache:
             pos=jnp.pad(self.pos, ((0, 0), (0, extra))),
         )
 
+    def as_slots(self) -> SlotCache:
+        """The same keys and values as a `SlotCache` (slot-last layout only): slot p * R + r
+        continues prefix p with row p * R + r's new-token columns and positions, so a decode
+        can go on with any subset of the rows (gathered along the slot axis)."""
+        if not self.slot_last:
+            raise ValueError("as_slots needs the slot-last (decode) layout.")
+        p, kv, r, h, s = self.k.shape
+        rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(p * r, kv, h, s)
+        prompt_1xB = (jnp.arange(p * r, dtype=jnp.int32) // r)[None]
+        return SlotCache(
+            prefix_k=self.prefix_k, prefix_v=self.prefix_v, prefix_valid=self.prefix_valid,
+            prefix_pos=self.prefix_pos, prefix_index=prompt_1xB, k=rows(self.k), v=rows(self.v),
+            pos=self.pos,
+        )  # fmt: skip
+
     def _write(self, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, positions_BxT) -> SharedPrefixCache:
         """Stores T new keys/values (and positions) of the B rows at new-token slot `index`."""
         p = self.prefix_k.shape[0]
@@ -331,7 +346,7 @@ class PackedPrefixCache:
         if window is not None:
             raise ValueError(
                 "packed update rows do not support sliding-window layers; set "
-                "optim.pack_groups=False for this model."
+                "optim.pack_groups to False for this model."
             )
         t, n = q_BxTxNxH.shape[1], q_BxTxNxH.shape[2]
         if t != self.segments.shape[1]:
