@@ -127,9 +127,9 @@ class Variant:
     """One compiled program, called on consecutive chunks of `chunk_rows` rows of each rollout
     (one rollout per row order of the length mix)."""
 
-    def __init__(self, model, prompt_ids, caps_KxB, *, slots, chunk_rows, settings, key):
+    def __init__(self, model, prompt_ids, caps_KxB, *, slots, chunk_rows, settings, key, shed=0):
         graphdef, self.state = nnx.split(model)
-        self.slots, self.chunk_rows = slots, chunk_rows
+        self.slots, self.chunk_rows, self.shed = slots, chunk_rows, shed
         g = settings["group_size"]
         self.parts = []
         for caps_B in caps_KxB:
@@ -138,7 +138,7 @@ class Variant:
                 lens = np.full((len(ids),), ids.shape[1], np.int32)
                 self.parts.append((ids, lens, caps_B[start : start + chunk_rows]))
         self.calls = len(self.parts) // len(caps_KxB)
-        kw = dict(settings, num_slots=slots, with_iterations=True)
+        kw = dict(settings, num_slots=slots, with_iterations=True, shed=shed)
         ids, lens, caps = self.parts[0]
         t0 = time.perf_counter()
         lowered = sampler.generate_split.lower(graphdef, self.state, ids, lens, key, caps, **kw)
@@ -190,7 +190,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny 1-layer model, N = 32")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds")
     parser.add_argument("--orders", type=int, default=3, help="rollouts (row orders) per round")
-    parser.add_argument("--slots", default="16,8", help="slot counts S to compare")
+    parser.add_argument("--slots", default="16,8", help="slot counts S to compare ('': none)")
+    parser.add_argument("--shed", default="", help="shedding static batches to compare, e.g. 1,2")
     parser.add_argument("--mix", choices=MIXES, default="linear",
                         help="row length caps: linear N/8..N, or tail (long-tailed)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -206,7 +207,8 @@ def main(argv=None) -> dict:
         max_new_tokens=n, temperature=1.0, group_size=SAMPLES, eos_ids=(eos,)
     )
     key = jax.random.key(0)
-    slot_counts = [int(s) for s in args.slots.split(",")]
+    slot_counts = [int(s) for s in args.slots.split(",") if s]
+    sheds = [int(x) for x in args.shed.split(",") if x]
     print(
         f"{'tiny (1 layer)' if args.quick else 'bench-45m'}: {PROMPTS} prompts x {SAMPLES} "
         f"samples, prompt {prompt_len}, N = {n}, T = 1, EOS id {eos}; {args.mix} row length caps "
@@ -224,6 +226,12 @@ def main(argv=None) -> dict:
         variants[name] = Variant(
             model, prompt_ids, caps_KxB, slots=slots, chunk_rows=chunk, settings=settings, key=key
         )
+    for level in sheds:  # the static batch halving up to `level` times as rows end
+        sizes = " -> ".join(map(str, sampler.shed_levels(rows, level)))
+        variants[f"static, shed {sizes}"] = Variant(
+            model, prompt_ids, caps_KxB, slots=0, chunk_rows=rows, settings=settings, key=key,
+            shed=level,
+        )  # fmt: skip
 
     results = {name: v.result() for name, v in variants.items()}
     ref, _ = results["static"]
@@ -238,6 +246,11 @@ def main(argv=None) -> dict:
         out, iterations = results[name]
         t = common.Timing.from_dict(timed[name]["timing"])
         cache_rows = v.slots or v.chunk_rows
+        # row-steps computed per generated token (the host count of the sampler's schedule)
+        slot_ratio = sum(
+            sampler.decode_slots(c, max_new_tokens=n, num_slots=v.slots, shed=v.shed)
+            for c in np.asarray(out.lengths_B).reshape(len(caps_KxB), -1)
+        ) / max(int(out.lengths_B.sum()), 1)
         kv = new_token_kv_bytes(cfg, cache_rows, n)
         same = "other keys"  # a chunk's rows are numbered from 0: other draws
         if "chunks" not in name:
@@ -261,6 +274,7 @@ def main(argv=None) -> dict:
                 f"{kv / MiB:.1f}",
                 f"{v.temp_bytes / MiB:.1f}",
                 int(out.lengths_B.sum()),
+                f"{slot_ratio:.2f}" if "chunks" not in name else "-",
                 same,
                 f"{v.compile_s:.1f}",
             ]
@@ -268,7 +282,7 @@ def main(argv=None) -> dict:
     headers = (
         "variant", "slots", "calls per rollout", "decode iterations", "ms / iteration", "best s",
         "median s", "vs static", "new-token KV MiB", "XLA temp MiB", "tokens",
-        "same output as static", "compile s",
+        "computed / real decode slots", "same output as static", "compile s",
     )  # fmt: skip
     print(f"\nprompt KV cache (all variants): {prompt_kv / MiB:.1f} MiB\n")
     print(common.md_table(headers, table))

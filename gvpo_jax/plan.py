@@ -25,9 +25,10 @@ import os
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
-from gvpo_jax import assemble, models, sharding, train_step
+from gvpo_jax import assemble, buckets, models, sampler, sharding, train_step
 from gvpo_jax.models import attention as attention_kernels
 from gvpo_jax.models import lora
 
@@ -418,6 +419,33 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
     return update.lower(state, batch).compile()
 
 
+def padding_ratios(config: ml_collections.ConfigDict, lengths_B=None) -> dict[str, float]:
+    """Computed / real token slots of the update, one log-prob pass and the decode (1.0: no
+    padding computed) under the config's layout (length buckets, packed groups, decode slots
+    or shedding), for the response lengths `lengths_B` of one rollout. Default: a long-tailed
+    mix like real answers (max_new_tokens / 32 + an exponential length of mean 0.51 x
+    max_new_tokens, capped; about 15% of the rows at the cap), seeded. Micro-batches are
+    planned over the whole rollout (the trainer plans each shuffled minibatch)."""
+    c = config
+    P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
+    if lengths_B is None:
+        drawn = np.random.default_rng(0).exponential(N * 130 / 256, P * G)
+        lengths_B = np.minimum(np.round(drawn) + N // 32, N)
+    lengths_B = np.clip(np.asarray(lengths_B, np.int64), 1, N)
+    mask_BxN = np.arange(N)[None] < lengths_B[:, None]
+    real = float(lengths_B.sum())
+    K, packed = c.optim.length_buckets, bool(c.optim.pack_groups)
+    chunks = c.algo.num_minibatches * c.optim.micro_batches
+    computed = P * G * N
+    if K:
+        widths = buckets.pack_widths(N, G, K) if packed else buckets.bucket_widths(N, K)
+        plan = buckets.plan_chunks(mask_BxN, G, chunks, widths, packed=packed)
+        computed = sum(len(rows) // (G if packed else 1) * w for rows, w in plan)
+    slots = sampler.resolve_slots(c.rollout.num_slots, P * G)
+    decode = sampler.decode_slots(lengths_B, max_new_tokens=N, num_slots=slots, shed=c.rollout.shed)
+    return {"update": computed / real, "logprob_pass": computed / real, "decode": decode / real}
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 
@@ -443,6 +471,8 @@ def report(config, num_devices: int, device: str | None = None, memory_gib: floa
         plan.table(),
         *[f"note: {n}" for n in plan.notes],
         *(sampling["lines"] if sampling else []),
+        "computed / real token slots for long-tailed response lengths (`padding_ratios`): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in padding_ratios(config).items()),
         f"fits (peak <= {USABLE_FRACTION:.0%} of device memory):",
     ]
     targets = dict(DEVICE_MEMORY_GIB)

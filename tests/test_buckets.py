@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gvpo_jax import assemble, buckets, sharding
+from gvpo_jax import assemble, buckets, sampler, sharding
 from gvpo_jax.rl_step import collect_groups, rl_step
 from tests.test_train import _flat, make_run, toy_config
 
@@ -247,3 +247,23 @@ def test_packed_steps_compile_one_shape_per_packed_width():
         state, _ = run.buckets.update(state, batch)
         assert run.buckets._accumulate._cache_size() == len(seen)
     assert run.buckets._apply._cache_size() == 1 and len(seen) < len(run.buckets.widths)
+
+
+def test_planner_padding_ratios_follow_the_layout():
+    """plan.padding_ratios: computed / real slots of the update and decode per layout, for given
+    lengths and the default long-tailed mix; packing and shedding compute fewer slots."""
+    from gvpo_jax import plan
+
+    c = toy_config("grpo", **{"rollout.max_new_tokens": N, "optim.micro_batches": 2})
+    lengths = np.array([3, 1, 16, 2, 5, 6, 4, 7, 16, 2, 3, 1, 2, 2, 9, 1])  # 80 tokens
+    full = plan.padding_ratios(c, lengths)
+    assert full == {"update": 16 * 16 / 80, "logprob_pass": 16 * 16 / 80, "decode": 16 * 16 / 80}
+    c.optim.length_buckets = 2  # widths 8, 16; groups' longest 16, 7, 16, 9: both chunks 16
+    assert plan.padding_ratios(c, lengths)["update"] == 16 * 16 / 80
+    c.optim.pack_groups = True  # groups of 22, 22, 22, 14 tokens, packed widths 8, 16, .., 64
+    assert plan.padding_ratios(c, lengths)["update"] == (2 * 24 + 2 * 24) / 80
+    c.rollout.shed = 2  # 16 -> 8 -> 4 rows as the running rows fit
+    assert plan.padding_ratios(c, lengths)["decode"] == sampler.decode_slots(
+        lengths, max_new_tokens=N, shed=2) / 80 < full["decode"]  # fmt: skip
+    tail = plan.padding_ratios(c)
+    assert 1.0 <= tail["update"] < 2.0 and 1.0 <= tail["decode"]
