@@ -53,12 +53,15 @@ QUICK = dict(SETTINGS, prompts=2, samples=2, max_new_tokens=8)
 STAGES = ("rollout_s", "reward_s", "logprob_s", "update_s")
 MICRO_BATCHES = 4  # every implementation's update: 4 micro-batches of 2 groups (memory)
 LENGTH_BUCKETS = 4  # ours: micro-batches cut to 64 / 128 / 192 / 256 response slots
+OURS = "+pack+shed2"  # ours: packed groups (widths in steps of 64) and a shedding decode
+ALGOS = ("grpo", "gvpo")
 
 
 # ----------------------------------------------------------------------------- shared set-up
 
 
-def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0):
+def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0,
+               pack: bool = False, shed: int = 0):  # fmt: skip
     """configs/smollm2_arith.py with the benchmark's settings (or a tiny random model)."""
     from configs import smollm2_arith
 
@@ -82,6 +85,10 @@ def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0):
     # Each micro-batch (and log-prob chunk) cut to the bucket of its longest response: the same
     # update on fewer padded slots (gvpo_jax.buckets); 0 runs every pass over all 256 slots.
     c.optim.length_buckets = min(length_buckets, c.rollout.max_new_tokens)
+    # Packed groups: one row per group, its responses back to back behind one prompt copy, no
+    # padding between them; shed: the decode batch halves (32 -> 16 -> 8) as rows end.
+    c.optim.pack_groups = bool(pack and c.optim.length_buckets)
+    c.rollout.shed = shed
     c.train.eval_every = 0
     c.train.log_every = 10**6
     c.train.sample_log_every = 0
@@ -199,7 +206,7 @@ def ours_worker(args) -> None:
     from gvpo_jax import assemble, train
 
     settings = json.loads(args.settings)
-    c = our_config(settings, args.algo, args.quick, args.length_buckets)
+    c = our_config(settings, args.algo, args.quick, args.length_buckets, args.pack, args.shed)
     if args.total_steps > c.train.steps:  # the loop (and its learning-rate schedule) ends there
         raise SystemExit(
             f"--total_steps {args.total_steps} is more than the config's train.steps "
@@ -210,7 +217,8 @@ def ours_worker(args) -> None:
     loop = assemble.start_loop(run)
     ref = train.reference_copy(run, state.params) if run.needs_reference else None
     info = dict(impl=f"gvpo_jax {args.algo}", jax=jax.__version__,
-                length_buckets=c.optim.length_buckets)  # fmt: skip
+                length_buckets=c.optim.length_buckets, pack_groups=c.optim.pack_groups,
+                shed=c.rollout.shed)  # fmt: skip
     if not args.quick:
         import jax.numpy as jnp
 
@@ -235,6 +243,8 @@ def ours_worker(args) -> None:
             logprob_s=m["logprob_time_s"], update_s=m["update_time_s"],
             tokens=m["response_len_mean"] * rows, reward_mean=m["reward_mean"],
             update_slot_frac=m.get("update_slot_frac", 1.0),
+            update_pad_ratio=m["update_pad_ratio"], logprob_pad_ratio=m["logprob_pad_ratio"],
+            decode_pad_ratio=m["decode_pad_ratio"],
         ))  # fmt: skip
         go = next(driver, "close") == "step"
         clock[:] = [time.perf_counter(), time.process_time()]
@@ -428,8 +438,9 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (compilation)")
     p.add_argument("--only", default="ours,trl,tunix", help="comma list of ours, trl, tunix")
     p.add_argument("--quick", action="store_true", help="tiny random model, our side only")
-    p.add_argument("--ours", default=f"grpo:{LENGTH_BUCKETS},gvpo:{LENGTH_BUCKETS}",
-                   help="our workers, algo:length_buckets each (0: full-width passes)")  # fmt: skip
+    p.add_argument("--ours", default=",".join(f"{a}:{LENGTH_BUCKETS}{OURS}" for a in ALGOS),
+                   help="our workers, algo:length_buckets[+pack][+shedL] each (0: full-width "
+                        "passes; +pack: packed groups; +shed2: decode halving twice)")  # fmt: skip
     args = p.parse_args(argv)
     settings = QUICK if args.quick else SETTINGS
     total = args.warmup + args.steps
@@ -443,9 +454,13 @@ def main(argv=None) -> dict:
     if "ours" in only:
         for spec in args.ours.split(","):
             algo, _, k = spec.partition(":")
+            k, *extras = k.split("+")
             k = int(k or 0)
+            shed = next((int(e[4:]) for e in extras if e.startswith("shed")), 0)
             name = f"gvpo_jax {algo}" + ("" if k else " (full width)")
-            wargs = ["ours", "--algo", algo, "--length_buckets", str(k), *common]
+            name += "".join(f" +{e}" for e in extras)
+            wargs = ["ours", "--algo", algo, "--length_buckets", str(k), "--shed", str(shed),
+                     *(["--pack"] if "pack" in extras else []), *common]  # fmt: skip
             specs.append((name, sys.executable, wargs))
     for peer in ("trl", "tunix"):
         if peer in only:
@@ -490,6 +505,8 @@ def worker_main(argv: list[str]) -> dict:
     p.add_argument("impl")
     p.add_argument("--algo", default="grpo")
     p.add_argument("--length_buckets", type=int, default=0)
+    p.add_argument("--pack", action="store_true")
+    p.add_argument("--shed", type=int, default=0)
     p.add_argument("--dir", required=True)
     p.add_argument("--settings", required=True)
     p.add_argument("--total_steps", type=int, required=True)

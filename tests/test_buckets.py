@@ -153,16 +153,16 @@ def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
 
 def test_packed_attention_sees_the_prefix_and_its_own_segment_only(monkeypatch):
     """dense and blocked (small blocks, so key blocks of earlier segments are skipped) against
-    each segment attended on its own: [prefix, that segment] with the plain causal kernel."""
+    a float64 numpy reference of each segment attended on its own: [prefix, that segment]."""
     from gvpo_jax.models import attention as kernels
 
     rng = np.random.default_rng(0)
     R, J, T, N, K, H = 2, 5, 24, 4, 2, 8
     lengths = [[7, 3, 9], [11, 1, 6]]  # per row; the rest is padding
-    q = jnp.asarray(rng.normal(size=(R, T, N, H)), jnp.float32)
-    pk, pv = (jnp.asarray(rng.normal(size=(R, K, J, H)), jnp.float32) for _ in range(2))
-    k, v = (jnp.asarray(rng.normal(size=(R, K, T, H)), jnp.float32) for _ in range(2))
-    prefix_valid = jnp.asarray(np.arange(J)[None] >= [[2], [0]])  # left-padded prefixes
+    q = rng.normal(size=(R, T, N, H)).astype(np.float32)
+    pk, pv = (rng.normal(size=(R, K, J, H)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(R, K, T, H)).astype(np.float32) for _ in range(2))
+    prefix_valid = np.arange(J)[None] >= [[2], [0]]  # left-padded prefixes
     seg, valid = np.full((R, T), 9, np.int32), np.zeros((R, T), bool)
     for r, lens in enumerate(lengths):
         at = 0
@@ -170,20 +170,25 @@ def test_packed_attention_sees_the_prefix_and_its_own_segment_only(monkeypatch):
             seg[r, at : at + n], valid[r, at : at + n], at = i + 1, True, at + n
     monkeypatch.setattr(kernels, "BLOCK_Q", 8)
     monkeypatch.setattr(kernels, "BLOCK_K", 4)
-    args = (q, pk, pv, prefix_valid, k, v, jnp.asarray(valid), jnp.asarray(seg))
-    outs = {impl: np.asarray(kernels.packed_prefix(impl, *args)) for impl in ("dense", "blocked")}
+    args = [jnp.asarray(x) for x in (q, pk, pv, prefix_valid, k, v, valid, seg)]
+    outs = {impl: np.asarray(jax.jit(kernels.packed_prefix, static_argnums=0)(impl, *args))
+            for impl in ("dense", "blocked")}  # fmt: skip
+    g = N // K
     for r, lens in enumerate(lengths):
         at = 0
         for n in lens:
-            own = slice(at, at + n)
-            keys = jnp.concatenate([pk[r : r + 1], k[r : r + 1, :, own]], axis=2)
-            values = jnp.concatenate([pv[r : r + 1], v[r : r + 1, :, own]], axis=2)
-            kvalid = jnp.concatenate([prefix_valid[r : r + 1], jnp.ones((1, n), bool)], axis=1)
-            want = kernels.causal("dense", q[r : r + 1, own], keys, values, jnp.ones((1, n), bool),
-                                  kvalid, J + jnp.arange(n), jnp.arange(J + n))  # fmt: skip
-            for impl, out in outs.items():
-                np.testing.assert_allclose(out[r, own], np.asarray(want[0]), atol=2e-6,
-                                           err_msg=impl)  # fmt: skip
+            keys = np.concatenate([pk[r], k[r, :, at : at + n]], axis=1)  # [K, J + n, H]
+            values = np.concatenate([pv[r], v[r, :, at : at + n]], axis=1)
+            seen = np.concatenate([np.broadcast_to(prefix_valid[r], (n, J)),
+                                   np.tril(np.ones((n, n), bool))], axis=1)  # fmt: skip
+            for head in range(N):
+                scores = q[r, at : at + n, head].astype(np.float64) @ keys[head // g].T
+                scores = np.where(seen, scores / np.sqrt(H), -np.inf)
+                w = np.exp(scores - scores.max(1, keepdims=True))
+                want = (w / w.sum(1, keepdims=True)) @ values[head // g]
+                for impl, out in outs.items():
+                    np.testing.assert_allclose(out[r, at : at + n, head], want, atol=2e-6,
+                                               err_msg=impl)  # fmt: skip
             at += n
 
 

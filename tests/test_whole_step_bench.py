@@ -14,10 +14,12 @@ def test_quick_mode_times_both_of_our_steps_round_robin():
     out = whole_step.main(["--quick", "--steps", "2", "--warmup", "1"])
     s = whole_step.QUICK
     rows = s["prompts"] * s["samples"]
-    assert set(out["steps"]) == {"gvpo_jax grpo", "gvpo_jax gvpo"}
+    # the default: packed groups in the update and a decode shedding rows twice
+    assert set(out["steps"]) == {"gvpo_jax grpo +pack +shed2", "gvpo_jax gvpo +pack +shed2"}
     for name, steps in out["steps"].items():
         assert len(steps) == 3, name  # warm-up + 2 timed, one per round
         for r in steps:
+            assert all(r[f"{k}_pad_ratio"] >= 1 for k in ("update", "logprob", "decode")), r
             assert r["step_s"] > 0 and 0 < r["tokens"] <= rows * s["max_new_tokens"], (name, r)
             stages = [r[k] for k in whole_step.STAGES]
             assert all(x >= 0 for x in stages) and sum(stages) <= r["step_s"], (name, r)
