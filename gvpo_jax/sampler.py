@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.linen import with_logical_constraint
 
 from gvpo_jax import sharding
 from gvpo_jax.sampling_ops import select_tokens, token_keys
@@ -540,12 +541,22 @@ def _decode_shed(graphdef, state, s: DecodeState, lens_B, caps_B, select, *, lev
             logits_Kx1xV[:, 0], token_keys(s.rng, safe_K, jnp.broadcast_to(s.step, (k,)))
         )
         active_K = ~done_K
-        target_K = jnp.where(active_K, row_K, b)  # finished or empty slots write nothing
-        put = lambda buf, x: buf.at[target_K, s.step].set(x.astype(buf.dtype), mode="drop")
+        # Each running slot's values go to its output row's column `step`, through a [K, B]
+        # one-hot (no scatter: out-of-range "write nothing" indices are not dropped reliably
+        # once XLA partitions a scatter over a data x tensor mesh).
+        hit_KxB = active_K[:, None] & (row_K[:, None] == jnp.arange(b, dtype=jnp.int32))
+        hit_B = jnp.any(hit_KxB, axis=0)
+
+        def put(buf_BxN, x_K):
+            x_B = jnp.sum(jnp.where(hit_KxB, x_K[:, None], 0), axis=0).astype(buf_BxN.dtype)
+            old_B = jax.lax.dynamic_index_in_dim(buf_BxN, s.step, axis=1, keepdims=False)
+            column = jnp.where(hit_B, x_B, old_B)[:, None]
+            return jax.lax.dynamic_update_slice(buf_BxN, column, (jnp.zeros((), jnp.int32), s.step))
+
         ends_K = _is_eos(tokens_K, eos_ids) | (s.step + 1 >= caps_B[safe_K])
         s = s.replace(
             step=s.step + 1,
-            lengths_B=s.lengths_B.at[target_K].add(1, mode="drop"),
+            lengths_B=s.lengths_B + hit_B.astype(jnp.int32),
             tokens_BxN=put(s.tokens_BxN, tokens_K),
             logp_BxN=put(s.logp_BxN, logp_K),
             sample_logp_BxN=put(s.sample_logp_BxN, sample_logp_K),
@@ -554,7 +565,10 @@ def _decode_shed(graphdef, state, s: DecodeState, lens_B, caps_B, select, *, lev
 
     for j, size in enumerate(levels[1:], start=1):
         # Compact: the first `size` running slots (every running one: the loop before ended
-        # when they fit), then empty slots (output row b, done).
+        # when they fit), then empty slots (output row b, done). The few indices are kept
+        # replicated (a data x tensor mesh otherwise partitioned them into wrong picks).
+        done_K = with_logical_constraint(done_K, (None,))
+        row_K = with_logical_constraint(row_K, (None,))
         pick_K = jnp.nonzero(~done_K, size=size, fill_value=done_K.shape[0])[0]
         valid_K = pick_K < done_K.shape[0]
         pick_K = jnp.minimum(pick_K, done_K.shape[0] - 1)

@@ -385,6 +385,12 @@ def test_sharded_continuous_equals_one_device():
         max_lengths=caps, **kw,
     )  # fmt: skip
     _assert_same(*(jax.tree.map(np.asarray, x) for x in (out, ref)), atol=1e-4)
+    # The shedding static batch (24 -> 12 -> 6 -> 3 rows) on the mesh: the same output.
+    out = sampler.generate_sharded(
+        model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), shed=3,
+        max_lengths=caps, **kw,
+    )  # fmt: skip
+    _assert_same(*(jax.tree.map(np.asarray, x) for x in (out, ref)), atol=1e-4)
     with pytest.raises(sharding.ShardingError, match=r"slots\) = 6 cannot be split"):
         sampler.generate_sharded(
             model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), num_slots=6, **kw
