@@ -355,3 +355,25 @@ def test_planner_lora_keeps_the_base_in_the_compute_dtype_and_moments_of_adapter
     assert 2 * 7_615_616_512 < one.params < 2 * 7_615_616_512 + 4 * 45e6  # + fp32 adapters
     assert one.reference == 0 and one.compute_copy == 0
     assert one.opt_state < 0.03 * one.params and one.gradients < 0.03 * one.params
+
+
+def test_packed_groups_take_the_reference_with_the_adapters_off():
+    """Length buckets with packed groups (optim.pack_groups): GRPO's KL reference comes from the
+    packed log-prob pass with the adapters off, and two steps log the same KL, loss and
+    parameters as the per-group bucketed layout."""
+    runs = {}
+    for pack in (False, True):
+        c = toy_config("grpo", **{"lora.enabled": True, "lora.rank": 2, "optim.length_buckets": 2,
+                                  "optim.pack_groups": pack})  # fmt: skip
+        run, state, loop, ref = make_run(c)
+        assert ref is None and run.step.reference_adapters_off
+        metrics = []
+        for t in (1, 2):
+            state, m, _, _ = rl_step(run, state, loop, ref)
+            loop.step = t
+            metrics.append((m["kl_ref"], m["loss"]))
+        runs[pack] = metrics, jax.tree.leaves(nnx.state(state.params, nnx.LoRAParam))
+    assert runs[True][0][1][0] > 0  # the policy moved away from the base: a real KL
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
