@@ -61,9 +61,10 @@ def child_env(devices: int | None = None, **changes: str) -> dict[str, str]:
 # collected first. Files not listed keep their order after them.
 LONGEST_FIRST = (
     "test_models.py", "test_train.py", "test_learning_study.py", "test_checkpoint_damage.py",
-    "test_continuous.py", "test_resume.py", "test_gguf.py", "test_attention.py",
-    "test_multiprocess.py", "test_sharding.py", "test_buckets.py", "test_sampler.py",
-    "test_gemma3_gguf.py", "test_benchmarks.py", "test_main.py", "test_wiring.py",
+    "test_continuous.py", "test_resume.py", "test_gguf.py", "test_lora.py", "test_async.py",
+    "test_attention.py", "test_multiprocess.py", "test_sharding.py", "test_buckets.py",
+    "test_sampler.py", "test_gemma3_gguf.py", "test_benchmarks.py", "test_main.py",
+    "test_wiring.py", "test_eval_mode.py",
 )  # fmt: skip
 
 
