@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from gvpo_jax import models
 
 # Arrays of queued rollouts are saved beside the replay buffer's, under this key prefix.
 PREFIX = "queue/"
@@ -72,12 +73,7 @@ class SamplingMesh:
 
     def __init__(self, mesh: jax.sharding.Mesh, rules: tuple, param_shardings, compute_dtype):
         self.mesh, self.rules = mesh, rules
-        dtype = jnp.dtype(compute_dtype)
-        self._send = jax.jit(
-            lambda p: jax.tree.map(
-                lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p
-            )
-        )
+        self._send = jax.jit(lambda p: models.cast_floating(p, compute_dtype))
         self._shardings = param_shardings
 
     def send(self, params):

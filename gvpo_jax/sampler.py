@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from flax.linen import with_logical_constraint
 
-from gvpo_jax import sharding
+from gvpo_jax import models, sharding
 from gvpo_jax.sampling_ops import select_tokens, token_keys
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -383,9 +383,7 @@ def generate_split(
     # their shards, rather than at every decode step; the KV cache is in that dtype too. Logits,
     # sampling and the returned log-probs stay fp32.
     dtype = nnx.merge(graphdef, state).config.compute_dtype
-    state = jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state
-    )
+    state = models.cast_floating(state, dtype)
     model = nnx.merge(graphdef, state)
 
     # Prefill the P prompts once: slots [0, T), pads invalid; keep the last real token's logits.

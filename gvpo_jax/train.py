@@ -58,11 +58,7 @@ def _run_mode(run_: assemble.Run, handover: list, loop: LoopState) -> dict:
     if c.mode == "eval":
         # Sampling casts every weight to the compute dtype anyway: cast once and drop the
         # masters, so an evaluation holds the policy at compute-dtype size (half, in bf16).
-        dtype = jnp.dtype(c.model.compute_dtype)
-        params = jax.tree.map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-            state.params,
-        )
+        params = models.cast_floating(state.params, c.model.compute_dtype)
         del state
         if c.eval.sets:
             return evaluate_sets(run_, params, policy=describe_policy(c, resumed, loop.step))

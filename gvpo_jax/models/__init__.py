@@ -30,6 +30,7 @@ from gvpo_jax.models.transformer import (
     PARAM_AXES,
     Transformer,
     abstract_model,
+    cast_floating,
     default_positions,
     param_count,
     with_compute_dtype,
@@ -65,5 +66,6 @@ __all__ = [
     "tensor_maps",
     "token_logprobs",
     "with_compute_dtype",
+    "cast_floating",
     "with_config",
 ]

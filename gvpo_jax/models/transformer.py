@@ -515,6 +515,14 @@ def with_config(model: Transformer, **changes) -> Transformer:
     return nnx.merge(graphdef, nnx.state(model))
 
 
+def cast_floating(tree, dtype):
+    """Every floating leaf of `tree` (parameters) cast to `dtype`; other leaves as they are. What
+    the sampler does to the masters before decoding, and what a copy in the compute dtype is."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)  # fmt: skip
+
+
 def with_compute_dtype(model: Transformer, dtype) -> Transformer:
     """The same parameters (shared, not copied) computing in `dtype`: e.g. a bf16-compute view of
     fp32 masters, for evaluation or for comparing precisions."""
