@@ -66,29 +66,26 @@ def _step_mean(recs: list[dict], key: str) -> float:
 # Intervals: over seeds, over the held-out problems, and the data a difference needs
 
 
-# Two-sided 97.5% quantiles of Student's t for 1-9 degrees of freedom (no scipy dependency).
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
-
-
 def ci95(x) -> float:
     """Half-width of the 95% confidence interval of the mean of x (Student's t over seeds)."""
     x = np.asarray(x, np.float64)
     if len(x) < 2:
         return float("nan")
-    return float(T975[min(len(x) - 2, len(T975) - 1)] * x.std(ddof=1) / np.sqrt(len(x)))
+    return float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
 
 
 def diff_ci95(a, b) -> tuple[float, float]:
     """mean(a) - mean(b) and the half-width of its 95% interval (Welch's t, the seeds of two
-    cells as independent samples). The difference is resolved when |diff| > half-width."""
+    cells as independent samples, at the Welch-Satterthwaite degrees of freedom, fractional as
+    they are: rounding them down widens the interval). The difference is resolved when
+    |diff| > half-width."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
     se = np.sqrt(va + vb)
     if se == 0:
         return float(a.mean() - b.mean()), 0.0
     dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    t = T975[int(np.clip(np.floor(dof), 1, len(T975))) - 1]
-    return float(a.mean() - b.mean()), float(t * se)
+    return float(a.mean() - b.mean()), float(stats.t.ppf(0.975, dof) * se)
 
 
 def problems_ci95(pa: float, pb: float, problems: int) -> float:

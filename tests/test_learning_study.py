@@ -152,11 +152,21 @@ def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
 
 def test_confidence_intervals_use_students_t_over_seeds():
     # x = 0, 1, 2: mean 1, sample std 1; t(0.975, 2 dof) = 4.303
-    assert report.ci95([0.0, 1.0, 2.0]) == pytest.approx(4.303 / np.sqrt(3))
+    assert report.ci95([0.0, 1.0, 2.0]) == pytest.approx(4.303 / np.sqrt(3), rel=1e-4)
     assert np.isnan(report.ci95([0.5]))
     # Equal variances and sizes: Welch's dof = 2 (n - 1) = 4, t = 2.776, se = sqrt(2 / 3)
     d, h = report.diff_ci95([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
-    assert d == pytest.approx(1.0) and h == pytest.approx(2.776 * np.sqrt(2 / 3))
+    assert d == pytest.approx(1.0) and h == pytest.approx(2.776 * np.sqrt(2 / 3), rel=1e-3)
+    # Unequal spreads: fractional Welch dof (here 3.19), not rounded down to 2 (which widens
+    # the interval); the half-width equals scipy's Welch interval.
+    from scipy import stats
+
+    a, b = [0.0, 1.0, 2.0, 3.0], [0.0, 0.2, 0.4]
+    d, h = report.diff_ci95(a, b)
+    lo, hi = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert d == pytest.approx((lo + hi) / 2) and h == pytest.approx((hi - lo) / 2)
+    se = np.sqrt(np.var(a, ddof=1) / 4 + np.var(b, ddof=1) / 3)
+    assert h < stats.t.ppf(0.975, 3) * se
     lines = report.diff_lines({"a": [{"curve": [(0, 0.1), (9, x)]} for x in (0.50, 0.52, 0.51)],
                            "b": [{"curve": [(0, 0.1), (9, x)]} for x in (0.30, 0.31, 0.29)]},
                           [("a", "b")])  # fmt: skip
