@@ -1,6 +1,6 @@
 """Learning study, part 3: GVPO against the clipped methods on stale rollouts (rollout.staleness).
 
-Run (90 runs of the demo recipe, resumable: each finished run is a record under
+Run (105 runs of the demo recipe, resumable: each finished run is a record under
 <workdir>/records; writes docs/study/stale/{results.json,results.md,stale.png}):
     .venv/bin/python -m benchmarks.study_stale
     .venv/bin/python -m benchmarks.study_stale --only "gvpo,grpo" --seeds 0,1
@@ -12,7 +12,8 @@ steps, P = 128 x G = 4, lr 1e-4) from one shared cold start, in the official reg
 minibatches x 1 epoch per rollout), each run training on the same number of rollouts (the
 config's 200 steps; a stale run samples k more, which stay in its queue). Cells: staleness k in
 {0, 2, 4, 8} x {GVPO, GRPO without correction, GRPO + token_tis, Dr. GRPO + token_tis}, plus
-GVPO with the norm clip off at k = 0 and 4. Measured: held-out greedy accuracy and avg@16 at
+GVPO with the norm clip off at k = 0 and 4, and GVPO anchored at the sampling policy
+(algo.anchor = "sampler") at k = 2, 4, 8. Measured: held-out greedy accuracy and avg@16 at
 T = 1 on the 200 held-out problems at 5 points of the run, the area under the greedy curve,
 divergences, KL to the start, and per step GVPO's variance term over its advantage term (the
 restoring term's share), corr(rc, a), the lag and the IS weights.
@@ -45,6 +46,10 @@ METHODS = {  # name -> overrides
     "dr_grpo + token_tis": {"algo__name": "dr_grpo", "algo__rollout_correction": "token_tis"},
 }
 NOCLIP = {"algo__name": "gvpo", "optim__grad_clip": 0.0}
+# GVPO anchored at the policy that sampled (k updates behind "old"): its restoring term acts
+# from a stale rollout's first minibatch on, where anchor "old" makes it zero there.
+SAMPLER = {"algo__name": "gvpo", "algo__anchor": "sampler"}
+SAMPLER_K = (2, 4, 8)
 
 
 def cells(quick: bool) -> list:
@@ -57,6 +62,9 @@ def cells(quick: bool) -> list:
     for k in () if quick else (0, 4):
         out.append(make_cell("noclip", f"gvpo no clip k={k}", rollout__staleness=k, **NOCLIP,
                              **official))  # fmt: skip
+    for k in () if quick else SAMPLER_K:
+        out.append(make_cell("sampler", f"gvpo anchor sampler k={k}", rollout__staleness=k,
+                             **SAMPLER, **official))  # fmt: skip
     return out
 
 
@@ -123,7 +131,7 @@ def plot(summary: dict, out_png: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, title in ((axes[0], "avg16", "held-out avg@16 (T = 1)"),
                            (axes[1], "greedy", "held-out greedy")):  # fmt: skip
-        for method in METHODS:
+        for method in (*METHODS, "gvpo anchor sampler"):
             ks = [k for k in STALENESS if f"{method} k={k}" in summary["cells"]]
             if not ks:
                 continue

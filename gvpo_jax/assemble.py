@@ -240,6 +240,7 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         advantages_need_old=_reward_kl(c) > 0,
         staleness=c.rollout.staleness,
         corrected=rollout_correction(c) is not None,
+        sampler_anchor=c.algo.anchor == "sampler",
         reference_adapters_off=bool(c.lora.enabled) and needs_reference(c),
     )
 

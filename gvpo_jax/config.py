@@ -135,7 +135,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.algo.name = "gvpo"  # a losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo
     # gmpo rloo reinforce_pp reinforce_pp_baseline
     c.algo.beta = 0.1  # GVPO: KL strength in the optimum pi' exp(R/beta)/Z
-    c.algo.anchor = "old"  # GVPO pi_theta': old (rollout policy, moves) | ref (frozen start)
+    # GVPO pi_theta': old (the policy at the start of the step, moves) | ref (frozen start) |
+    # sampler (the policy that sampled the rollout, from the sampler's own log-probs at T = 1:
+    # with rollout.staleness = k, k updates older than "old")
+    c.algo.anchor = "old"
     c.algo.num_epochs = 1  # passes over each rollout batch
     c.algo.num_minibatches = 1  # minibatches per epoch (whole groups, never split)
     c.algo.eps_low = config_dict.placeholder(float)  # clip range override (None: preset's)
@@ -245,6 +248,18 @@ def set_fields(c: ml_collections.ConfigDict, changes) -> ml_collections.ConfigDi
 
 def _fail(msg: str):
     raise ConfigError(msg)
+
+
+def _check_sampler_anchor(c) -> None:
+    """anchor "sampler" takes pi_theta' from the sampler's own log-probs of the rows it drew."""
+    if c.algo.name != "gvpo":
+        _fail(f"config.algo.anchor='sampler' with algo.name={c.algo.name!r}: only GVPO has an "
+              "anchor policy; use algo.name=gvpo or leave anchor=old.")  # fmt: skip
+    if c.algo.replay_fraction > 0 or c.algo.demo_slot:
+        _fail(
+            "config.algo.anchor='sampler' with replay or demonstrations: those rows have no "
+            "sampler log-probs; use anchor=old or turn algo.replay_fraction / demo_slot off."
+        )
 
 
 def _check_async(c: ml_collections.ConfigDict, preset) -> None:
@@ -474,8 +489,10 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(f"config.rollout.top_k is {c.rollout.top_k}; use 0 (off) or a positive integer.")
     if c.algo.beta <= 0:
         _fail(f"config.algo.beta is {c.algo.beta}; set a positive value such as 0.1.")
-    if c.algo.anchor not in ("old", "ref"):
-        _fail(f"config.algo.anchor is {c.algo.anchor!r}; use old or ref.")
+    if c.algo.anchor not in ("old", "ref", "sampler"):
+        _fail(f"config.algo.anchor is {c.algo.anchor!r}; use old, ref or sampler.")
+    if c.algo.anchor == "sampler":
+        _check_sampler_anchor(c)
     if not 0.0 <= c.algo.replay_fraction < 1.0:
         _fail(f"config.algo.replay_fraction is {c.algo.replay_fraction}; use a value in [0, 1).")
     preset = losses.get_preset(c.algo.name)

@@ -58,6 +58,7 @@ class StepSettings:
     advantages_need_old: bool = False  # batch_advantages reads pi_old (a KL in the reward)
     staleness: int = 0  # the rollout of step t comes from the policy of step t - staleness
     corrected: bool = False  # algo.rollout_correction: the batch carries behaviour_logp
+    sampler_anchor: bool = False  # GVPO anchor "sampler": the batch carries sampler_logp
     # LoRA: the reference log-probs are the policy's with its adapters off (no copy is kept)
     reference_adapters_off: bool = False
 
@@ -143,6 +144,8 @@ def rl_step(run, state, loop: LoopState, ref_params):
     t0 = time.perf_counter()
     keys = ("tokens", "attn_mask", "resp_mask", "rewards")
     batch = {k: fresh[k] for k in keys + (("behaviour_logp",) if s.corrected else ())}
+    if s.sampler_anchor:  # the sampling policy's own (T = 1) log-probs; no replay with it
+        batch["sampler_logp"] = fresh["rollout_logp"]
     if n_replay:
         batch = rollout.concat_batches([batch, replay.sample(n_replay)])
     if replay is not None:

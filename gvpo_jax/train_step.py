@@ -279,7 +279,10 @@ def rl_loss(
         )
     logp_BxN, entropy_BxN = out if with_entropy else (out, None)
     mask_BxN = batch["resp_mask"]
-    anchor_logp = batch.get("ref_logp") if anchor == "ref" else None
+    # GVPO's pi_theta': "old" is old_logp (below); "ref" the frozen start; "sampler" the
+    # sampling policy's own log-probs (at T = 1) from the sampler: rollout.staleness updates
+    # before "old".
+    anchor_logp = {"ref": batch.get("ref_logp"), "sampler": batch.get("sampler_logp")}.get(anchor)
     # Without old_logp the update is the first one from the rollout's parameters (one update
     # per step): pi_old is this forward's value, held constant.
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp_BxN)

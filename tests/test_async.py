@@ -258,6 +258,56 @@ def test_the_correction_divides_by_the_distribution_the_sampler_drew_from():
     assert np.abs(drawn[support] - pi[support]).max() > 0.05  # the draw itself is not pi
 
 
+def test_the_sampler_anchor_is_gvpo_against_the_policy_that_sampled():
+    """anchor="sampler": the trainer's loss is gvpo_loss with pi_theta' = the sampler's own
+    log-probs (values and gradients), not pi_old's. In a run at k = 1 with one update per
+    rollout, the restoring term (var_term) is zero while the sampler is the current policy
+    (step 1: the anchor is the policy's own log-probs, not the T = 0.7 distribution drawn from)
+    and acts on the first minibatch once it is an update behind (steps 2-3); anchor "old" keeps
+    it at zero."""
+    from gvpo_jax import assemble, train_step
+
+    run, state, loop, _ = make_run(toy_config("gvpo", **{"algo.anchor": "sampler"}))
+    batch, *_ = rl_step.collect_groups(run, state.params, loop, jax.random.key_data(
+        jax.random.key(5)), 4)  # fmt: skip
+    dev = {k: jnp.asarray(batch[k]) for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
+    lp = lambda p: train_step.response_logprobs(  # noqa: E731
+        run.graphdef, p, dev["tokens"], dev["attn_mask"], prompt_len=6, chunk_size=8,
+        group_size=4)  # fmt: skip
+    shift = 0.3 * np.cos(np.arange(batch["resp_mask"].size)).reshape(batch["resp_mask"].shape)
+    dev["sampler_logp"] = lp(state.params) - jnp.asarray(shift, jnp.float32)
+    kwargs = assemble.loss_kwargs(run.config)
+
+    def ours(p, anchor):
+        return train_step.rl_loss(p, dev, graphdef=run.graphdef, algo="gvpo", group_size=4,
+                                  prompt_len=6, chunk_size=8, anchor=anchor,
+                                  loss_kwargs=kwargs)[0]  # fmt: skip
+
+    def reference(p):
+        return losses.gvpo_loss(lp(p), dev["sampler_logp"], dev["rewards"], dev["resp_mask"],
+                                group_size=4, beta=run.config.algo.beta)[0]  # fmt: skip
+
+    (v1, g1), (v2, g2), (v3, _) = (jax.jit(jax.value_and_grad(f))(state.params) for f in (
+        lambda p: ours(p, "sampler"), reference, lambda p: ours(p, "old")))  # fmt: skip
+    assert float(v1) == pytest.approx(float(v2), rel=1e-6, abs=1e-8)
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
+    assert abs(float(v1) - float(v3)) > 1e-4  # the anchor is the sampler's, not pi_old
+
+    var = {}
+    for anchor in ("sampler", "old"):
+        run, state, loop, ref = make_run(toy_config(
+            "gvpo", **{"algo.anchor": anchor, "rollout.staleness": 1,
+                       "rollout.temperature": 0.7}))  # fmt: skip
+        var[anchor] = []
+        for t in range(1, 4):
+            state, m, _, _ = rl_step.rl_step(run, state, loop, ref)
+            loop.step = t
+            var[anchor].append(m["var_term"])
+    assert max(var["old"]) < 1e-9 and var["sampler"][0] < 1e-9, var
+    assert min(var["sampler"][1:]) > 1e-6, var
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -273,6 +323,9 @@ def test_the_correction_divides_by_the_distribution_the_sampler_drew_from():
         ({"algo.rollout_is_cap": 1.0}, "config.algo.rollout_is_cap is 1.0; use a cap > 1"),
         ({"algo.name": "gvpo", "rollout.staleness": 2, "algo.replay_fraction": 0.25},
          "with algo.replay_fraction > 0"),
+        ({"algo.anchor": "sampler"}, "only GVPO has an anchor policy"),
+        ({"algo.name": "gvpo", "algo.anchor": "sampler", "algo.replay_fraction": 0.25},
+         "those rows have no sampler log-probs"),
     ],
 )  # fmt: skip
 def test_bad_async_settings_fail_with_one_sentence(changes, message):
