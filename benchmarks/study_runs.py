@@ -203,6 +203,7 @@ def rl_run(
     eval_n=0,
     sampled_at_ends_only=False,
     start_sampled=None,
+    keep_outcomes=False,
 ):
     """RL from `start_dir` until `budget` responses are sampled; returns the run's record.
 
@@ -212,7 +213,9 @@ def rl_run(
     evaluation also records held-out avg@eval_n at the rollout temperature (`curve_sampled`),
     next to the greedy `curve`; with `sampled_at_ends_only` only the start and the end do
     (`start_sampled`, when given, is the start's). `start_dir` None starts from the config's own
-    weights (a pretrained model as shipped: no checkpoint).
+    weights (a pretrained model as shipped: no checkpoint). `keep_outcomes` keeps the final
+    evaluation's per-problem outcomes (`rec["outcomes"]`, `problem_outcomes`) for paired
+    comparisons.
     """
     t0, cpu0 = time.perf_counter(), time.process_time()
     c = config.copy_and_resolve_references()
@@ -265,6 +268,8 @@ def rl_run(
                     # one evaluation call scores greedy and avg@n
                     acc, acc_n = held_out_both(run_, state.params, step=step, n=eval_n)
                     rec["curve_sampled"].append((responses, acc_n))
+                    if keep_outcomes and responses >= budget:
+                        rec["outcomes"] = problem_outcomes(run_.workdir, step)
                 else:
                     acc = held_out(run_, state.params, step=step)
                 rec["curve"].append((responses, acc))
@@ -289,6 +294,22 @@ def rl_run(
     rec["time_s"] = time.perf_counter() - t0
     rec["cpu_s"] = time.process_time() - cpu0
     return rec
+
+
+def problem_outcomes(workdir: str, step: int) -> dict:
+    """A training-time evaluation's per-problem outcomes (`train.evaluate`'s file), compact:
+    problem ids, correct samples of n, the greedy verdicts, and the samples' lengths and
+    truncations (summed over the problem's samples)."""
+    with open(os.path.join(workdir, "eval_outcomes", f"step_{step:06d}.json")) as fh:
+        outs = json.load(fh)["outcomes"]
+    return {
+        "ids": [o["id"] for o in outs], "n": outs[0]["n"] if outs else 0,
+        "correct": [int(o["correct"]) for o in outs],
+        "greedy": [bool(o["greedy"]) for o in outs],
+        "length_sum": [int(sum(o["lengths"])) for o in outs],
+        "truncated": [int(o["truncated"]) for o in outs],
+        "greedy_truncated": [bool(o["greedy_truncated"]) for o in outs],
+    }  # fmt: skip
 
 
 def kl_to_start(run_, loop, params, start_params, seed: int, batches: int = 2) -> float:

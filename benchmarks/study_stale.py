@@ -45,6 +45,7 @@ METHODS = {  # name -> overrides
     "grpo + token_tis": {"algo__name": "grpo", "algo__rollout_correction": "token_tis"},
     "dr_grpo + token_tis": {"algo__name": "dr_grpo", "algo__rollout_correction": "token_tis"},
 }
+QUICK_METHODS = ("gvpo", "grpo + token_tis")  # --quick: 2 methods x k in {0, 2}, 1 seed
 NOCLIP = {"algo__name": "gvpo", "optim__grad_clip": 0.0}
 # GVPO anchored at the policy that sampled (k updates behind "old"): its restoring term acts
 # from a stale rollout's first minibatch on, where anchor "old" makes it zero there.
@@ -57,6 +58,8 @@ def cells(quick: bool) -> list:
     out = []
     for k in (0, 2) if quick else STALENESS:
         for name, over in METHODS.items():
+            if quick and name not in QUICK_METHODS:
+                continue
             out.append(make_cell("stale", f"{name} k={k}", rollout__staleness=k, **over,
                                  **official))  # fmt: skip
     for k in () if quick else (0, 4):
@@ -190,7 +193,8 @@ def main(argv=None) -> dict:
                 shutil.rmtree(wd, ignore_errors=True)
                 print(f"== {cell.name} / seed {seed}", flush=True)
                 rec = rl_run(cfg, wd, start_dir, budget=budget, eval_points=eval_points,
-                             start_acc=start["curve"][-1][1], eval_n=eval_n)  # fmt: skip
+                             start_acc=start["curve"][-1][1], eval_n=eval_n,
+                             keep_outcomes=True)  # fmt: skip
                 save_record(rec, cell, cached)
                 shutil.rmtree(wd, ignore_errors=True)  # the record is what is kept
                 greedy, sampled = rec["curve"][-1][1], rec["curve_sampled"][-1][1]

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+BRIEF_BOXED_INSTRUCTION = "Answer in one short sentence and put the final number within \\boxed{}."
 VERL_MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 VERL_GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
@@ -48,6 +49,9 @@ TEMPLATES: dict[str, PromptTemplate] = {
     "boxed": PromptTemplate(user="{prompt}\n" + BOXED_INSTRUCTION),
     # Qwen2.5-Math's official chat format: the instruction is the system message.
     "qwen_math": PromptTemplate(user="{prompt}", system=BOXED_INSTRUCTION),
+    # Small instruction models: a short reply that ends (SmolLM2-135M at T = 1: 8% of replies
+    # reach 96 tokens, against 50-98% reaching 32 without it; STUDY.md part 3).
+    "brief_boxed": PromptTemplate(user="{prompt}\n" + BRIEF_BOXED_INSTRUCTION),
     # Base models without a chat template, GSM8K-style.
     "qa": PromptTemplate(user="Question: {prompt}\nAnswer:"),
     # The official GVPO recipe (jszkc/GVPO on verl 0.6): verl's examples/data_preprocess

@@ -1,0 +1,394 @@
+"""Learning study, part 3 on SmolLM2-135M-Instruct: GVPO against GRPO + token_tis on rollouts
+sampled k updates before they are trained on (STUDY.md "Part 3", the real model).
+
+Run (16 runs, each recorded beside the results and skipped when recorded, so it resumes where
+it stopped; writes docs/study/stale/smollm2/{results.json,results.md,stale_smollm2.png}):
+    .venv/bin/python -m benchmarks.study_stale_smollm2 --calibrate   # replies that finish
+    .venv/bin/python -m benchmarks.study_stale_smollm2               # the study
+    .venv/bin/python -m benchmarks.study_stale_smollm2 --report-only
+    .venv/bin/python -m benchmarks.study_stale_smollm2 --quick --out /tmp/s --workdir /tmp/s/w
+
+Set-up: part 2b's (configs/smollm2_arith.py as shipped, P = 16 x G = 4, 15 rollouts = 960
+sampled responses per run, lr 5e-6, the official regime of 4 minibatches x 1 epoch) with
+replies that end: the `brief_boxed` prompt (one short sentence, the number in \\boxed{}) and a
+cap of CAP new tokens in training and evaluation, chosen by `--calibrate` on the start policy
+(part 2b's 32-token cap cut 50-98% of replies). Cells: k in {0, 4} x {GVPO, GRPO + token_tis},
+4 seeds. Measured on 200 held-out problems: greedy every 1/5 of the budget, avg@8 at T = 1 and
+greedy at the start and the end with per-problem outcomes, so every method difference is given
+twice: over seeds (Welch) and paired on the same problems (bootstrap over problems of the
+seeds' mean score, `gvpo_jax.compare.paired_difference`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import time
+import zlib
+
+import numpy as np
+
+from benchmarks.study_report import ci95, diff_ci95, diverged, runs_table
+from benchmarks.study_runs import (
+    OFFICIAL,
+    REPO,
+    config_key,
+    held_out_both,
+    make_cell,
+    problem_outcomes,
+    rl_run,
+    save_record,
+    with_overrides,
+)
+from benchmarks.study_smollm2 import SMOL_EVAL_N, SMOL_EVAL_POINTS, SMOL_STEPS, smol_config
+from gvpo_jax import assemble, compare
+from gvpo_jax import config as config_lib
+
+OUT = os.path.join(REPO, "docs", "study", "stale", "smollm2")
+CAP = 96  # new tokens in training and evaluation (`--calibrate`: < 10% of replies reach it)
+SETTINGS = {  # dotted config fields on top of part 2b's sizes (`smol_config`)
+    "data.template": "brief_boxed",
+    "data.max_prompt_len": 96,
+    "rollout.max_new_tokens": CAP,
+    "algo.overlong_cache": 8,
+    # Speed only (the same samples and gradients): a decode that sheds ended rows, updates cut
+    # to their replies' lengths, evaluation with refilled decode slots.
+    "rollout.shed": 2,
+    "optim.length_buckets": 4,
+    "optim.pack_groups": True,
+    "train.eval_num_slots": 80,
+}
+STALENESS = (0, 4)
+METHODS = {
+    "gvpo": {"algo__name": "gvpo"},
+    "grpo + token_tis": {"algo__name": "grpo", "algo__rollout_correction": "token_tis"},
+}
+SEEDS = (0, 1, 2, 3)
+# (template, cap) candidates `--calibrate` measures on the start policy.
+CANDIDATES = (("plain", 32), ("plain", 96), ("boxed", 128), ("brief_boxed", 64),
+              ("brief_boxed", 96), ("brief_boxed", 128))  # fmt: skip
+
+
+def study_config(quick: bool, template: str | None = None, cap: int | None = None):
+    c = smol_config(quick)
+    if quick:  # the tiny random model's shapes (smol_config(quick)); the same code path
+        settings = {k: v for k, v in SETTINGS.items() if k.startswith(("rollout.shed", "optim."))}
+        settings["train.eval_num_slots"] = 8
+    else:
+        settings = dict(SETTINGS)
+        if template is not None:
+            settings["data.template"], settings["rollout.max_new_tokens"] = template, cap
+    config_lib.set_fields(c, tuple(settings.items()))
+    config_lib.validate(c)
+    return c
+
+
+def cells(quick: bool) -> list:
+    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
+    official["optim__micro_batches"] = 1  # a minibatch is 4 groups = 16 rows
+    return [make_cell("stale_smollm2", f"{name} k={k}", rollout__staleness=k, **over,
+                      **official)  # fmt: skip
+            for k in STALENESS for name, over in METHODS.items()]  # fmt: skip
+
+
+def _evaluate_start(config, workdir: str, n: int) -> dict:
+    """The start policy's greedy and avg@n with per-problem outcomes (fixed evaluation seeds)."""
+    t0 = time.perf_counter()
+    run_, state = assemble.assemble(config.copy_and_resolve_references(), workdir)
+    try:
+        greedy, sampled = held_out_both(run_, state.params, step=0, n=n)
+        outcomes = problem_outcomes(run_.workdir, 0)
+    finally:
+        run_.writer.close()
+        run_.task.close()
+        run_.ckpt.close()
+    return {"greedy": greedy, "sampled": sampled, "outcomes": outcomes,
+            "time_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def truncation(outcomes: dict) -> dict:
+    """Share of the sampled (and greedy) replies that reached the cap, and their mean length."""
+    samples = outcomes["n"] * len(outcomes["ids"])
+    return {
+        "sampled_truncated": sum(outcomes["truncated"]) / max(samples, 1),
+        "greedy_truncated": float(np.mean(outcomes["greedy_truncated"])),
+        "mean_length": sum(outcomes["length_sum"]) / max(samples, 1),
+    }
+
+
+def calibrate(args) -> list[dict]:
+    """Each (template, cap) candidate on the start policy: avg@4 on 100 held-out problems and
+    the share of replies reaching the cap; written to calibration.json (kept, committed)."""
+    rows = []
+    for template, cap in CANDIDATES:
+        c = study_config(False, template, cap)
+        c.data.eval_size = 100
+        c.train.eval_chunk, c.train.eval_num_slots = 25, 100
+        wd = os.path.join(args.workdir, "calibrate", f"{template}_{cap}")
+        shutil.rmtree(wd, ignore_errors=True)
+        start = _evaluate_start(c, wd, n=4)
+        rows.append({"template": template, "cap": cap, "problems": 100, "n": 4,
+                     "greedy": start["greedy"], "avg@4": start["sampled"],
+                     **truncation(start["outcomes"]), "time_s": start["time_s"]})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "calibration.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    return rows
+
+
+def calibration_table(rows: list[dict]) -> str:
+    lines = ["| prompt | cap | replies at the cap (T = 1) | greedy at the cap | mean length "
+             "| avg@4 | greedy |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['template']} | {r['cap']} | {100 * r['sampled_truncated']:.1f}% | "
+                     f"{100 * r['greedy_truncated']:.1f}% | {r['mean_length']:.1f} | "
+                     f"{r['avg@4']:.3f} | {r['greedy']:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def problem_scores(recs: list[dict], metric: str) -> tuple[list, np.ndarray]:
+    """(problem ids, the seeds' mean score per problem): avg@n's correct / n or greedy 0/1."""
+    ids = recs[0]["outcomes"]["ids"]
+    per_seed = []
+    for r in recs:
+        o = r["outcomes"]
+        assert o["ids"] == ids, "records scored on other problems"
+        if metric == "greedy":
+            per_seed.append(np.asarray(o["greedy"], np.float64))
+        else:
+            per_seed.append(np.asarray(o["correct"], np.float64) / o["n"])
+    return ids, np.mean(per_seed, axis=0)
+
+
+def end_values(recs: list[dict], metric: str) -> np.ndarray:
+    curve = "curve" if metric == "greedy" else "curve_sampled"
+    return np.array([r[curve][-1][1] for r in recs], np.float64)
+
+
+def compare_cells(records: dict, a: str, b: str) -> dict:
+    """b - a at the end: over seeds (Welch) and paired on the same problems (bootstrap)."""
+    out = {"a": a, "b": b}
+    for metric in ("greedy", f"avg@{records[a][0]['outcomes']['n']}"):
+        m = "greedy" if metric == "greedy" else "mean"
+        d, h = diff_ci95(end_values(records[b], metric), end_values(records[a], metric))
+        _, sa = problem_scores(records[a], m)
+        _, sb = problem_scores(records[b], m)
+        paired = compare.paired_difference(sa, sb)
+        out[metric] = {"diff": d, "seeds_ci95": h, "paired_lo": paired["lo"],
+                       "paired_hi": paired["hi"], "paired_diff": paired["diff"],
+                       "b_higher": paired["b_higher"], "a_higher": paired["a_higher"]}  # fmt: skip
+    return out
+
+
+def summarise(recs: list[dict]) -> dict:
+    greedy, sampled = end_values(recs, "greedy"), end_values(recs, "avg")
+    trunc = [truncation(r["outcomes"]) for r in recs]
+    steps = [s for r in recs for s in r.get("step_metrics", [])]
+
+    def mean_of(key):
+        vals = [s[key] for s in steps if key in s and np.isfinite(s[key])]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    adv = sum(s["adv_term"] for s in steps if s.get("adv_term", 0) > 0)
+    return {
+        "seeds": len(recs),
+        "greedy": float(greedy.mean()), "greedy_ci95": ci95(greedy),
+        "avg": float(sampled.mean()), "avg_ci95": ci95(sampled),
+        "truncated_end": float(np.mean([t["sampled_truncated"] for t in trunc])),
+        "length_end": float(np.mean([t["mean_length"] for t in trunc])),
+        "diverged": int(sum(diverged(r) for r in recs)),
+        "kl_start": float(np.nanmean([r["kl_start"] for r in recs])),
+        "restoring_share": (sum(s["var_term"] for s in steps if s.get("adv_term", 0) > 0) / adv
+                            if adv > 0 else float("nan")),
+        "reward_corr": mean_of("reward_corr"), "is_clipped_frac": mean_of("is_clipped_frac"),
+        "grad_clipped_frac": float(np.mean([np.mean(r["grad_clipped_frac"]) for r in recs])),
+        "cpu_s": float(np.mean([r.get("cpu_s", np.nan) for r in recs])),
+    }  # fmt: skip
+
+
+def _f(x, spec=".3f"):
+    return "-" if x is None or not np.isfinite(x) else format(x, spec)
+
+
+def cell_table(summary: dict, n: int) -> str:
+    lines = [f"| cell | seeds | greedy end (95% CI) | avg@{n} end (95% CI) | replies at the cap "
+             "| mean length | KL to start | var/adv term | corr(rc, a) | IS clipped | "
+             "norm-clipped updates | diverged | CPU min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, s in summary.items():
+        lines.append(
+            f"| {name} | {s['seeds']} | {_f(s['greedy'])} +- {_f(s['greedy_ci95'])} | "
+            f"{_f(s['avg'])} +- {_f(s['avg_ci95'])} | {100 * s['truncated_end']:.1f}% | "
+            f"{s['length_end']:.1f} | {_f(s['kl_start'], '.4f')} | "
+            f"{_f(s['restoring_share'], '.4f')} | {_f(s['reward_corr'])} | "
+            f"{_f(s['is_clipped_frac'], '.4f')} | {_f(s['grad_clipped_frac'], '.2f')} | "
+            f"{s['diverged']} | {_f(s['cpu_s'] / 60, '.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def diff_table(diffs: list[dict]) -> str:
+    lines = ["| second - first | metric | over seeds (95% Welch) | paired on the problems "
+             "(95% bootstrap) | problems higher (second / first) |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for d in diffs:
+        for metric in [k for k in d if k not in ("a", "b")]:
+            x = d[metric]
+            seeds = "resolved" if abs(x["diff"]) > x["seeds_ci95"] else "not resolved"
+            paired = ("resolved" if x["paired_lo"] > 0 or x["paired_hi"] < 0
+                      else "not resolved")  # fmt: skip
+            lines.append(
+                f"| {d['b']} - {d['a']} | {metric} | {x['diff']:+.3f} +- {x['seeds_ci95']:.3f} "
+                f"({seeds}) | {x['paired_diff']:+.3f} [{x['paired_lo']:+.3f}, "
+                f"{x['paired_hi']:+.3f}] ({paired}) | {x['b_higher']} / {x['a_higher']} |"
+            )
+    return "\n".join(lines)
+
+
+PAIRS = [
+    *[(f"grpo + token_tis k={k}", f"gvpo k={k}") for k in STALENESS],
+    *[(f"{m} k=0", f"{m} k=4") for m in METHODS],
+]
+
+
+def plot(summary: dict, n: int, out_png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title in ((axes[0], "avg", f"held-out avg@{n} (T = 1)"),
+                           (axes[1], "greedy", "held-out greedy")):  # fmt: skip
+        for method in METHODS:
+            ks = [k for k in STALENESS if f"{method} k={k}" in summary]
+            cells_ = [summary[f"{method} k={k}"] for k in ks]
+            ax.errorbar(ks, [c[key] for c in cells_], yerr=[c[f"{key}_ci95"] for c in cells_],
+                        marker="o", capsize=3, label=method)  # fmt: skip
+        ax.set_xlabel("rollout.staleness k")
+        ax.set_xticks(list(STALENESS))
+        ax.set_title(f"SmolLM2-135M: {title}")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--calibrate", action="store_true")
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--workdir", default="runs/study_stale_smollm2")
+    p.add_argument("--only", default="", help="comma-separated substrings of cell names")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (default 0-3)")
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    if args.calibrate:
+        return {"calibration": calibrate(args)}
+    config = study_config(args.quick)
+    P, G = config.rollout.prompts_per_step, config.rollout.group_size
+    steps = 2 if args.quick else SMOL_STEPS
+    budget = steps * P * G
+    eval_points, n = (1, 2) if args.quick else (SMOL_EVAL_POINTS, SMOL_EVAL_N)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else (
+        [0] if args.quick else list(SEEDS))  # fmt: skip
+    only = [w for w in args.only.split(",") if w]
+    todo = [c for c in cells(args.quick) if not only or any(w in c.name for w in only)]
+    os.makedirs(args.out, exist_ok=True)
+    meta = os.path.join(args.out, "start.json")
+    if not os.path.exists(meta) and not args.report_only:
+        start = _evaluate_start(config, os.path.join(args.workdir, "start"), n)
+        with open(meta, "w") as fh:
+            json.dump(start, fh)
+    start = json.load(open(meta)) if os.path.exists(meta) else None
+    records, runs = {}, []
+    for cell in todo:
+        key = config_key(cell, config)
+        for seed in seeds:
+            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
+            cached = os.path.join(args.out, "records", f"{tag}.json")
+            if not os.path.exists(cached):
+                if args.report_only:
+                    continue
+                wd = os.path.join(args.workdir, "runs", tag)
+                shutil.rmtree(wd, ignore_errors=True)
+                print(f"== smollm2 / {cell.name} / seed {seed}", flush=True)
+                rec = rl_run(with_overrides(config, cell.overrides, seed), wd, None,
+                             budget=budget, eval_points=eval_points, start_acc=start["greedy"],
+                             eval_n=n, sampled_at_ends_only=True,
+                             start_sampled=start["sampled"], keep_outcomes=True)  # fmt: skip
+                save_record(rec, cell, cached)
+                shutil.rmtree(wd, ignore_errors=True)
+                print(
+                    f"   greedy {rec['curve'][-1][1]:.3f}  avg@{n} "
+                    f"{rec['curve_sampled'][-1][1]:.3f}  {rec['time_s']:.0f}s",
+                    flush=True,
+                )
+            with open(cached) as fh:
+                rec = json.load(fh)
+            records.setdefault(cell.name, []).append(rec)
+            runs.append((cell.name, seed, rec))
+    if start is None or not records:
+        print("nothing recorded yet")
+        return {}
+    summary = {name: summarise(recs) for name, recs in records.items()}
+    diffs = [compare_cells(records, a, b) for a, b in PAIRS if a in records and b in records]
+    calib_path = os.path.join(args.out, "calibration.json")
+    calib = json.load(open(calib_path)) if os.path.exists(calib_path) else []
+    start_trunc = truncation(start["outcomes"])
+    md = [
+        f"# Part 3 on SmolLM2-135M-Instruct: stale rollouts "
+        f"({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"Budget {budget} sampled responses per run ({steps} rollouts of P={P} x G={G}), prompt "
+        f"`{config.data.template}`, up to {config.rollout.max_new_tokens} new tokens in training "
+        f"and evaluation; {len(start['outcomes']['ids'])} held-out problems. Start: greedy "
+        f"{start['greedy']:.3f}, avg@{n} {start['sampled']:.3f}; "
+        f"{100 * start_trunc['sampled_truncated']:.1f}% of its sampled replies and "
+        f"{100 * start_trunc['greedy_truncated']:.1f}% of its greedy ones reach the cap (mean "
+        f"length {start_trunc['mean_length']:.1f} tokens).",
+        "",
+        *(
+            [
+                "Calibration (the start policy, 100 held-out problems, 4 samples at T = 1 each):",
+                "",
+                calibration_table(calib),
+                "",
+            ]
+            if calib
+            else []
+        ),  # fmt: skip
+        "Cells at the end of the budget:",
+        "",
+        cell_table(summary, n),
+        "",
+        "Differences at the end (second - first cell), over seeds and paired on the same "
+        "problems (the seeds' mean score per problem, 10,000 bootstrap resamples of the "
+        "problems):",
+        "",
+        diff_table(diffs) if diffs else "(no pair recorded yet)",
+        "",
+        "Every run:",
+        "",
+        runs_table(runs),
+        "",
+        "![stale smollm2](stale_smollm2.png)",
+    ]
+    plot(summary, n, os.path.join(args.out, "stale_smollm2.png"))
+    out = {"budget_responses": budget, "settings": SETTINGS, "start": start,
+           "calibration": calib, "cells": summary, "diffs": diffs,
+           "records": records}  # fmt: skip
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    print("\n".join(md))
+    return out
+
+
+if __name__ == "__main__":
+    main()

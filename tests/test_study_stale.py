@@ -1,0 +1,114 @@
+"""Learning study part 3 (stale rollouts): the quick run's records, report and figure, and the
+SmolLM2 part's paired comparisons on per-problem outcomes."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import study_report
+from benchmarks import study_runs as runs
+from benchmarks import study_stale_smollm2 as smol
+from gvpo_jax import compare
+from tests.test_learning_study import child_env
+
+
+def test_quick_stale_study_records_every_run_and_reports_the_records_numbers(tmp_path):
+    """2 methods x k in {0, 2}, 1 seed, 2 rollouts each (a subprocess on one CPU device): a
+    record per run with its per-step lag, IS weights and GVPO's loss terms and the final
+    evaluation's per-problem outcomes; results.md's numbers are the records' (recomputed here
+    by hand); the figure is written; a second invocation reruns nothing."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [sys.executable, "-m", "benchmarks.study_stale", "--quick", "--out", str(out),
+           "--workdir", str(work)]  # fmt: skip
+    env = child_env()
+    proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    records = results["records"]
+    assert set(records) == {"gvpo k=0", "grpo + token_tis k=0", "gvpo k=2",
+                            "grpo + token_tis k=2"}  # fmt: skip
+    md = (out / "results.md").read_text()
+    for name, (rec,) in records.items():
+        steps = rec["step_metrics"]
+        assert len(steps) == rec["steps"] == 2, name
+        # the exact lag: k = 2 trains step 2 on the start policy's rollout (1 update old)
+        assert [s.get("rollout_lag", 0.0) for s in steps] == ([0.0, 1.0] if "k=2" in name
+                                                              else [0.0, 0.0]), name  # fmt: skip
+        assert ("is_weight_mean" in steps[0]) == ("token_tis" in name), name
+        assert ("var_term" in steps[0]) == name.startswith("gvpo"), name
+        # the final evaluation's outcomes give the final greedy and avg@n of the curves
+        o = rec["outcomes"]
+        assert len(o["ids"]) == 16 and o["n"] == 2, name
+        assert np.mean(o["greedy"]) == pytest.approx(rec["curve"][-1][1]), name
+        assert sum(o["correct"]) / (2 * 16) == pytest.approx(rec["curve_sampled"][-1][1]), name
+        # the report's row: final greedy, avg@n, KL and (GVPO) the restoring term's share
+        row = next(line for line in md.splitlines() if line.startswith(f"| {name} |"))
+        assert f"| {rec['curve'][-1][1]:.3f} +- " in row, name
+        assert f"| {rec['curve_sampled'][-1][1]:.3f} +- " in row, name
+        assert f"| {rec['kl_start']:.4f} |" in row, name
+        if name.startswith("gvpo"):
+            with_spread = [s for s in steps if s["adv_term"] > 0]
+            share = (sum(s["var_term"] for s in with_spread) / sum(s["adv_term"]
+                     for s in with_spread)) if with_spread else float("nan")  # fmt: skip
+            assert (f"| {share:.4f} |" if np.isfinite(share) else "| - |") in row, name
+    assert (out / "stale.png").stat().st_size > 1000
+    assert len(list((work / "records").glob("*_s0.json"))) == 4
+    again = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "== " not in again.stdout
+
+
+def _record(greedy, correct, n, truncated, curve_sampled, kl=0.1):
+    problems = len(greedy)
+    return {
+        "curve": [[0, 0.1], [960, float(np.mean(greedy))]],
+        "curve_sampled": [[0, 0.05], [960, curve_sampled]],
+        "outcomes": {"ids": [f"p{i}" for i in range(problems)], "n": n, "correct": correct,
+                     "greedy": greedy, "truncated": truncated, "length_sum": [10 * n] * problems,
+                     "greedy_truncated": [False] * problems},
+        "kl_start": kl, "losses": [0.1], "skipped": 0, "error": None,
+        "grad_clipped_frac": [0.5], "step_metrics": [], "cpu_s": 60.0, "time_s": 60.0,
+    }  # fmt: skip
+
+
+def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problems():
+    """compare_cells: the seeds' interval is Welch's over the final values; the paired one is
+    the bootstrap over problems of the seeds' mean per-problem score; the tables print them."""
+    rng = np.random.default_rng(0)
+    problems, n = 40, 8
+    recs = {}
+    for name, p in (("a", 0.3), ("b", 0.5)):
+        recs[name] = []
+        for _ in range(3):
+            greedy = [bool(x) for x in rng.random(problems) < p]
+            correct = [int(x) for x in rng.binomial(n, p, problems)]
+            recs[name].append(_record(greedy, correct, n, [1] * problems,
+                                      sum(correct) / (n * problems)))  # fmt: skip
+    d = smol.compare_cells(recs, "a", "b")
+    for metric, per_problem in (
+        ("greedy", lambda o: np.asarray(o["greedy"], float)),
+        ("avg@8", lambda o: np.asarray(o["correct"], float) / n),
+    ):
+        end = "curve" if metric == "greedy" else "curve_sampled"
+        diff, h = study_report.diff_ci95([r[end][-1][1] for r in recs["b"]],
+                                         [r[end][-1][1] for r in recs["a"]])  # fmt: skip
+        assert d[metric]["diff"] == pytest.approx(diff) and d[metric]["seeds_ci95"] == h
+        sa = np.mean([per_problem(r["outcomes"]) for r in recs["a"]], axis=0)
+        sb = np.mean([per_problem(r["outcomes"]) for r in recs["b"]], axis=0)
+        paired = compare.paired_difference(sa, sb)
+        assert (d[metric]["paired_lo"], d[metric]["paired_hi"]) == (paired["lo"], paired["hi"])
+        assert d[metric]["paired_diff"] == pytest.approx(np.mean(sb - sa))
+    table = smol.diff_table([d])
+    assert f"{d['greedy']['diff']:+.3f} +- {d['greedy']['seeds_ci95']:.3f}" in table
+    assert f"[{d['avg@8']['paired_lo']:+.3f}, {d['avg@8']['paired_hi']:+.3f}]" in table
+    s = smol.summarise(recs["a"])
+    assert s["truncated_end"] == pytest.approx(1 / n)  # 1 of 8 samples per problem at the cap
+    assert s["greedy"] == pytest.approx(np.mean([r["curve"][-1][1] for r in recs["a"]]))
+    row = smol.cell_table({"a": s}, n).splitlines()[-1]
+    assert f"| {s['greedy']:.3f} +- {s['greedy_ci95']:.3f} |" in row and "| 12.5% |" in row
+    # records scored on other problems are not paired
+    recs["b"][0]["outcomes"]["ids"] = list(reversed(recs["b"][0]["outcomes"]["ids"]))
+    with pytest.raises(AssertionError, match="other problems"):
+        smol.compare_cells(recs, "a", "b")
