@@ -45,7 +45,7 @@ METHODS = {  # name -> overrides
     "grpo + token_tis": {"algo__name": "grpo", "algo__rollout_correction": "token_tis"},
     "dr_grpo + token_tis": {"algo__name": "dr_grpo", "algo__rollout_correction": "token_tis"},
 }
-QUICK_METHODS = ("gvpo", "grpo + token_tis")  # --quick: 2 methods x k in {0, 2}, 1 seed
+QUICK_CELLS = ("gvpo k=0", "grpo + token_tis k=2")  # --quick: 2 methods, 2 values of k, 1 seed
 NOCLIP = {"algo__name": "gvpo", "optim__grad_clip": 0.0}
 # GVPO anchored at the policy that sampled (k updates behind "old"): its restoring term acts
 # from a stale rollout's first minibatch on, where anchor "old" makes it zero there.
@@ -58,7 +58,7 @@ def cells(quick: bool) -> list:
     out = []
     for k in (0, 2) if quick else STALENESS:
         for name, over in METHODS.items():
-            if quick and name not in QUICK_METHODS:
+            if quick and f"{name} k={k}" not in QUICK_CELLS:
                 continue
             out.append(make_cell("stale", f"{name} k={k}", rollout__staleness=k, **over,
                                  **official))  # fmt: skip

@@ -68,8 +68,8 @@ METHODS = {
 }
 SEEDS = (0, 1, 2, 3)
 # (template, cap) candidates `--calibrate` measures on the start policy.
-CANDIDATES = (("plain", 32), ("plain", 96), ("boxed", 128), ("brief_boxed", 64),
-              ("brief_boxed", 96), ("brief_boxed", 128))  # fmt: skip
+CANDIDATES = (("plain", 32), ("plain", 96), ("brief_boxed", 64), ("brief_boxed", 96),
+              ("brief_boxed", 128))  # fmt: skip
 
 
 def study_config(quick: bool, template: str | None = None, cap: int | None = None):

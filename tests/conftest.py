@@ -64,7 +64,7 @@ LONGEST_FIRST = (
     "test_continuous.py", "test_resume.py", "test_gguf.py", "test_lora.py", "test_async.py",
     "test_attention.py", "test_multiprocess.py", "test_sharding.py", "test_buckets.py",
     "test_sampler.py", "test_gemma3_gguf.py", "test_benchmarks.py", "test_main.py",
-    "test_wiring.py", "test_eval_mode.py",
+    "test_wiring.py", "test_eval_mode.py", "test_study_stale.py",
 )  # fmt: skip
 
 
