@@ -151,36 +151,53 @@ def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
 # Packed groups: one row per group, its G responses back to back behind one copy of its prompt
 
 
-def test_packed_attention_sees_the_prefix_and_its_own_segment_only(monkeypatch):
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_attention_sees_the_prefix_and_its_own_segment_only(monkeypatch, window):
     """dense and blocked (small blocks, so key blocks of earlier segments are skipped) against
-    a float64 numpy reference of each segment attended on its own: [prefix, that segment]."""
+    a float64 numpy reference of each segment attended on its own: [prefix, that segment]; with
+    a sliding window, only keys less than `window` positions back (positions restart after the
+    prefix in every segment). The blocked pass's gradients equal the dense one's."""
     from gvpo_jax.models import attention as kernels
 
     rng = np.random.default_rng(0)
     R, J, T, N, K, H = 2, 5, 24, 4, 2, 8
-    lengths = [[7, 3, 9], [11, 1, 6]]  # per row; the rest is padding
+    # per row, the rest padding; long first segments: whole query blocks lie past the window of
+    # the prefix, and the next segment restarts inside it
+    lengths = [[14, 1, 7], [13, 2, 6]]
     q = rng.normal(size=(R, T, N, H)).astype(np.float32)
     pk, pv = (rng.normal(size=(R, K, J, H)).astype(np.float32) for _ in range(2))
     k, v = (rng.normal(size=(R, K, T, H)).astype(np.float32) for _ in range(2))
     prefix_valid = np.arange(J)[None] >= [[2], [0]]  # left-padded prefixes
+    prefix_pos = np.maximum(np.cumsum(prefix_valid, axis=1) - 1, 0).astype(np.int32)
     seg, valid = np.full((R, T), 9, np.int32), np.zeros((R, T), bool)
+    pos = np.zeros((R, T), np.int32)
     for r, lens in enumerate(lengths):
         at = 0
         for i, n in enumerate(lens):
-            seg[r, at : at + n], valid[r, at : at + n], at = i + 1, True, at + n
+            seg[r, at : at + n], valid[r, at : at + n] = i + 1, True
+            pos[r, at : at + n] = prefix_valid[r].sum() + np.arange(n)
+            at += n
     monkeypatch.setattr(kernels, "BLOCK_Q", 8)
     monkeypatch.setattr(kernels, "BLOCK_K", 4)
     args = [jnp.asarray(x) for x in (q, pk, pv, prefix_valid, k, v, valid, seg)]
-    outs = {impl: np.asarray(jax.jit(kernels.packed_prefix, static_argnums=0)(impl, *args))
+    extra = {"window": window, "positions_RxT": jnp.asarray(pos),
+             "prefix_pos_RxJ": jnp.asarray(prefix_pos)}  # fmt: skip
+
+    def attend(impl, *a):
+        return kernels.packed_prefix(impl, *a, **extra)
+
+    outs = {impl: np.asarray(jax.jit(attend, static_argnums=0)(impl, *args))
             for impl in ("dense", "blocked")}  # fmt: skip
+    near = (lambda d: d < window) if window else (lambda d: d >= 0)
     g = N // K
     for r, lens in enumerate(lengths):
         at = 0
         for n in lens:
             keys = np.concatenate([pk[r], k[r, :, at : at + n]], axis=1)  # [K, J + n, H]
             values = np.concatenate([pv[r], v[r, :, at : at + n]], axis=1)
-            seen = np.concatenate([np.broadcast_to(prefix_valid[r], (n, J)),
-                                   np.tril(np.ones((n, n), bool))], axis=1)  # fmt: skip
+            qp = pos[r, at : at + n]
+            seen = np.concatenate([prefix_valid[r] & near(qp[:, None] - prefix_pos[r][None]),
+                                   np.tril(near(qp[:, None] - qp[None]))], axis=1)  # fmt: skip
             for head in range(N):
                 scores = q[r, at : at + n, head].astype(np.float64) @ keys[head // g].T
                 scores = np.where(seen, scores / np.sqrt(H), -np.inf)
@@ -190,6 +207,18 @@ def test_packed_attention_sees_the_prefix_and_its_own_segment_only(monkeypatch):
                     np.testing.assert_allclose(out[r, at : at + n, head], want, atol=2e-6,
                                                err_msg=impl)  # fmt: skip
             at += n
+    cot = jnp.asarray(rng.normal(size=q.shape).astype(np.float32) * valid[:, :, None, None])
+
+    def loss(impl, q_, pk_, pv_, k_, v_):
+        a = [q_, pk_, pv_, args[3], k_, v_, args[6], args[7]]
+        return jnp.sum(attend(impl, *a) * cot)
+
+    diff = (0, 1, 2, 4, 5)
+    grads = {impl: jax.jit(jax.grad(lambda *a, impl=impl: loss(impl, *a), argnums=(0, 1, 2, 3, 4)))(
+        *[args[i] for i in diff]) for impl in ("dense", "blocked")}  # fmt: skip
+    for a, b in zip(grads["blocked"], grads["dense"], strict=True):
+        assert np.abs(np.asarray(b)).max() > 1e-3
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
 
 
 def test_pack_puts_each_group_behind_one_prompt_with_restarting_positions():
@@ -212,12 +241,20 @@ def test_pack_puts_each_group_behind_one_prompt_with_restarting_positions():
     assert (p["rewards"] == batch["rewards"]).all() and "tokens" not in p
 
 
-@pytest.mark.parametrize("algo", ["gvpo", "dapo"])
-def test_packed_update_and_logprobs_equal_the_full_width_pass(algo):
+# A tiny Gemma 3: a sliding-window layer (window 3) before a full one.
+SLIDING = {f"model.overrides.{k}": v for k, v in dict(
+    architecture="gemma3", qk_norm=True, attention_bias=False, query_pre_attn_scalar=16,
+    num_layers=2, sliding_window=3, layer_types=("sliding", "full")).items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("algo, model", [("gvpo", {}), ("dapo", {}), ("gvpo", SLIDING)],
+                         ids=["gvpo", "dapo", "gvpo-sliding-window"])  # fmt: skip
+def test_packed_update_and_logprobs_equal_the_full_width_pass(algo, model):
     """Packed micro-batches give the full-width pass's log-probs and the gradient and loss of
     one full-width pass over the minibatch (GVPO's group centring and DAPO's token mean
-    included), computing fewer response slots than per-group buckets."""
-    c = _bucketed(algo, **{"optim.pack_groups": True})
+    included), computing fewer response slots than per-group buckets; also with a
+    sliding-window layer, whose window restarts with every packed response's positions."""
+    c = _bucketed(algo, **{"optim.pack_groups": True, **model})
     run, state, loop, ref = make_run(c)
     batch = _varied_batch(run, state, ref, seed=3)
     full = np.asarray(run.logprobs(state.params, batch["tokens"], batch["attn_mask"]))

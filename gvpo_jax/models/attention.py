@@ -266,14 +266,17 @@ def _layout(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None, q_p
         start_q, last_q = jnp.zeros((nq,), jnp.int32), jnp.full((nk,), nq, jnp.int32)
     else:
         # A sliding window also skips key blocks wholly before every query's window: a prefix
-        # 0 .. start_q[i] - 1 of the key blocks, and for key block j the query blocks from
-        # last_q[j] on. Padding rows / keys are left out of the bounds (their slots are -1 /
-        # int32 max), so the bounds stay monotone.
+        # 0 .. start_q[i] - 1 of the key blocks (key positions are non-decreasing), and for key
+        # block j the query blocks from last_q[j] on: after the last one that sees it, which
+        # also holds when query positions restart along the row (packed segments against
+        # their shared prompt). Padding rows / keys are left out of the bounds (their slots
+        # are -1 / int32 max).
         q_lo = jnp.min(jnp.where(q_slot >= 0, q_pos, big).reshape(b, nq, bq), axis=(0, 2))
         k_hi = jnp.max(jnp.where(k_slot < big, k_pos, -1).reshape(b, nk, bk), axis=(0, 2))
         too_old = k_hi[None, :] <= q_lo[:, None] - window  # [nq, nk]
         start_q = jnp.sum(too_old, axis=1).astype(jnp.int32)
-        last_q = jnp.sum(~too_old, axis=0).astype(jnp.int32)
+        after = jnp.arange(1, nq + 1, dtype=jnp.int32)[:, None]
+        last_q = jnp.max(jnp.where(too_old, 0, after), axis=0).astype(jnp.int32)
     bounds = (bq, bk, nq, nk, need_q, first_q, start_q, last_q)
     return (q, k, v, q_slot, k_slot, k_valid, k_real, q_pos, k_pos), bounds
 
@@ -316,7 +319,7 @@ def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None
     qp, kp, vp, q_slot_p, k_slot_p, k_valid_p, k_real_p, q_pos_p, k_pos_p = arrays
 
     def query_block(i, carry):
-        out_acc, m_acc, l_acc = carry
+        out_acc, m_acc, l_acc, e_acc = carry
         q_blk = jax.lax.dynamic_slice_in_dim(qp, i * bq, bq, axis=2)
         qs_blk = jax.lax.dynamic_slice_in_dim(q_slot_p, i * bq, bq, axis=1)
         qpos_blk = jax.lax.dynamic_slice_in_dim(q_pos_p, i * bq, bq, axis=1)
@@ -343,23 +346,28 @@ def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None
             jnp.zeros((b, kv, bq, h), acc) + zero,
         )
         m, l, o = jax.lax.fori_loop(start_q[i], need_q[i], key_block, init)
-        l = jnp.where(l > 0, l, 1.0)  # padding rows that visited no key
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        # Rows that visited no key block (padding, or every key block skipped: all before a
+        # sliding window) have out 0; their lse is MASKED, so a merge gives them no weight.
+        empty = ~jnp.isfinite(m)
+        l = jnp.where(l > 0, l, 1.0)
+        m = jnp.where(empty, 0.0, m)
         out_blk = (o / l[..., None]).astype(q.dtype)
         put = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, i * bq, axis=2)
-        return put(out_acc, out_blk), put(m_acc, m), put(l_acc, l)
+        return put(out_acc, out_blk), put(m_acc, m), put(l_acc, l), put(e_acc, empty)
 
     zero = _zero_from(q)
     init = (
         (jnp.zeros(qp.shape, acc) + zero).astype(q.dtype),
         jnp.zeros(qp.shape[:3], acc) + zero,
         jnp.ones(qp.shape[:3], acc) + zero,
+        jnp.zeros(qp.shape[:3], jnp.bool_),
     )
-    out_p, m_p, l_p = jax.lax.fori_loop(0, nq, query_block, init)
+    out_p, m_p, l_p, e_p = jax.lax.fori_loop(0, nq, query_block, init)
     out, m, l = out_p[:, :, :q_rows], m_p[:, :, :q_rows], l_p[:, :, :q_rows]
+    lse = jnp.where(e_p[:, :, :q_rows], jnp.asarray(MASKED, acc), m + jnp.log(l))
     # The backward recomputes the weights as exp(s - m) / l, not exp(s - lse): for a row with
     # no visible key m is the finite MASKED value, and MASKED + log(l) rounds to MASKED.
-    return (out, m + jnp.log(l)), (q, k, v, q_slot, k_slot, k_valid, q_pos, k_pos, out, m, l)
+    return (out, lse), (q, k, v, q_slot, k_slot, k_valid, q_pos, k_pos, out, m, l)
 
 
 def _blocked_bwd(block_q, block_k, window, res, cotangents):
@@ -579,8 +587,14 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
     return _from_rows_t_major(out, t)
 
 
+# Positions of consecutive segments in the packed own pass are this far apart (more than any
+# row's span of positions plus a window: 2^20 tokens; seg ids stay far below 2^11).
+SEGMENT_STRIDE = 1 << 20
+
+
 def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_RxKxTxH,
-                  v_RxKxTxH, valid_RxT, segments_RxT):  # fmt: skip
+                  v_RxKxTxH, valid_RxT, segments_RxT, window=None, positions_RxT=None,
+                  prefix_pos_RxJ=None):  # fmt: skip
     """Attention of packed rows: row r holds several sequences (segments, ids non-decreasing
     along the row, padding last with the largest id) that all continue prefix r. Token t sees
     the prefix's valid keys and the valid keys of its own segment at slots <= t; other
@@ -589,12 +603,21 @@ def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_R
     prefix): one pass over the prefix and one causal pass over the row, where a segment test
     in the kernel's window form (`visible` with positions = segment ids and window 1: a key of
     an earlier segment is "too far back") also skips key blocks of earlier segments; the two
-    are merged through their log-denominators. Returns [R, T, N, H]."""
+    are merged through their log-denominators.
+
+    A sliding `window` W (with the row's RoPE positions [R, T] and the prefix keys' [R, J]) also
+    hides keys W or more positions before the query, in the prefix and in its own segment. In
+    the blocked form the own pass's positions become seg * SEGMENT_STRIDE + position, so one
+    window test is both: same segment, distance in positions; earlier segment, at least
+    SEGMENT_STRIDE - (a row's span of positions) >= W back. Returns [R, T, N, H]."""
     r, t, n, h = q_RxTxNxH.shape
     kv, j = pk_RxKxJxH.shape[1], pk_RxKxJxH.shape[2]
     g = n // kv
     seg = segments_RxT.astype(jnp.int32)
     impl = "blocked" if impl == "splash" else impl
+    if window is not None:
+        pos = positions_RxT.astype(jnp.int32)
+        pre_pos = prefix_pos_RxJ.astype(jnp.int32)
     if impl in ("dense", "xla"):
         own_RxTxT = (
             valid_RxT[:, None, :]
@@ -602,6 +625,9 @@ def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_R
             & (seg[:, :, None] == seg[:, None, :])
         )
         pre_RxTxJ = jnp.broadcast_to(prefix_valid_RxJ[:, None, :], (r, t, j))
+        if window is not None:
+            own_RxTxT = own_RxTxT & (pos[:, :, None] - pos[:, None, :] < window)
+            pre_RxTxJ = pre_RxTxJ & (pos[:, :, None] - pre_pos[:, None, :] < window)
         mask_RxTxS = jnp.concatenate([pre_RxTxJ, own_RxTxT], axis=2)
         keys = jnp.concatenate([pk_RxKxJxH, k_RxKxTxH], axis=2)
         values = jnp.concatenate([pv_RxKxJxH, v_RxKxTxH], axis=2)
@@ -618,15 +644,25 @@ def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_R
     if impl != "blocked":
         raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
     q_rows = _rows_t_major(q_RxTxNxH, kv)  # [R, K, T * G, H]
-    every_key = jnp.full((r, t * g), NO_SLOT, jnp.int32)
     prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (r, j))
-    pre_out, pre_lse = blocked(q_rows, pk_RxKxJxH, pv_RxKxJxH, every_key, prefix_slot,
-                               prefix_valid_RxJ)  # fmt: skip
+    if window is None:
+        every_key = jnp.full((r, t * g), NO_SLOT, jnp.int32)
+        pre_out, pre_lse = blocked(q_rows, pk_RxKxJxH, pv_RxKxJxH, every_key, prefix_slot,
+                                   prefix_valid_RxJ)  # fmt: skip
+    else:  # every prefix slot is before the query (slot j); the window by positions
+        after_prefix = jnp.full((r, t * g), j, jnp.int32)
+        pre_out, pre_lse = blocked(q_rows, pk_RxKxJxH, pv_RxKxJxH, after_prefix, prefix_slot,
+                                   prefix_valid_RxJ, BLOCK_Q, BLOCK_K, window,
+                                   jnp.repeat(pos, g, axis=1), pre_pos)  # fmt: skip
     slots = jnp.arange(t, dtype=jnp.int32)
     q_slot = jnp.broadcast_to(jnp.repeat(slots, g)[None], (r, t * g))
     k_slot = jnp.broadcast_to(slots[None], (r, t))
+    # One window test: same segment within `window` positions (or, without a window, the
+    # segment ids as positions with window 1: the same segment only).
+    own_pos = seg if window is None else seg * SEGMENT_STRIDE + pos
     new_out, new_lse = blocked(q_rows, k_RxKxTxH, v_RxKxTxH, q_slot, k_slot, valid_RxT,
-                               BLOCK_Q, BLOCK_K, 1, jnp.repeat(seg, g, axis=1), seg)  # fmt: skip
+                               BLOCK_Q, BLOCK_K, 1 if window is None else window,
+                               jnp.repeat(own_pos, g, axis=1), own_pos)  # fmt: skip
     out, _ = merge(pre_out, pre_lse, new_out, new_lse)
     return _from_rows_t_major(out, t)
 

@@ -328,26 +328,26 @@ class PackedPrefixCache:
     (segments 1..G, ids non-decreasing, padding last with a larger id) after prefix r, stored
     once: prefix_k, prefix_v [R, K, J, H], prefix_valid [R, J], and `segments` int32 [R, T] of
     the T packed slots. One call attends the whole packed row (index 0, T = the row's width):
-    each token sees the prefix and its own segment causally (`kernels.packed_prefix`); nothing
-    is stored, so the cache comes back unchanged. No sliding windows (a layer with one raises).
+    each token sees the prefix and its own segment causally (`kernels.packed_prefix`), and in a
+    sliding-window layer only keys less than the window back by position (prefix_pos [R, J]:
+    the prefix keys' positions; the row's own from the call); nothing is stored, so the cache
+    comes back unchanged.
     """
 
     prefix_k: jax.Array
     prefix_v: jax.Array
     prefix_valid: jax.Array
+    prefix_pos: jax.Array
     segments: jax.Array
 
     @classmethod
     def share(cls, prefix: KVCache, segments_RxT: jax.Array) -> PackedPrefixCache:
-        return cls(prefix.k, prefix.v, prefix.valid, segments_RxT.astype(jnp.int32))
+        return cls(prefix.k, prefix.v, prefix.valid, prefix.pos, segments_RxT.astype(jnp.int32))
 
     def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, window=None,
                positions_BxT=None):  # fmt: skip
-        if window is not None:
-            raise ValueError(
-                "packed update rows do not support sliding-window layers; set "
-                "optim.pack_groups to False for this model."
-            )
+        if window is not None and positions_BxT is None:
+            raise ValueError("a sliding-window layer of a packed row needs the row's positions.")
         t, n = q_BxTxNxH.shape[1], q_BxTxNxH.shape[2]
         if t != self.segments.shape[1]:
             raise ValueError(f"a packed row is attended in one call of {self.segments.shape[1]} "
@@ -356,7 +356,8 @@ class PackedPrefixCache:
         impl = kernels.choose(impl, t=t, g=n // kv, keys=j + t)
         out = kernels.packed_prefix(
             impl, q_BxTxNxH, self.prefix_k, self.prefix_v, self.prefix_valid, k_BxKxTxH,
-            v_BxKxTxH, valid_BxT, self.segments,
+            v_BxKxTxH, valid_BxT, self.segments, window=window,
+            positions_RxT=positions_BxT, prefix_pos_RxJ=self.prefix_pos,
         )  # fmt: skip
         return out, self
 
