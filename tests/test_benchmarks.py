@@ -147,3 +147,21 @@ def test_model_families_quick_times_rollout_and_update_without_recompiles(capsys
     assert result["rollout"]["gvpo_jax"]["recompiles"] == 0
     assert result["update"]["gvpo_jax"]["recompiles"] == 0
     assert len(result["update"]["gvpo_jax"]["timing"]["times_s"]) == 2
+
+
+def test_decode_roofline_quick_splits_the_step_against_both_floors(capsys):
+    """The floors follow from the measured peak and bandwidth and the weight count; the
+    weights-only pass multiplies through exactly the model's matmul weights."""
+    from benchmarks import decode_roofline
+
+    result = decode_roofline.main(["--quick", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "| rows | compute floor ms |" in out and "DECODE_ROOFLINE" in out
+    cfg = models.PRESETS["tiny"].replace(num_layers=1)
+    n_w = common.matmul_weights(**common.dims_of(cfg))
+    assert result["weights"] == n_w
+    assert sum(a * b for a, b in decode_roofline.weight_shapes(cfg)) == n_w
+    for rows, r in result["rows"].items():
+        assert r["compute_floor"] == pytest.approx(2 * n_w * rows / result["peak_flops"])
+        assert r["bandwidth_floor"] == pytest.approx(4 * n_w / result["read_bandwidth"])
+        assert r["weights_only"] > 0 and r["tokens"] == rows * 16
