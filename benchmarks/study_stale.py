@@ -1,6 +1,6 @@
 """Learning study, part 3: GVPO against the clipped methods on stale rollouts (rollout.staleness).
 
-Run (105 runs of the demo recipe, resumable: each finished run is a record under
+Run (110 runs of the demo recipe, resumable: each finished run is a record under
 <workdir>/records; writes docs/study/stale/{results.json,results.md,stale.png}):
     .venv/bin/python -m benchmarks.study_stale
     .venv/bin/python -m benchmarks.study_stale --only "gvpo,grpo" --seeds 0,1
@@ -12,11 +12,12 @@ steps, P = 128 x G = 4, lr 1e-4) from one shared cold start, in the official reg
 minibatches x 1 epoch per rollout), each run training on the same number of rollouts (the
 config's 200 steps; a stale run samples k more, which stay in its queue). Cells: staleness k in
 {0, 2, 4, 8} x {GVPO, GRPO without correction, GRPO + token_tis, Dr. GRPO + token_tis}, plus
-GVPO with the norm clip off at k = 0 and 4, and GVPO anchored at the sampling policy
-(algo.anchor = "sampler") at k = 2, 4, 8. Measured: held-out greedy accuracy and avg@16 at
-T = 1 on the 200 held-out problems at 5 points of the run, the area under the greedy curve,
-divergences, KL to the start, and per step GVPO's variance term over its advantage term (the
-restoring term's share), corr(rc, a), the lag and the IS weights.
+GVPO with the norm clip off at k = 0 and 4, GVPO anchored at the sampling policy
+(algo.anchor = "sampler") at k = 2, 4, 8, and Dr. GRPO without the correction at k = 4.
+Measured: held-out greedy accuracy and avg@16 at T = 1 on the 200 held-out problems at 5 points
+of the run, the area under the greedy curve, divergences, KL to the start, and per step GVPO's
+variance term over its advantage term (the restoring term's share), corr(rc, a), the lag and
+the IS weights.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax
 import numpy as np
 
 from benchmarks.learning_study import base_config
-from benchmarks.study_report import auc, ci95, diverged
+from benchmarks.study_report import auc, chance_note, ci95, diff_lines, diverged
 from benchmarks.study_runs import OFFICIAL, REPO, config_key, make_cell, rl_run, save_record, sft
 from gvpo_jax import config as config_lib
 
@@ -68,6 +69,9 @@ def cells(quick: bool) -> list:
     for k in () if quick else SAMPLER_K:
         out.append(make_cell("sampler", f"gvpo anchor sampler k={k}", rollout__staleness=k,
                              **SAMPLER, **official))  # fmt: skip
+    for k in () if quick else (4,):  # GVPO's nearest clipped method, without the correction
+        out.append(make_cell("stale", f"dr_grpo k={k}", rollout__staleness=k,
+                             algo__name="dr_grpo", **official))  # fmt: skip
     return out
 
 
@@ -125,6 +129,41 @@ def report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def pairs() -> list[tuple[str, str]]:
+    """The comparisons the study asks about: GVPO against each method at each k, each method
+    stale against itself fresh, GVPO without the norm clip, GVPO anchored at the sampler."""
+    out = [(f"gvpo k={k}", f"{m} k={k}") for k in STALENESS for m in METHODS if m != "gvpo"]
+    out += [(f"{m} k={k}", f"{m} k=0") for m in METHODS for k in STALENESS if k]
+    out += [(f"gvpo no clip k={k}", f"gvpo k={k}") for k in (0, 4)]
+    out += [(f"gvpo anchor sampler k={k}", f"gvpo k={k}") for k in SAMPLER_K]
+    out += [("gvpo k=4", "dr_grpo k=4"), ("dr_grpo k=4", "dr_grpo + token_tis k=4")]
+    return out
+
+
+def report_block(summary: dict, records: dict, problems: int) -> str:
+    """The tables STUDY.md part 3 shows (between its markers), from the records alone."""
+    diffs = diff_lines(records, pairs(), problems=problems)
+    return "\n".join([
+        report(summary), "",
+        f"Differences of final accuracy (first - second cell; avg@n is avg@{summary['eval_n']} "
+        "at T = 1), 95% Welch intervals over seeds and the interval the "
+        f"{problems} held-out problems add (`study_report.diff_lines`):", "",
+        *diffs, "", chance_note(sum(1 + line.count("; ") for line in diffs)),
+    ])  # fmt: skip
+
+
+BEGIN, END = "<!-- part3-toy:begin -->", "<!-- part3-toy:end -->"
+
+
+def write_block(path: str, block: str) -> None:
+    """Replaces the text between BEGIN and END in `path` (STUDY.md) with `block`."""
+    with open(path) as fh:
+        text = fh.read()
+    i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
+    with open(path, "w") as fh:
+        fh.write(text[:i] + "\n" + block + "\n" + text[j:])
+
+
 def plot(summary: dict, out_png: str) -> None:
     import matplotlib
 
@@ -134,7 +173,7 @@ def plot(summary: dict, out_png: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, title in ((axes[0], "avg16", "held-out avg@16 (T = 1)"),
                            (axes[1], "greedy", "held-out greedy")):  # fmt: skip
-        for method in (*METHODS, "gvpo anchor sampler"):
+        for method in (*METHODS, "dr_grpo", "gvpo no clip", "gvpo anchor sampler"):
             ks = [k for k in STALENESS if f"{method} k={k}" in summary["cells"]]
             if not ks:
                 continue
@@ -157,6 +196,7 @@ def main(argv=None) -> dict:
     p.add_argument("--only", default="", help="comma-separated substrings of cell names")
     p.add_argument("--seeds", default="", help="comma-separated seeds (default 0-4)")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--study-md", default="", help="also write the tables into this STUDY.md")
     args = p.parse_args(argv)
     config = base_config(args.quick)
     P, G = config.rollout.prompts_per_step, config.rollout.group_size
@@ -212,11 +252,14 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump({**summary, "records": records}, fh, indent=1)
-    md = "\n".join([f"# Part 3: stale rollouts ({summary['date']})", "", report(summary), ""])
+    block = report_block(summary, records, config.data.eval_size)
+    md = "\n".join([f"# Part 3: stale rollouts ({summary['date']})", "", block, ""])
     with open(os.path.join(args.out, "results.md"), "w") as fh:
         fh.write(md)
     if summary["cells"]:
         plot(summary, os.path.join(args.out, "stale.png"))
+    if args.study_md:
+        write_block(args.study_md, block)
     print(md)
     return summary
 

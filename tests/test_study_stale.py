@@ -111,3 +111,20 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
     recs["b"][0]["outcomes"]["ids"] = list(reversed(recs["b"][0]["outcomes"]["ids"]))
     with pytest.raises(AssertionError, match="other problems"):
         smol.compare_cells(recs, "a", "b")
+
+
+def test_study_md_part_3_tables_are_the_recorded_runs():
+    """STUDY.md part 3's tables are `report_block` of the records in docs/study/stale (not typed
+    by hand): the cell table and the differences recomputed from every recorded run."""
+    import os
+
+    from benchmarks import study_stale
+
+    results = json.loads(open(os.path.join(study_stale.OUT, "results.json")).read())
+    budget = results["budget_rollouts"] * results["prompts_per_step"] * results["group_size"]
+    summary = {**results, "cells": {name: study_stale.summarise(recs, budget)
+                                    for name, recs in results["records"].items()}}  # fmt: skip
+    block = study_stale.report_block(summary, results["records"], problems=200)
+    text = open(os.path.join(runs.REPO, "STUDY.md")).read()
+    start = text.index(study_stale.BEGIN) + len(study_stale.BEGIN)
+    assert text[start : text.index(study_stale.END)].strip() == block.strip()
