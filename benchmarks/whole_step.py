@@ -212,6 +212,13 @@ def ours_worker(args) -> None:
             f"--total_steps {args.total_steps} is more than the config's train.steps "
             f"{c.train.steps}; run fewer steps."
         )
+    if not args.quick:
+        # XLA's persistent cache: packed micro-batches take one of up to K x G widths, each
+        # compiled the first time a batch needs it; a prior run of the same steps (the same
+        # prompts and keys give the same batches) leaves those programs here, so timed steps
+        # are compile-free after one warm-up round (compile time is the first step's, apart).
+        jax.config.update("jax_compilation_cache_dir", os.path.join(args.dir, "jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     workdir = tempfile.mkdtemp(prefix=f"whole_step_{args.algo}_")
     run, state = assemble.assemble(c, workdir)
     loop = assemble.start_loop(run)

@@ -52,9 +52,12 @@ def make_optimizer(
         sched = optax.join_schedules([warm, after], [warmup_steps])
     else:
         sched = after
-    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
-    parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
-    return optax.chain(*parts), sched
+    # The clip's slot is kept when it is off (identity: the same empty state), so the optimizer
+    # state has one structure whatever grad_clip is and a run can start from a checkpoint made
+    # with the clip on or off.
+    clip = optax.clip_by_global_norm(grad_clip) if grad_clip > 0 else optax.identity()
+    adam = optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay)
+    return optax.chain(clip, adam), sched
 
 
 def init_state(params: nnx.State, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:

@@ -143,6 +143,28 @@ def test_grad_clipped_frac_counts_the_updates_the_norm_clip_acted_on(clip):
         assert m["grad_clipped_frac"] == 0.0
 
 
+def test_the_optimizer_state_has_one_structure_with_the_norm_clip_on_or_off(tmp_path):
+    """grad_clip 0 keeps the clip's slot (identity), so a run without the clip restores a
+    checkpoint written with it (the study's no-clip cells start from the shared SFT checkpoint),
+    moments included, and the reverse."""
+    from gvpo_jax import checkpoint
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    states = {}
+    for clip in (1.0, 0.0):
+        tx, _ = train_step.make_optimizer(lr=1e-3, total_updates=10, grad_clip=clip)
+        state = tx.init(params)
+        state = tx.update(jax.tree.map(lambda p: 3 * p + 1, params), state, params)[1]
+        states[clip] = state
+    assert jax.tree.structure(states[1.0]) == jax.tree.structure(states[0.0])
+    with checkpoint.Checkpointer(tmp_path / "ckpt", save_every=1, keep=1) as ckpt:
+        ckpt.save(1, {"opt_state": states[1.0]}, meta={}, force=True)
+        ckpt.wait()
+        restored, _, _ = ckpt.restore({"opt_state": states[0.0]}, step=1)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(states[1.0]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_eval_chunk_sets_the_evaluation_batch_and_keeps_the_greedy_scores(monkeypatch):
     """train.eval_chunk prompts go through the sampler per evaluation call (0: rollout P);
     greedy completions, and so the score, do not depend on the chunk."""
