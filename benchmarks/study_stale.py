@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import shutil
@@ -140,16 +141,48 @@ def pairs() -> list[tuple[str, str]]:
     return out
 
 
+LINES = (*METHODS, "dr_grpo", "gvpo no clip", "gvpo anchor sampler")  # the figure's lines
+
+
+def by_staleness(summary: dict) -> str:
+    """Final greedy / avg@16 (seed means) and diverged runs, one row per method, one column
+    per k: the figure's numbers."""
+    lines = ["| method | " + " | ".join(f"k = {k}" for k in STALENESS) + " |",
+             "|---|" + "---|" * len(STALENESS)]  # fmt: skip
+    for method in LINES:
+        cells_ = [summary["cells"].get(f"{method} k={k}") for k in STALENESS]
+        if not any(cells_):
+            continue
+        row = [f"{c['greedy']:.3f} / {c['avg16']:.3f} ({c['diverged']}/{c['seeds']})" if c
+               else "" for c in cells_]  # fmt: skip
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def report_block(summary: dict, records: dict, problems: int) -> str:
     """The tables STUDY.md part 3 shows (between its markers), from the records alone."""
     diffs = diff_lines(records, pairs(), problems=problems)
     return "\n".join([
+        "Final greedy / avg@16 accuracy (mean over seeds) and diverged runs out of seeds, by "
+        "staleness k:", "", by_staleness(summary), "",
+        "Every cell:", "",
         report(summary), "",
         f"Differences of final accuracy (first - second cell; avg@n is avg@{summary['eval_n']} "
         "at T = 1), 95% Welch intervals over seeds and the interval the "
         f"{problems} held-out problems add (`study_report.diff_lines`):", "",
         *diffs, "", chance_note(sum(1 + line.count("; ") for line in diffs)),
     ])  # fmt: skip
+
+
+RECORDS = "records.json.gz"  # {cell: [record per seed]}, beside results.json
+
+
+def load_records(out: str) -> dict:
+    path = os.path.join(out, RECORDS)
+    if not os.path.exists(path):
+        return {}
+    with gzip.open(path, "rt") as fh:
+        return json.load(fh)
 
 
 BEGIN, END = "<!-- part3-toy:begin -->", "<!-- part3-toy:end -->"
@@ -173,7 +206,7 @@ def plot(summary: dict, out_png: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, key, title in ((axes[0], "avg16", "held-out avg@16 (T = 1)"),
                            (axes[1], "greedy", "held-out greedy")):  # fmt: skip
-        for method in (*METHODS, "dr_grpo", "gvpo no clip", "gvpo anchor sampler"):
+        for method in LINES:
             ks = [k for k in STALENESS if f"{method} k={k}" in summary["cells"]]
             if not ks:
                 continue
@@ -218,13 +251,18 @@ def main(argv=None) -> dict:
             json.dump(info, fh)
     start = json.load(open(meta)) if os.path.exists(meta) else None
     records = {}
+    # Every recorded run is also kept beside the results (RECORDS, committed), so the report
+    # rebuilds from a fresh clone, whose workdir has none.
+    kept = load_records(args.out) if args.report_only else {}
     for cell in todo:
         key = config_key(cell, config)
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
             cached = os.path.join(args.workdir, "records", f"{tag}.json")
             if not os.path.exists(cached):
                 if args.report_only:
+                    if i < len(kept.get(cell.name, [])):
+                        records.setdefault(cell.name, []).append(kept[cell.name][i])
                     continue
                 cfg = config_lib.set_fields(config.copy_and_resolve_references(),
                                             dict(cell.overrides))  # fmt: skip
@@ -251,7 +289,9 @@ def main(argv=None) -> dict:
         "wall_time_s": time.perf_counter() - t0,
     }  # fmt: skip
     with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({**summary, "records": records}, fh, indent=1)
+        json.dump(summary, fh, indent=1)
+    with gzip.open(os.path.join(args.out, RECORDS), "wt") as fh:
+        json.dump(records, fh, separators=(",", ":"))
     block = report_block(summary, records, config.data.eval_size)
     md = "\n".join([f"# Part 3: stale rollouts ({summary['date']})", "", block, ""])
     with open(os.path.join(args.out, "results.md"), "w") as fh:

@@ -26,8 +26,9 @@ def test_quick_stale_study_records_every_run_and_reports_the_records_numbers(tmp
     env = child_env()
     proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
-    records = results["records"]
+    from benchmarks import study_stale
+
+    records = study_stale.load_records(str(out))
     assert set(records) == {"gvpo k=0", "grpo + token_tis k=2"}
     md = (out / "results.md").read_text()
     for name, (rec,) in records.items():
@@ -121,10 +122,11 @@ def test_study_md_part_3_tables_are_the_recorded_runs():
     from benchmarks import study_stale
 
     results = json.loads(open(os.path.join(study_stale.OUT, "results.json")).read())
+    records = study_stale.load_records(study_stale.OUT)
     budget = results["budget_rollouts"] * results["prompts_per_step"] * results["group_size"]
     summary = {**results, "cells": {name: study_stale.summarise(recs, budget)
-                                    for name, recs in results["records"].items()}}  # fmt: skip
-    block = study_stale.report_block(summary, results["records"], problems=200)
+                                    for name, recs in records.items()}}  # fmt: skip
+    block = study_stale.report_block(summary, records, problems=200)
     text = open(os.path.join(runs.REPO, "STUDY.md")).read()
     start = text.index(study_stale.BEGIN) + len(study_stale.BEGIN)
     assert text[start : text.index(study_stale.END)].strip() == block.strip()
