@@ -132,9 +132,11 @@ def report(summary: dict) -> str:
 
 def pairs() -> list[tuple[str, str]]:
     """The comparisons the study asks about: GVPO against each method at each k, each method
-    stale against itself fresh, GVPO without the norm clip, GVPO anchored at the sampler."""
+    stale against itself fresh, GRPO with the correction against without, GVPO without the norm
+    clip, GVPO anchored at the sampler, Dr. GRPO without the correction."""
     out = [(f"gvpo k={k}", f"{m} k={k}") for k in STALENESS for m in METHODS if m != "gvpo"]
     out += [(f"{m} k={k}", f"{m} k=0") for m in METHODS for k in STALENESS if k]
+    out += [(f"grpo + token_tis k={k}", f"grpo k={k}") for k in STALENESS if k]  # the correction
     out += [(f"gvpo no clip k={k}", f"gvpo k={k}") for k in (0, 4)]
     out += [(f"gvpo anchor sampler k={k}", f"gvpo k={k}") for k in SAMPLER_K]
     out += [("gvpo k=4", "dr_grpo k=4"), ("dr_grpo k=4", "dr_grpo + token_tis k=4")]
@@ -188,11 +190,11 @@ def load_records(out: str) -> dict:
 BEGIN, END = "<!-- part3-toy:begin -->", "<!-- part3-toy:end -->"
 
 
-def write_block(path: str, block: str) -> None:
-    """Replaces the text between BEGIN and END in `path` (STUDY.md) with `block`."""
+def write_block(path: str, block: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replaces the text between `begin` and `end` in `path` (STUDY.md) with `block`."""
     with open(path) as fh:
         text = fh.read()
-    i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
+    i, j = text.index(begin) + len(begin), text.index(end)
     with open(path, "w") as fh:
         fh.write(text[:i] + "\n" + block + "\n" + text[j:])
 

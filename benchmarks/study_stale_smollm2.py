@@ -44,6 +44,7 @@ from benchmarks.study_runs import (
     with_overrides,
 )
 from benchmarks.study_smollm2 import SMOL_EVAL_N, SMOL_EVAL_POINTS, SMOL_STEPS, smol_config
+from benchmarks.study_stale import write_block
 from gvpo_jax import assemble, compare
 from gvpo_jax import config as config_lib
 
@@ -140,6 +141,10 @@ def calibrate(args) -> list[dict]:
     with open(os.path.join(args.out, "calibration.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
     return rows
+
+
+CALIBRATION_BEGIN = "<!-- part3-smollm2-calibration:begin -->"
+CALIBRATION_END = "<!-- part3-smollm2-calibration:end -->"
 
 
 def calibration_table(rows: list[dict]) -> str:
@@ -288,9 +293,15 @@ def main(argv=None) -> dict:
     p.add_argument("--only", default="", help="comma-separated substrings of cell names")
     p.add_argument("--seeds", default="", help="comma-separated seeds (default 0-3)")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--study-md", default="", help="also write the calibration into this file")
     args = p.parse_args(argv)
-    if args.calibrate:
-        return {"calibration": calibrate(args)}
+    if args.calibrate or args.study_md:
+        calib_path = os.path.join(args.out, "calibration.json")
+        rows = calibrate(args) if args.calibrate else json.load(open(calib_path))
+        if args.study_md:  # between its markers (STUDY.md part 3)
+            write_block(args.study_md, calibration_table(rows), CALIBRATION_BEGIN,
+                        CALIBRATION_END)  # fmt: skip
+        return {"calibration": rows}
     config = study_config(args.quick)
     P, G = config.rollout.prompts_per_step, config.rollout.group_size
     steps = 2 if args.quick else SMOL_STEPS

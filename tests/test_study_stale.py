@@ -130,3 +130,17 @@ def test_study_md_part_3_tables_are_the_recorded_runs():
     text = open(os.path.join(runs.REPO, "STUDY.md")).read()
     start = text.index(study_stale.BEGIN) + len(study_stale.BEGIN)
     assert text[start : text.index(study_stale.END)].strip() == block.strip()
+
+
+def test_study_md_part_3_calibration_is_the_recorded_one():
+    """The SmolLM2 calibration table in STUDY.md is `calibration_table` of calibration.json,
+    and the study's cap is one the start policy's replies reach less than 10% of the time."""
+    import os
+
+    rows = json.loads(open(os.path.join(smol.OUT, "calibration.json")).read())
+    text = open(os.path.join(runs.REPO, "STUDY.md")).read()
+    start = text.index(smol.CALIBRATION_BEGIN) + len(smol.CALIBRATION_BEGIN)
+    assert text[start : text.index(smol.CALIBRATION_END)].strip() == smol.calibration_table(rows)
+    chosen = next(r for r in rows if (r["template"], r["cap"]) == (
+        smol.SETTINGS["data.template"], smol.SETTINGS["rollout.max_new_tokens"]))  # fmt: skip
+    assert chosen["sampled_truncated"] < 0.10
