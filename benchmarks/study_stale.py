@@ -292,8 +292,9 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
-    with gzip.open(os.path.join(args.out, RECORDS), "wt") as fh:
-        json.dump(records, fh, separators=(",", ":"))
+    with open(os.path.join(args.out, RECORDS), "wb") as raw:  # mtime 0: the same bytes again
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
+            fh.write(json.dumps(records, separators=(",", ":")).encode())
     block = report_block(summary, records, config.data.eval_size)
     md = "\n".join([f"# Part 3: stale rollouts ({summary['date']})", "", block, ""])
     with open(os.path.join(args.out, "results.md"), "w") as fh:

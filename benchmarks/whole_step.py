@@ -487,7 +487,7 @@ def main(argv=None) -> dict:
             for w in [w for w in workers if w.name not in failed]:
                 try:
                     r = w.send("step")
-                except RuntimeError as e:  # one implementation failing leaves the others
+                except (RuntimeError, OSError) as e:  # one failing (or killed) leaves the others
                     failed[w.name] = str(e)
                     print(f"round {step}: {w.name} FAILED\n{e}", flush=True)
                     continue
