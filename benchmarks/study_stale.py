@@ -199,25 +199,26 @@ def write_block(path: str, block: str, begin: str = BEGIN, end: str = END) -> No
         fh.write(text[:i] + "\n" + block + "\n" + text[j:])
 
 
-def plot(summary: dict, out_png: str) -> None:
+def plot_by_staleness(cells: dict, lines, staleness, panels, out_png: str) -> None:
+    """One panel per (key, title) of `panels`: each line's cells "<line> k=<k>" of `cells`
+    (summaries with key and key_ci95) against k, with 95% intervals over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, key, title in ((axes[0], "avg16", "held-out avg@16 (T = 1)"),
-                           (axes[1], "greedy", "held-out greedy")):  # fmt: skip
-        for method in LINES:
-            ks = [k for k in STALENESS if f"{method} k={k}" in summary["cells"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for line in lines:
+            ks = [k for k in staleness if f"{line} k={k}" in cells]
             if not ks:
                 continue
-            cells_ = [summary["cells"][f"{method} k={k}"] for k in ks]
+            cells_ = [cells[f"{line} k={k}"] for k in ks]
             ax.errorbar(ks, [c[key] for c in cells_], yerr=[c[f"{key}_ci95"] for c in cells_],
-                        marker="o", capsize=3, label=method)  # fmt: skip
+                        marker="o", capsize=3, label=line)  # fmt: skip
         ax.set_xlabel("rollout.staleness k (updates between sampling and training)")
         ax.set_title(title)
-        ax.set_xticks(list(STALENESS))
+        ax.set_xticks(list(staleness))
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
@@ -300,7 +301,9 @@ def main(argv=None) -> dict:
     with open(os.path.join(args.out, "results.md"), "w") as fh:
         fh.write(md)
     if summary["cells"]:
-        plot(summary, os.path.join(args.out, "stale.png"))
+        plot_by_staleness(summary["cells"], LINES, STALENESS,
+                          [("avg16", "held-out avg@16 (T = 1)"), ("greedy", "held-out greedy")],
+                          os.path.join(args.out, "stale.png"))  # fmt: skip
     if args.study_md:
         write_block(args.study_md, block)
     print(md)

@@ -44,7 +44,7 @@ from benchmarks.study_runs import (
     with_overrides,
 )
 from benchmarks.study_smollm2 import SMOL_EVAL_N, SMOL_EVAL_POINTS, SMOL_STEPS, smol_config
-from benchmarks.study_stale import write_block
+from benchmarks.study_stale import plot_by_staleness, write_block
 from gvpo_jax import assemble, compare
 from gvpo_jax import config as config_lib
 
@@ -262,28 +262,6 @@ PAIRS = [
 ]
 
 
-def plot(summary: dict, n: int, out_png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, key, title in ((axes[0], "avg", f"held-out avg@{n} (T = 1)"),
-                           (axes[1], "greedy", "held-out greedy")):  # fmt: skip
-        for method in METHODS:
-            ks = [k for k in STALENESS if f"{method} k={k}" in summary]
-            cells_ = [summary[f"{method} k={k}"] for k in ks]
-            ax.errorbar(ks, [c[key] for c in cells_], yerr=[c[f"{key}_ci95"] for c in cells_],
-                        marker="o", capsize=3, label=method)  # fmt: skip
-        ax.set_xlabel("rollout.staleness k")
-        ax.set_xticks(list(STALENESS))
-        ax.set_title(f"SmolLM2-135M: {title}")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -391,7 +369,10 @@ def main(argv=None) -> dict:
         "",
         "![stale smollm2](stale_smollm2.png)",
     ]
-    plot(summary, n, os.path.join(args.out, "stale_smollm2.png"))
+    plot_by_staleness(summary, METHODS, STALENESS,
+                      [("avg", f"SmolLM2-135M: held-out avg@{n} (T = 1)"),
+                       ("greedy", "SmolLM2-135M: held-out greedy")],
+                      os.path.join(args.out, "stale_smollm2.png"))  # fmt: skip
     out = {"budget_responses": budget, "settings": SETTINGS, "start": start,
            "calibration": calib, "cells": summary, "diffs": diffs,
            "records": records}  # fmt: skip

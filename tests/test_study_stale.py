@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import study_report
+from benchmarks import study_report, study_stale
 from benchmarks import study_runs as runs
 from benchmarks import study_stale_smollm2 as smol
 from gvpo_jax import compare
@@ -27,7 +27,6 @@ def test_quick_stale_study_records_every_run_and_reports_the_records_numbers(tmp
     env = child_env()
     proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from benchmarks import study_stale
 
     records = study_stale.load_records(str(out))
     assert set(records) == {"gvpo k=0", "grpo + token_tis k=2"}
@@ -72,7 +71,7 @@ def _record(greedy, correct, n, truncated, curve_sampled, kl=0.1):
     }  # fmt: skip
 
 
-def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problems():
+def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problems(tmp_path):
     """compare_cells: the seeds' interval is Welch's over the final values; the paired one is
     the bootstrap over problems of the seeds' mean per-problem score; the tables print them."""
     rng = np.random.default_rng(0)
@@ -107,6 +106,12 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
     assert s["greedy"] == pytest.approx(np.mean([r["curve"][-1][1] for r in recs["a"]]))
     row = smol.cell_table({"a": s}, n).splitlines()[-1]
     assert f"| {s['greedy']:.3f} +- {s['greedy_ci95']:.3f} |" in row and "| 12.5% |" in row
+    # the figure: one line per method across k
+    png = tmp_path / "stale_smollm2.png"
+    cells = {f"{m} k={k}": s for m in smol.METHODS for k in smol.STALENESS}
+    study_stale.plot_by_staleness(cells, smol.METHODS, smol.STALENESS,
+                                  [("avg", "avg@8"), ("greedy", "greedy")], str(png))  # fmt: skip
+    assert png.stat().st_size > 1000
     # records scored on other problems are not paired
     recs["b"][0]["outcomes"]["ids"] = list(reversed(recs["b"][0]["outcomes"]["ids"]))
     with pytest.raises(AssertionError, match="other problems"):
@@ -117,8 +122,6 @@ def test_study_md_part_3_tables_are_the_recorded_runs():
     """STUDY.md part 3's tables are `report_block` of the records in docs/study/stale (not typed
     by hand): the cell table and the differences recomputed from every recorded run."""
     import os
-
-    from benchmarks import study_stale
 
     results = json.loads(open(os.path.join(study_stale.OUT, "results.json")).read())
     records = study_stale.load_records(study_stale.OUT)
