@@ -1,10 +1,11 @@
 """Learning study, part 3: GVPO against the clipped methods on stale rollouts (rollout.staleness).
 
-Run (110 runs of the demo recipe, resumable: each finished run is a record under
-<workdir>/records; writes docs/study/stale/{results.json,results.md,stale.png}):
-    .venv/bin/python -m benchmarks.study_stale
+Run (110 runs of the demo recipe, about 80 minutes on a quiet 2-core CPU; resumable: each
+finished run is a record under <workdir>/records; writes docs/study/stale/{results.json,
+results.md,records.json.gz,stale.png}, and with --study-md the tables into STUDY.md):
+    .venv/bin/python -m benchmarks.study_stale --study-md STUDY.md
     .venv/bin/python -m benchmarks.study_stale --only "gvpo,grpo" --seeds 0,1
-    .venv/bin/python -m benchmarks.study_stale --report-only
+    .venv/bin/python -m benchmarks.study_stale --report-only --study-md STUDY.md
     .venv/bin/python -m benchmarks.study_stale --quick --out /tmp/st --workdir /tmp/st/runs
 
 Set-up (STUDY.md, "Part 3"): configs/arith_tiny.py (the demo recipe: addition 0-99, 600 SFT
