@@ -373,9 +373,9 @@ def main(argv=None) -> dict:
                       [("avg", f"SmolLM2-135M: held-out avg@{n} (T = 1)"),
                        ("greedy", "SmolLM2-135M: held-out greedy")],
                       os.path.join(args.out, "stale_smollm2.png"))  # fmt: skip
+    # The runs themselves are the records/ files beside this (written once, as they finish).
     out = {"budget_responses": budget, "settings": SETTINGS, "start": start,
-           "calibration": calib, "cells": summary, "diffs": diffs,
-           "records": records}  # fmt: skip
+           "calibration": calib, "cells": summary, "diffs": diffs}  # fmt: skip
     with open(os.path.join(args.out, "results.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as fh:
