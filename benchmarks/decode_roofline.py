@@ -13,6 +13,12 @@ For R rows per step in {32, 16, 8} (the static batch and its two shed levels) it
   3. The decode step: `sampler.generate` of R rows (R / 4 prompts x 4, prompt 64, T = 1, EOS
      off) at N = 128 and N = 256 new tokens; the difference over 128 steps is one decode step
      (prefill and call overhead cancel), attending over 192-320 cached positions.
+  4. With `--profile`: one generate of 32 rows at N = 256 under `jax.profiler`, each XLA op of
+     the decode loop timed and assigned to a part of the step by the Python function that
+     emitted it (the compiled program's stack frames): weight matmuls (projections, MLP, output
+     layer), attention over the cache, cache writes, norms / RoPE / activations / residuals,
+     sampling, the loop's bookkeeping; and the time between ops (the loop's wall time minus
+     the union of its ops' intervals: the runtime's per-op dispatch and waits).
 Floors per step: compute 2 x N_w x R FLOP / matmul peak; bandwidth 4 x N_w bytes / read
 bandwidth (every fp32 weight streamed once; N_w = `common.matmul_weights`, output layer
 included). Reported: ms per step, the share of the compute floor each reaches, and the gap
@@ -23,7 +29,13 @@ attention over the cache, norms and RoPE, sampling, the loop and cache writes).
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import os
+import re
+import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,6 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from flax import nnx  # noqa: E402
+
 from gvpo_jax import models, sampler  # noqa: E402
 
 GROUP, PROMPT_LEN = 4, 64
@@ -101,11 +115,151 @@ def decode_step(model, rows: int, repeats: int, short: int, long: int) -> tuple[
     return (best[long] - best[short]) / (long - short), rows * long
 
 
+# The decode loop's ops by the innermost function (of the program's stack frames) that names a
+# part of the step; ops containing a matmul go by that matmul's frames.
+PARTS = (
+    ("cache writes", ("_write", "SharedPrefixCache.grow", "KVCache.update")),
+    ("attention over the cache", ("attend", "causal", "dense", "_probs", "_prefix_softmax",
+                                  "_two_part_softmax", "attention_mask", "visible",
+                                  "_per_query_row", "_prefix_queries", "_prefix_rows")),
+    ("weight matmuls", ("Attention._project", "Attention._out", "MLP.__call__",
+                        "Transformer.unembed")),
+    ("norms, RoPE, activation, residual", ("RMSNorm", "rope", "swiglu", "Block.__call__",
+                                           "block_forward", "Transformer.hidden")),
+    ("sampling", ("candidate_logprobs", "select_tokens", "draw", "_inverse_cdf",
+                  "token_keys", "_uniforms", "log_softmax")),
+    ("loop bookkeeping", ("_decode_static", "generate_split", "_output")),
+)  # fmt: skip
+
+
+NO_SOURCE = "no source line (copies, layout)"
+
+
+def _hlo_index(text: str) -> tuple[dict, dict, set]:
+    """A compiled module's text as (instructions, computations, loop instructions):
+    instruction name -> (op, called computations, function chain innermost first);
+    computation -> its instruction names; the names of every instruction inside a while loop's
+    body (nested computations included)."""
+    tables = {}
+    for title in ("FunctionNames", "FileLocations", "StackFrames"):
+        m = re.search(rf"^{title}\n((?:\d+ .*\n)+)", text, re.M)
+        tables[title] = dict(re.findall(r"^(\d+) (.*)$", m.group(1), re.M)) if m else {}
+    func = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
+    loc_func = {k: func.get(re.search(r"function_name_id=(\d+)", v).group(1), "?")
+                for k, v in tables["FileLocations"].items()}  # fmt: skip
+    frames = {k: (re.search(r"file_location_id=(\d+)", v).group(1),
+                  re.search(r"parent_frame_id=(\d+)", v).group(1))
+              for k, v in tables["StackFrames"].items()}  # fmt: skip
+
+    def chain(frame):
+        out, seen = [], set()
+        while frame in frames and frame not in seen:
+            seen.add(frame)
+            loc, parent = frames[frame]
+            out.append(loc_func.get(loc, "?"))
+            frame = parent
+        return tuple(out)
+
+    instrs, comps, bodies, current = {}, collections.defaultdict(list), [], None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([\w\-]+)\(", line)
+        if not m or current is None:
+            continue
+        called = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line)
+        bodies += re.findall(r"body=%?([\w.\-]+)", line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        instrs[m.group(1)] = (m.group(2), tuple(called), chain(frame.group(1)) if frame else ())
+        comps[current].append(m.group(1))
+    in_loop, stack, seen = set(), list(bodies), set()
+    while stack:
+        comp = stack.pop()
+        if comp in seen:
+            continue
+        seen.add(comp)
+        for name in comps.get(comp, ()):
+            in_loop.add(name)
+            stack += instrs[name][1]
+    return instrs, comps, in_loop
+
+
+def _part_of(name: str, instrs: dict, comps: dict) -> str:
+    """The PARTS name of one executed op (a thunk named after its HLO instruction)."""
+    op, called, chain = instrs[name]
+    inner, stack, seen = [], list(called), set()
+    while stack:  # the fused (or called) instructions, nested computations included
+        comp = stack.pop()
+        if comp in seen:
+            continue
+        seen.add(comp)
+        for n in comps.get(comp, ()):
+            inner.append(instrs[n])
+            stack += instrs[n][1]
+    dots = [c for o, _, c in [(op, (), chain), *inner] if o in ("dot", "convolution")]
+    for c in dots or [chain] + [c for _, _, c in inner]:
+        for fn in c:
+            for part, keys in PARTS:
+                if any(k in fn for k in keys):
+                    if dots and part != "attention over the cache":
+                        return "weight matmuls"
+                    return part
+    return NO_SOURCE
+
+
+def profile_decode(model, rows: int, new_tokens: int) -> dict:
+    """Milliseconds per decode step of each part of the step (PARTS), the time between the
+    loop's ops, and the loop's wall time, from one profiled generate of `rows` rows."""
+    cfg = model.config
+    prompts = rows // GROUP
+    ids = common.random_prompts(cfg.vocab_size, prompts, PROMPT_LEN)
+    lens = np.full((prompts,), PROMPT_LEN, np.int32)
+    settings = sampler.canonical_settings(max_new_tokens=new_tokens, temperature=1.0,
+                                          group_size=GROUP)  # fmt: skip
+    graphdef, state = nnx.split(model)
+    args = (jnp.asarray(ids), jnp.asarray(lens), jax.random.key(2))
+    compiled = sampler.generate_split.lower(graphdef, state, *args, **settings).compile()
+    instrs, comps, in_loop = _hlo_index(compiled.as_text())
+    jax.block_until_ready(compiled(state, *args))  # warm
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(compiled(state, *args))
+        (path,) = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(path) as fh:
+            trace = json.load(fh)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    loop = []  # (start us, end us, part) of every executed op of the decode loop
+    for e in events:
+        name = e.get("args", {}).get("hlo_op") if isinstance(e.get("args"), dict) else None
+        if e.get("ph") == "X" and name in in_loop:
+            start = float(e["ts"])
+            loop.append((start, start + float(e["dur"]), _part_of(name, instrs, comps)))
+    if not loop:
+        raise RuntimeError("the profile holds no op of the decode loop")
+    loop.sort()
+    busy, end = 0.0, -1.0
+    per_part = collections.defaultdict(float)
+    for s, t, part in loop:
+        per_part[part] += t - s
+        busy += max(0.0, t - max(s, end))
+        end = max(end, t)
+    wall = loop[-1][1] - loop[0][0]
+    out = {part: per_part[part] / 1e3 / new_tokens for part, _ in PARTS}
+    out[NO_SOURCE] = per_part[NO_SOURCE] / 1e3 / new_tokens
+    out["between ops"] = (wall - busy) / 1e3 / new_tokens
+    out["loop wall"] = wall / 1e3 / new_tokens
+    out["ops"] = len(loop) / new_tokens
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", default="bench-45m", choices=("bench-45m", "smollm2"))
+    p.add_argument("--profile", action="store_true", help="also split a 32-row step by part")
     args = p.parse_args(argv)
     if args.quick:
         model, short, long, gib = common.bench_model(quick=True), 8, 16, 1 / 64
@@ -144,9 +298,24 @@ def main(argv=None) -> dict:
                "weights only: share of compute floor", "decode step ms",
                "decode: share of compute floor", "decode = matmuls / the rest")  # fmt: skip
     print(common.md_table(headers, table))
-    print(f"\nload average {os.getloadavg()[0]:.2f} (2 cores: > 2 means a shared machine)")
     result = {"peak_flops": peak, "read_bandwidth": bw, "weights": n_w, "rows": rows_out,
-              "load": os.getloadavg()[0], "time": time.time()}  # fmt: skip
+              "time": time.time()}  # fmt: skip
+    if args.profile:
+        rows = ROWS[0]
+        prof = profile_decode(model, rows, long)
+        floor = rows_out[rows]["compute_floor"]
+        print(f"\nOne decode step of {rows} rows by part (profiled generate at N = {long}; "
+              f"{prof['ops']:.0f} ops per step; the loop's wall {prof['loop wall']:.2f} "
+              f"ms per step):\n")  # fmt: skip
+        parts = [p for p, _ in PARTS] + [NO_SOURCE, "between ops"]
+        print(common.md_table(
+            ("part", "ms per step", "share of the step", "share of the compute floor's time"),
+            [[p, f"{prof[p]:.2f}", f"{100 * prof[p] / prof['loop wall']:.0f}%",
+              f"{100 * prof[p] / (1e3 * floor):.0f}%"] for p in parts],
+        ))  # fmt: skip
+        result["profile"] = prof
+    result["load"] = os.getloadavg()[0]
+    print(f"\nload average {result['load']:.2f} (2 cores: > 2 means a shared machine)")
     common.emit_json("DECODE_ROOFLINE", result)
     return result
 

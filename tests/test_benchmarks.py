@@ -154,9 +154,20 @@ def test_decode_roofline_quick_splits_the_step_against_both_floors(capsys):
     weights-only pass multiplies through exactly the model's matmul weights."""
     from benchmarks import decode_roofline
 
-    result = decode_roofline.main(["--quick", "--repeats", "1"])
+    result = decode_roofline.main(["--quick", "--repeats", "1", "--profile"])
     out = capsys.readouterr().out
     assert "| rows | compute floor ms |" in out and "DECODE_ROOFLINE" in out
+    # The profile: every part of a decode step found in the loop's ops by its source, and the
+    # parts with the time between ops covering the loop's wall time.
+    prof = result["profile"]
+    assert "| part | ms per step |" in out
+    for part in ("weight matmuls", "attention over the cache", "sampling", "cache writes",
+                 "norms, RoPE, activation, residual"):  # fmt: skip
+        assert prof[part] > 0, part
+    parts = [p for p, _ in decode_roofline.PARTS] + [decode_roofline.NO_SOURCE]
+    assert prof["between ops"] >= 0
+    assert sum(prof[p] for p in parts) + prof["between ops"] >= 0.95 * prof["loop wall"]
+    assert prof["ops"] > 10  # ops per step of the 1-layer model's decode loop
     cfg = models.PRESETS["tiny"].replace(num_layers=1)
     n_w = common.matmul_weights(**common.dims_of(cfg))
     assert result["weights"] == n_w
