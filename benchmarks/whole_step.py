@@ -167,7 +167,12 @@ def score(completions: list[str], golds: list[str], settings: dict) -> list[floa
 
 
 def emit(payload: dict) -> None:
-    print("WORKER " + json.dumps(payload, default=float), flush=True)
+    """One report of a worker to the driver, with the worker's peak resident memory so far (the
+    machine's 23.5 GiB decides which workers fit side by side)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
+    print("WORKER " + json.dumps({**payload, "peak_rss_gib": peak}, default=float), flush=True)
 
 
 def commands():
@@ -409,16 +414,17 @@ def summarise(results: dict[str, list[dict]], warmup: int) -> tuple[str, dict]:
         summary[name] = dict(med, tokens=tokens, s_per_token=per_token,
                              first_s=steps[0]["step_s"], min_s=min(x["step_s"] for x in timed),
                              max_s=max(x["step_s"] for x in timed),
-                             reward=statistics.mean(x["reward_mean"] for x in timed))  # fmt: skip
+                             reward=statistics.mean(x["reward_mean"] for x in timed),
+                             peak_rss_gib=max(x.get("peak_rss_gib", 0.0) for x in steps))  # fmt: skip
         r = summary[name]
         rows.append([
             name, f"{r['first_s']:.1f}", f"{r['step_s']:.1f}", f"{r['min_s']:.1f}-{r['max_s']:.1f}",
             f"{r['cpu_s']:.1f}", f"{r['tokens']:.0f}", f"{1 / r['s_per_token']:.1f}",
-            *(f"{r[k]:.2f}" for k in STAGES), f"{r['reward']:.2f}",
+            *(f"{r[k]:.2f}" for k in STAGES), f"{r['reward']:.2f}", f"{r['peak_rss_gib']:.1f}",
         ])  # fmt: skip
     headers = ["implementation", "first step s", "median step s", "range s", "median CPU s",
                "tokens / step", "tokens / s", "rollout s", "reward s", "log-prob passes s",
-               "update s", "mean reward"]  # fmt: skip
+               "update s", "mean reward", "peak RSS GiB"]  # fmt: skip
     lines = [_table(headers, rows)]
     base = summary.get("gvpo_jax grpo")
     for name, r in summary.items():

@@ -21,9 +21,11 @@ def test_quick_mode_times_both_of_our_steps_round_robin():
         for r in steps:
             assert all(r[f"{k}_pad_ratio"] >= 1 for k in ("update", "logprob", "decode")), r
             assert r["step_s"] > 0 and 0 < r["tokens"] <= rows * s["max_new_tokens"], (name, r)
+            assert 0.1 < r["peak_rss_gib"] < 24, r  # the worker's own peak resident memory
             stages = [r[k] for k in whole_step.STAGES]
             assert all(x >= 0 for x in stages) and sum(stages) <= r["step_s"], (name, r)
         summary = out["summary"][name]
         assert summary["first_s"] == steps[0]["step_s"]  # the compiling step is reported apart
         timed = sorted(x["step_s"] for x in steps[1:])
         assert summary["min_s"] == timed[0] and summary["max_s"] == timed[-1]
+        assert summary["peak_rss_gib"] == max(x["peak_rss_gib"] for x in steps)
