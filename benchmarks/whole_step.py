@@ -244,6 +244,17 @@ def ours_worker(args) -> None:
     emit(info)
     driver = commands()
     clock = [time.perf_counter(), time.process_time()]  # the current step's start
+    # Programs met for the first time in a step (a new packed width): traced, lowered and
+    # compiled (or loaded from the persistent cache), with the seconds those took.
+    new_programs = {"traced": 0, "compile_s": 0.0}
+
+    def on_event(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            new_programs["traced"] += 1
+        if event.startswith("/jax/core/compile/") and event.endswith("_duration"):
+            new_programs["compile_s"] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
 
     def on_step(step, state, m) -> bool:
         """Reports the step just taken, then waits for the driver: True (stop) unless 'step'."""
@@ -256,10 +267,12 @@ def ours_worker(args) -> None:
             tokens=m["response_len_mean"] * rows, reward_mean=m["reward_mean"],
             update_slot_frac=m.get("update_slot_frac", 1.0),
             update_pad_ratio=m["update_pad_ratio"], logprob_pad_ratio=m["logprob_pad_ratio"],
-            decode_pad_ratio=m["decode_pad_ratio"],
+            decode_pad_ratio=m["decode_pad_ratio"], traced=new_programs["traced"],
+            compile_s=new_programs["compile_s"],
         ))  # fmt: skip
         go = next(driver, "close") == "step"
         clock[:] = [time.perf_counter(), time.process_time()]
+        new_programs.update(traced=0, compile_s=0.0)
         return not go
 
     if next(driver, "close") == "step":
@@ -417,22 +430,32 @@ def summarise(results: dict[str, list[dict]], warmup: int) -> tuple[str, dict]:
                              reward=statistics.mean(x["reward_mean"] for x in timed),
                              peak_rss_gib=max(x.get("peak_rss_gib", 0.0) for x in steps))  # fmt: skip
         r = summary[name]
+        if "traced" in timed[0]:  # ours: the steps that met no new program (packed width)
+            clean = [x["step_s"] for x in timed if x["traced"] == 0]
+            r["clean_s"] = statistics.median(clean) if clean else float("nan")
+            r["clean_steps"] = len(clean)
+            r["traced"] = sum(x["traced"] for x in timed)
         rows.append([
             name, f"{r['first_s']:.1f}", f"{r['step_s']:.1f}", f"{r['min_s']:.1f}-{r['max_s']:.1f}",
             f"{r['cpu_s']:.1f}", f"{r['tokens']:.0f}", f"{1 / r['s_per_token']:.1f}",
             *(f"{r[k]:.2f}" for k in STAGES), f"{r['reward']:.2f}", f"{r['peak_rss_gib']:.1f}",
+            f"{r['clean_s']:.1f} ({r['clean_steps']})" if "clean_s" in r else "-",
         ])  # fmt: skip
     headers = ["implementation", "first step s", "median step s", "range s", "median CPU s",
                "tokens / step", "tokens / s", "rollout s", "reward s", "log-prob passes s",
-               "update s", "mean reward", "peak RSS GiB"]  # fmt: skip
+               "update s", "mean reward", "peak RSS GiB",
+               "median s of steps tracing no new program (steps)"]  # fmt: skip
     lines = [_table(headers, rows)]
     base = summary.get("gvpo_jax grpo")
     for name, r in summary.items():
         if base is None or name == "gvpo_jax grpo":
             continue
+        clean = base.get("clean_s", float("nan"))
         lines.append(
             f"{name} / gvpo_jax grpo: {r['step_s'] / base['step_s']:.2f}x per step (median), "
             f"{r['s_per_token'] / base['s_per_token']:.2f}x per generated token"
+            + (f"; {r['step_s'] / clean:.2f}x against our steps that traced no new program"
+               if clean == clean else "")  # fmt: skip
         )
     return "\n".join(lines), summary
 

@@ -29,3 +29,9 @@ def test_quick_mode_times_both_of_our_steps_round_robin():
         timed = sorted(x["step_s"] for x in steps[1:])
         assert summary["min_s"] == timed[0] and summary["max_s"] == timed[-1]
         assert summary["peak_rss_gib"] == max(x["peak_rss_gib"] for x in steps)
+        # The first step traces every program; the median of the steps that traced none
+        # leaves out the ones that met a new packed width.
+        assert steps[0]["traced"] > 0 and steps[0]["compile_s"] > 0
+        clean = [x["step_s"] for x in steps[1:] if x["traced"] == 0]
+        assert summary["clean_steps"] == len(clean)
+        assert summary["traced"] == sum(x["traced"] for x in steps[1:])
