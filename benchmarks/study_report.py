@@ -5,10 +5,21 @@ Pure functions of run records (`benchmarks.study_runs`)."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 from scipy import stats
 
 DIVERGE_RATIO = 0.5  # final accuracy below this times the start's counts as a collapse
+
+
+def write_results(out_dir: str, summary: dict, markdown: str) -> None:
+    """A study's results.json (the summary) and results.md (its report) in `out_dir`."""
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
+    with open(os.path.join(out_dir, "results.md"), "w") as fh:
+        fh.write(markdown.rstrip("\n") + "\n")
 
 
 def diverged(rec: dict) -> bool:

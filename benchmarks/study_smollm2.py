@@ -22,6 +22,7 @@ from benchmarks.study_report import (
     sampled_table,
     spread_lines,
     table,
+    write_results,
 )
 from benchmarks.study_runs import (
     OFFICIAL,
@@ -256,9 +257,6 @@ def smol_study(args) -> dict:
         "cells": {c.name: {**dict(rows)[c.name], "records": records[c.name]} for c in cells_done},
         "wall_time_s": time.perf_counter() - t_start,
     }
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as fh:
-        fh.write("\n".join(md) + "\n")
+    write_results(args.out, summary, "\n".join(md))
     print("\n".join(md))
     return summary

@@ -36,7 +36,14 @@ import jax
 import numpy as np
 
 from benchmarks.learning_study import base_config
-from benchmarks.study_report import auc, chance_note, ci95, diff_lines, diverged
+from benchmarks.study_report import (
+    auc,
+    chance_note,
+    ci95,
+    diff_lines,
+    diverged,
+    write_results,
+)
 from benchmarks.study_runs import OFFICIAL, REPO, config_key, make_cell, rl_run, save_record, sft
 from gvpo_jax import config as config_lib
 
@@ -292,15 +299,12 @@ def main(argv=None) -> dict:
         "cells": {name: summarise(recs, budget) for name, recs in records.items()},
         "wall_time_s": time.perf_counter() - t0,
     }  # fmt: skip
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
     with open(os.path.join(args.out, RECORDS), "wb") as raw:  # mtime 0: the same bytes again
         with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
             fh.write(json.dumps(records, separators=(",", ":")).encode())
     block = report_block(summary, records, config.data.eval_size)
     md = "\n".join([f"# Part 3: stale rollouts ({summary['date']})", "", block, ""])
-    with open(os.path.join(args.out, "results.md"), "w") as fh:
-        fh.write(md)
+    write_results(args.out, summary, md)
     if summary["cells"]:
         plot_by_staleness(summary["cells"], LINES, STALENESS,
                           [("avg16", "held-out avg@16 (T = 1)"), ("greedy", "held-out greedy")],

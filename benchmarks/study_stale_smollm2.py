@@ -31,7 +31,7 @@ import zlib
 
 import numpy as np
 
-from benchmarks.study_report import ci95, diff_ci95, diverged, runs_table
+from benchmarks.study_report import ci95, diff_ci95, diverged, runs_table, write_results
 from benchmarks.study_runs import (
     OFFICIAL,
     REPO,
@@ -376,10 +376,7 @@ def main(argv=None) -> dict:
     # The runs themselves are the records/ files beside this (written once, as they finish).
     out = {"budget_responses": budget, "settings": SETTINGS, "start": start,
            "calibration": calib, "cells": summary, "diffs": diffs}  # fmt: skip
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump(out, fh, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as fh:
-        fh.write("\n".join(md) + "\n")
+    write_results(args.out, out, "\n".join(md))
     print("\n".join(md))
     return out
 
