@@ -43,10 +43,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-from benchmarks import common  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import common  # noqa: E402
 from gvpo_jax import models, sampler  # noqa: E402
 
 GROUP, PROMPT_LEN = 4, 64

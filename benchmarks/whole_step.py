@@ -244,17 +244,27 @@ def ours_worker(args) -> None:
     emit(info)
     driver = commands()
     clock = [time.perf_counter(), time.process_time()]  # the current step's start
-    # Programs met for the first time in a step (a new packed width): traced, lowered and
-    # compiled (or loaded from the persistent cache), with the seconds those took.
-    new_programs = {"traced": 0, "compile_s": 0.0}
+    # Programs met for the first time in a step (a new packed width): traced, lowered, then
+    # compiled or loaded from the persistent cache (`compile_s`: the three together).
+    zero = {"traced": 0, "cache_hits": 0, "trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
+    new_programs = dict(zero)
+    split = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s"}  # fmt: skip
 
-    def on_event(event: str, seconds: float, **_) -> None:
+    def on_duration(event: str, seconds: float, **_) -> None:
         if event == "/jax/core/compile/jaxpr_trace_duration":
             new_programs["traced"] += 1
+        if event in split:
+            new_programs[split[event]] += seconds
         if event.startswith("/jax/core/compile/") and event.endswith("_duration"):
             new_programs["compile_s"] += seconds
 
-    jax.monitoring.register_event_duration_secs_listener(on_event)
+    def on_event(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            new_programs["cache_hits"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
 
     def on_step(step, state, m) -> bool:
         """Reports the step just taken, then waits for the driver: True (stop) unless 'step'."""
@@ -267,12 +277,11 @@ def ours_worker(args) -> None:
             tokens=m["response_len_mean"] * rows, reward_mean=m["reward_mean"],
             update_slot_frac=m.get("update_slot_frac", 1.0),
             update_pad_ratio=m["update_pad_ratio"], logprob_pad_ratio=m["logprob_pad_ratio"],
-            decode_pad_ratio=m["decode_pad_ratio"], traced=new_programs["traced"],
-            compile_s=new_programs["compile_s"],
+            decode_pad_ratio=m["decode_pad_ratio"], **new_programs,
         ))  # fmt: skip
         go = next(driver, "close") == "step"
         clock[:] = [time.perf_counter(), time.process_time()]
-        new_programs.update(traced=0, compile_s=0.0)
+        new_programs.update(zero)
         return not go
 
     if next(driver, "close") == "step":
@@ -428,7 +437,7 @@ def summarise(results: dict[str, list[dict]], warmup: int) -> tuple[str, dict]:
                              first_s=steps[0]["step_s"], min_s=min(x["step_s"] for x in timed),
                              max_s=max(x["step_s"] for x in timed),
                              reward=statistics.mean(x["reward_mean"] for x in timed),
-                             peak_rss_gib=max(x.get("peak_rss_gib", 0.0) for x in steps))  # fmt: skip
+                             peak_rss_gib=max(x.get("peak_rss_gib", 0) for x in steps))  # fmt: skip
         r = summary[name]
         if "traced" in timed[0]:  # ours: the steps that met no new program (packed width)
             clean = [x["step_s"] for x in timed if x["traced"] == 0]
@@ -446,16 +455,18 @@ def summarise(results: dict[str, list[dict]], warmup: int) -> tuple[str, dict]:
                "update s", "mean reward", "peak RSS GiB",
                "median s of steps tracing no new program (steps)"]  # fmt: skip
     lines = [_table(headers, rows)]
-    base = summary.get("gvpo_jax grpo")
+    # The base: our first GRPO worker (whatever its layout suffix, "+pack +shed2").
+    base_name = next((n for n in summary if n.startswith("gvpo_jax grpo")), None)
+    base = summary.get(base_name)
     for name, r in summary.items():
-        if base is None or name == "gvpo_jax grpo":
+        if base is None or name == base_name:
             continue
         clean = base.get("clean_s", float("nan"))
+        against_clean = f"; {r['step_s'] / clean:.2f}x against our steps that traced no new program"
         lines.append(
-            f"{name} / gvpo_jax grpo: {r['step_s'] / base['step_s']:.2f}x per step (median), "
+            f"{name} / {base_name}: {r['step_s'] / base['step_s']:.2f}x per step (median), "
             f"{r['s_per_token'] / base['s_per_token']:.2f}x per generated token"
-            + (f"; {r['step_s'] / clean:.2f}x against our steps that traced no new program"
-               if clean == clean else "")  # fmt: skip
+            + (against_clean if clean == clean and not name.startswith("gvpo_jax") else "")
         )
     return "\n".join(lines), summary
 
@@ -477,6 +488,9 @@ def main(argv=None) -> dict:
     p.add_argument("--ours", default=",".join(f"{a}:{LENGTH_BUCKETS}{OURS}" for a in ALGOS),
                    help="our workers, algo:length_buckets[+pack][+shedL] each (0: full-width "
                         "passes; +pack: packed groups; +shed2: decode halving twice)")  # fmt: skip
+    p.add_argument("--alone", action="store_true",
+                   help="run the workers one after another (each alone: for workers that do "
+                        "not fit in memory together), then the first one again")  # fmt: skip
     args = p.parse_args(argv)
     settings = QUICK if args.quick else SETTINGS
     total = args.warmup + args.steps
@@ -505,14 +519,35 @@ def main(argv=None) -> dict:
                 print(f"{peer}: no {VENVS[peer]} (run benchmarks/setup_{peer}.sh); skipped")
                 continue
             specs.append((PEER_NAMES[peer], python, [peer, *common]))
+    results, failed, info = {}, {}, {}
+    if args.alone:  # one worker at a time, all its steps; then the first one's again (drift)
+        passes = [[spec] for spec in specs]
+        if len(specs) > 1:
+            passes.append([(f"{specs[0][0]} (again)", *specs[0][1:])])
+    else:  # every worker alive at once, one step of each per round
+        passes = [specs]
+    for group in passes:
+        _run_rounds(group, total, results, failed, info)
+    table, summary = summarise(results, args.warmup)
+    print(table)
+    print("RESULT " + json.dumps(dict(summary=summary, steps=results, info=info), default=float))
+    return dict(summary=summary, steps=results)
+
+
+PEER_NAMES = {"trl": "TRL GRPOTrainer", "tunix": "tunix GRPOLearner"}
+
+
+def _run_rounds(specs, total: int, results: dict, failed: dict, info: dict) -> None:
+    """Starts the workers of `specs` [(name, python, worker args)], then runs `total` rounds of
+    one step of each (round-robin), recording each step in results[name]; a worker that fails
+    (or is killed) is left out of the later rounds, its error in failed[name]."""
     workers = []
     try:
         for name, python, wargs in specs:  # one at a time: loading is not timed
             workers.append(Worker(name, python, wargs))
             print(name, json.dumps(workers[-1].info), flush=True)
-        results = {w.name: [] for w in workers}
-        failed = {}
-        for step in range(total):  # round-robin: one step of each per round
+        results.update({w.name: [] for w in workers})
+        for step in range(total):
             for w in [w for w in workers if w.name not in failed]:
                 try:
                     r = w.send("step")
@@ -526,14 +561,7 @@ def main(argv=None) -> dict:
     finally:
         for w in workers:
             w.close()
-    table, summary = summarise(results, args.warmup)
-    print(table)
-    info = {w.name: dict(w.info, error=failed.get(w.name)) for w in workers}
-    print("RESULT " + json.dumps(dict(summary=summary, steps=results, info=info), default=float))
-    return dict(summary=summary, steps=results)
-
-
-PEER_NAMES = {"trl": "TRL GRPOTrainer", "tunix": "tunix GRPOLearner"}
+            info[w.name] = dict(w.info, error=failed.get(w.name))
 
 
 def worker_main(argv: list[str]) -> dict:
