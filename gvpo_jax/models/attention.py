@@ -537,18 +537,18 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
     layout): row p * R + r sees prefix p's valid keys and its own valid new keys at slots <=
     index + t. blocked: one pass over the prefixes for all R rows of a prompt at once (the
     prefix is read once per prompt, as in the dense path) and one over each row's own keys,
-    merged through their log-denominators; xla / splash, and any kernel with a sliding
-    `window` (whose mask between a prefix key and a query depends on both): the prefix keys are
-    repeated per row and joined to the row's own, one causal call with the prefix as a past of
-    J slots (prefix slot j is slot j, new slot s is slot J + s: the row's own sequence), the
-    window read from `positions` = (query_pos_BxT, prefix_pos_PxJ, key_pos_BxS) when given."""
+    merged through their log-denominators, a sliding `window` tested in both passes by
+    position (`positions` = (query_pos_BxT, prefix_pos_PxJ, key_pos_BxS)); xla / splash: the
+    prefix keys are repeated per row and joined to the row's own, one causal call with the
+    prefix as a past of J slots (prefix slot j is slot j, new slot s is slot J + s: the row's
+    own sequence)."""
     b, t, n, h = q_BxTxNxH.shape
     p, kv, j = pk_PxKxJxH.shape[:3]
     r, s = b // p, k_PxKxRxSxH.shape[3]
     g = n // kv
     k_BxKxSxH = k_PxKxRxSxH.transpose(0, 2, 1, 3, 4).reshape(b, kv, s, h)
     v_BxKxSxH = v_PxKxRxSxH.transpose(0, 2, 1, 3, 4).reshape(b, kv, s, h)
-    if impl in ("xla", "splash") or window is not None:
+    if impl in ("xla", "splash"):
         rows = lambda x: jnp.repeat(x, r, axis=0)
         keys = jnp.concatenate([rows(pk_PxKxJxH), k_BxKxSxH], axis=2)
         values = jnp.concatenate([rows(pv_PxKxJxH), v_BxKxSxH], axis=2)
@@ -563,15 +563,27 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
                       else j + i, window=window, positions=joined)  # fmt: skip
     if impl != "blocked":
         raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
+    if window is not None and positions is None:
+        raise ValueError("a sliding window needs positions (query, prefix key, key).")
     # The prefix part: the R * T * G query rows of prompt p against its J keys (no causality).
     q_PxKxRTGxH = (
         q_BxTxNxH.reshape(p, r, t, kv, g, h).transpose(0, 3, 1, 2, 4, 5).reshape(p, kv, -1, h)
     )
-    every_key = jnp.full((p, r * t * g), NO_SLOT, jnp.int32)
     prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (p, j))
-    pre_out, pre_lse = blocked(
-        q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, every_key, prefix_slot, prefix_valid_PxJ
-    )
+    if window is None:
+        every_key = jnp.full((p, r * t * g), NO_SLOT, jnp.int32)
+        pre_out, pre_lse = blocked(
+            q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, every_key, prefix_slot, prefix_valid_PxJ
+        )
+    else:  # every prefix slot is before the queries (slot J); the window by positions, the
+        # query rows of prompt p in their (row, position, head) order
+        q_pos, prefix_pos, k_pos = (x.astype(jnp.int32) for x in positions)
+        after_prefix = jnp.full((p, r * t * g), j, jnp.int32)
+        pre_out, pre_lse = blocked(
+            q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, after_prefix, prefix_slot, prefix_valid_PxJ,
+            BLOCK_Q, BLOCK_K, window, jnp.repeat(q_pos.reshape(p, r * t), g, axis=1),
+            prefix_pos,
+        )  # fmt: skip
     per_row = lambda x: (
         x.reshape(p, kv, r, t * g, *x.shape[3:]).swapaxes(1, 2).reshape(b, kv, t * g, *x.shape[3:])
     )
@@ -580,8 +592,10 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
     i = jnp.asarray(index, jnp.int32)
     q_slot = jnp.broadcast_to(jnp.repeat(i + jnp.arange(t, dtype=jnp.int32), g)[None], (b, t * g))
     k_slot = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
+    own = () if window is None else (BLOCK_Q, BLOCK_K, window, jnp.repeat(q_pos, g, axis=1),
+                                     k_pos)  # fmt: skip
     new_out, new_lse = blocked(
-        _rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS
+        _rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS, *own
     )
     out, _ = merge(pre_out, pre_lse, new_out, new_lse)
     return _from_rows_t_major(out, t)
