@@ -167,12 +167,16 @@ def score(completions: list[str], golds: list[str], settings: dict) -> list[floa
 
 
 def emit(payload: dict) -> None:
-    """One report of a worker to the driver, with the worker's peak resident memory so far (the
-    machine's 23.5 GiB decides which workers fit side by side)."""
+    """One report of a worker to the driver, with the worker's resident memory now and at its
+    peak so far (the machine's 23.5 GiB decides which workers fit side by side; a peak well
+    above the current figure is transient, e.g. compiling)."""
     import resource
 
+    with open("/proc/self/statm") as fh:  # pages: total, resident, ...
+        now = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
-    print("WORKER " + json.dumps({**payload, "peak_rss_gib": peak}, default=float), flush=True)
+    payload = {**payload, "peak_rss_gib": peak, "rss_gib": now}
+    print("WORKER " + json.dumps(payload, default=float), flush=True)
 
 
 def commands():
