@@ -93,12 +93,16 @@ def weights_only_step(shapes, rows: int, repeats: int) -> float:
     return wall
 
 
+def _prompts(model, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random prompts of PROMPT_LEN tokens for `rows` decode rows (GROUP samples each)."""
+    prompts = rows // GROUP
+    ids = common.random_prompts(model.config.vocab_size, prompts, PROMPT_LEN)
+    return ids, np.full((prompts,), PROMPT_LEN, np.int32)
+
+
 def decode_step(model, rows: int, repeats: int, short: int, long: int) -> tuple[float, int]:
     """(seconds per decode step, tokens checked) from generate at N = long minus N = short."""
-    cfg = model.config
-    prompts = rows // GROUP
-    ids = common.random_prompts(cfg.vocab_size, prompts, PROMPT_LEN)
-    lens = np.full((prompts,), PROMPT_LEN, np.int32)
+    ids, lens = _prompts(model, rows)
     best = {}
     for n in (short, long):
         settings = sampler.canonical_settings(max_new_tokens=n, temperature=1.0,
@@ -173,30 +177,27 @@ def _hlo_index(text: str) -> tuple[dict, dict, set]:
         frame = re.search(r"stack_frame_id=(\d+)", line)
         instrs[m.group(1)] = (m.group(2), tuple(called), chain(frame.group(1)) if frame else ())
         comps[current].append(m.group(1))
-    in_loop, stack, seen = set(), list(bodies), set()
+    return instrs, comps, set(_reachable(bodies, instrs, comps))
+
+
+def _reachable(computations, instrs: dict, comps: dict) -> list[str]:
+    """The instructions of `computations` and of every computation they call, nested."""
+    out, stack, seen = [], list(computations), set()
     while stack:
         comp = stack.pop()
         if comp in seen:
             continue
         seen.add(comp)
         for name in comps.get(comp, ()):
-            in_loop.add(name)
+            out.append(name)
             stack += instrs[name][1]
-    return instrs, comps, in_loop
+    return out
 
 
 def _part_of(name: str, instrs: dict, comps: dict) -> str:
     """The PARTS name of one executed op (a thunk named after its HLO instruction)."""
     op, called, chain = instrs[name]
-    inner, stack, seen = [], list(called), set()
-    while stack:  # the fused (or called) instructions, nested computations included
-        comp = stack.pop()
-        if comp in seen:
-            continue
-        seen.add(comp)
-        for n in comps.get(comp, ()):
-            inner.append(instrs[n])
-            stack += instrs[n][1]
+    inner = [instrs[n] for n in _reachable(called, instrs, comps)]  # fused / called ops
     dots = [c for o, _, c in [(op, (), chain), *inner] if o in ("dot", "convolution")]
     for c in dots or [chain] + [c for _, _, c in inner]:
         for fn in c:
@@ -211,10 +212,7 @@ def _part_of(name: str, instrs: dict, comps: dict) -> str:
 def profile_decode(model, rows: int, new_tokens: int) -> dict:
     """Milliseconds per decode step of each part of the step (PARTS), the time between the
     loop's ops, and the loop's wall time, from one profiled generate of `rows` rows."""
-    cfg = model.config
-    prompts = rows // GROUP
-    ids = common.random_prompts(cfg.vocab_size, prompts, PROMPT_LEN)
-    lens = np.full((prompts,), PROMPT_LEN, np.int32)
+    ids, lens = _prompts(model, rows)
     settings = sampler.canonical_settings(max_new_tokens=new_tokens, temperature=1.0,
                                           group_size=GROUP)  # fmt: skip
     graphdef, state = nnx.split(model)
