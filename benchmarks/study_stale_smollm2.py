@@ -31,7 +31,14 @@ import zlib
 
 import numpy as np
 
-from benchmarks.study_report import ci95, diff_ci95, diverged, runs_table, write_results
+from benchmarks.study_report import (
+    chance_note,
+    ci95,
+    diff_ci95,
+    diverged,
+    runs_table,
+    write_results,
+)
 from benchmarks.study_runs import (
     OFFICIAL,
     REPO,
@@ -177,18 +184,34 @@ def end_values(recs: list[dict], metric: str) -> np.ndarray:
 
 
 def compare_cells(records: dict, a: str, b: str) -> dict:
-    """b - a at the end: over seeds (Welch) and paired on the same problems (bootstrap)."""
+    """b - a at the end: over seeds (Welch) and paired on the same problems (bootstrap), each
+    with the data that would resolve a difference of the measured size at the measured spread:
+    seeds per cell (normal quantiles on the two cells' seed variances, so an under-estimate at
+    few seeds) and problems (the paired interval narrows as 1 / sqrt(problems))."""
     out = {"a": a, "b": b}
     for metric in ("greedy", f"avg@{records[a][0]['outcomes']['n']}"):
         m = "greedy" if metric == "greedy" else "mean"
-        d, h = diff_ci95(end_values(records[b], metric), end_values(records[a], metric))
-        _, sa = problem_scores(records[a], m)
+        xa, xb = end_values(records[a], metric), end_values(records[b], metric)
+        d, h = diff_ci95(xb, xa)
+        ids, sa = problem_scores(records[a], m)
         _, sb = problem_scores(records[b], m)
         paired = compare.paired_difference(sa, sb)
+        seed_var = xa.var(ddof=1) + xb.var(ddof=1) if min(len(xa), len(xb)) > 1 else np.nan
+        half = (paired["hi"] - paired["lo"]) / 2
         out[metric] = {"diff": d, "seeds_ci95": h, "paired_lo": paired["lo"],
                        "paired_hi": paired["hi"], "paired_diff": paired["diff"],
-                       "b_higher": paired["b_higher"], "a_higher": paired["a_higher"]}  # fmt: skip
+                       "b_higher": paired["b_higher"], "a_higher": paired["a_higher"],
+                       "seeds_needed": _needed(1.96**2 * seed_var, d),
+                       "problems_needed": _needed(len(ids) * half**2, paired["diff"])}  # fmt: skip
     return out
+
+
+def _needed(scale: float, diff: float) -> float:
+    """ceil(scale / diff^2): the sample size at which a 95% half-width shrinking as 1/sqrt(n)
+    reaches |diff| (inf for a zero difference, nan for an unknown spread)."""
+    if not np.isfinite(scale):
+        return float("nan")
+    return float(np.ceil(scale / diff**2)) if diff != 0 else float("inf")
 
 
 def summarise(recs: list[dict]) -> dict:
@@ -245,11 +268,14 @@ def diff_table(diffs: list[dict]) -> str:
     for d in diffs:
         for metric in [k for k in d if k not in ("a", "b")]:
             x = d[metric]
-            seeds = "resolved" if abs(x["diff"]) > x["seeds_ci95"] else "not resolved"
+            if not np.isfinite(x["seeds_ci95"]):
+                seeds = "one seed in a cell"
+            else:
+                seeds = "resolved" if abs(x["diff"]) > x["seeds_ci95"] else "not resolved"
             paired = ("resolved" if x["paired_lo"] > 0 or x["paired_hi"] < 0
                       else "not resolved")  # fmt: skip
             lines.append(
-                f"| {d['b']} - {d['a']} | {metric} | {x['diff']:+.3f} +- {x['seeds_ci95']:.3f} "
+                f"| {d['b']} - {d['a']} | {metric} | {x['diff']:+.3f} +- {_f(x['seeds_ci95'])} "
                 f"({seeds}) | {x['paired_diff']:+.3f} [{x['paired_lo']:+.3f}, "
                 f"{x['paired_hi']:+.3f}] ({paired}) | {x['b_higher']} / {x['a_higher']} |"
             )
@@ -260,6 +286,80 @@ PAIRS = [
     *[(f"grpo + token_tis k={k}", f"gvpo k={k}") for k in STALENESS],
     *[(f"{m} k=0", f"{m} k=4") for m in METHODS],
 ]
+BEGIN, END = "<!-- part3-smollm2:begin -->", "<!-- part3-smollm2:end -->"
+WHAT_WOULD_RESOLVE = (
+    "What would resolve the rest, if the differences are real (at the spread "
+    "measured here; normal quantiles, so the seed counts are under-estimates):"
+)
+
+
+def needs_lines(diffs: list[dict]) -> list[str]:
+    """For each difference an interval leaves unresolved, the data `compare_cells` says a
+    difference of its size would need at the spread measured."""
+    out = []
+    for d in diffs:
+        for metric in [k for k in d if k not in ("a", "b")]:
+            x = d[metric]
+            parts = []
+            if not abs(x["diff"]) > x["seeds_ci95"] and np.isfinite(x["seeds_needed"]):
+                parts.append(f"~{x['seeds_needed']:.0f} seeds per cell")
+            paired_resolved = x["paired_lo"] > 0 or x["paired_hi"] < 0
+            if not paired_resolved and np.isfinite(x["problems_needed"]):
+                parts.append(f"~{x['problems_needed']:.0f} held-out problems (paired)")
+            if parts:
+                out.append(f"- {d['b']} - {d['a']}, {metric} {x['diff']:+.3f}: "
+                           + " or ".join(parts))  # fmt: skip
+    return out
+
+
+def record_path(out: str, cell, config, budget: int, seed: int) -> str:
+    """Where a (cell, seed) run's record lives: its tag hashes the cell's resolved config and
+    the budget, so a record from other settings is never mistaken for this study's."""
+    tag = f"{zlib.crc32((config_key(cell, config) + str(budget)).encode()):08x}_s{seed}"
+    return os.path.join(out, "records", f"{tag}.json")
+
+
+def load_records(out: str, config, todo, seeds, budget: int) -> tuple[dict, list]:
+    """The recorded runs of `todo` x `seeds` under out/records: ({cell: [record per seed]},
+    [(cell, seed, record)])."""
+    records, runs = {}, []
+    for cell in todo:
+        for seed in seeds:
+            path = record_path(out, cell, config, budget, seed)
+            if os.path.exists(path):
+                with open(path) as fh:
+                    rec = json.load(fh)
+                records.setdefault(cell.name, []).append(rec)
+                runs.append((cell.name, seed, rec))
+    return records, runs
+
+
+def report_block(records: dict, runs: list, n: int) -> tuple[dict, list, str]:
+    """(cell summaries, differences, the markdown STUDY.md part 3 shows for SmolLM2): every
+    number in it is computed here from the records."""
+    summary = {name: summarise(recs) for name, recs in records.items()}
+    diffs = [compare_cells(records, a, b) for a, b in PAIRS if a in records and b in records]
+    shown = 2 * sum(len(d) - 2 for d in diffs)  # each metric row has two intervals
+    needs = needs_lines(diffs)
+    block = [
+        "Cells at the end of the budget (mean over seeds, 95% t interval over seeds):",
+        "",
+        cell_table(summary, n),
+        "",
+        "Differences at the end (second - first cell), over seeds (Welch) and paired on the "
+        "same problems (the seeds' mean score per problem, 10,000 bootstrap resamples of the "
+        "problems):",
+        "",
+        diff_table(diffs) if diffs else "(no pair recorded yet)",
+        "",
+        chance_note(shown) if diffs else "",
+        "",
+        *([WHAT_WOULD_RESOLVE, "", *needs, ""] if needs else []),
+        "Every run:",
+        "",
+        runs_table(runs),
+    ]
+    return summary, diffs, "\n".join(block)
 
 
 def main(argv=None) -> dict:
@@ -271,11 +371,11 @@ def main(argv=None) -> dict:
     p.add_argument("--only", default="", help="comma-separated substrings of cell names")
     p.add_argument("--seeds", default="", help="comma-separated seeds (default 0-3)")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--study-md", default="", help="also write the calibration into this file")
+    p.add_argument("--study-md", default="", help="also write the tables into this STUDY.md")
     args = p.parse_args(argv)
-    if args.calibrate or args.study_md:
-        calib_path = os.path.join(args.out, "calibration.json")
-        rows = calibrate(args) if args.calibrate else json.load(open(calib_path))
+    calib_path = os.path.join(args.out, "calibration.json")
+    if args.calibrate:
+        rows = calibrate(args)
         if args.study_md:  # between its markers (STUDY.md part 3)
             write_block(args.study_md, calibration_table(rows), CALIBRATION_BEGIN,
                         CALIBRATION_END)  # fmt: skip
@@ -296,39 +396,27 @@ def main(argv=None) -> dict:
         with open(meta, "w") as fh:
             json.dump(start, fh)
     start = json.load(open(meta)) if os.path.exists(meta) else None
-    records, runs = {}, []
     for cell in todo:
-        key = config_key(cell, config)
         for seed in seeds:
-            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
-            cached = os.path.join(args.out, "records", f"{tag}.json")
-            if not os.path.exists(cached):
-                if args.report_only:
-                    continue
-                wd = os.path.join(args.workdir, "runs", tag)
-                shutil.rmtree(wd, ignore_errors=True)
-                print(f"== smollm2 / {cell.name} / seed {seed}", flush=True)
-                rec = rl_run(with_overrides(config, cell.overrides, seed), wd, None,
-                             budget=budget, eval_points=eval_points, start_acc=start["greedy"],
-                             eval_n=n, sampled_at_ends_only=True,
-                             start_sampled=start["sampled"], keep_outcomes=True)  # fmt: skip
-                save_record(rec, cell, cached)
-                shutil.rmtree(wd, ignore_errors=True)
-                print(
-                    f"   greedy {rec['curve'][-1][1]:.3f}  avg@{n} "
-                    f"{rec['curve_sampled'][-1][1]:.3f}  {rec['time_s']:.0f}s",
-                    flush=True,
-                )
-            with open(cached) as fh:
-                rec = json.load(fh)
-            records.setdefault(cell.name, []).append(rec)
-            runs.append((cell.name, seed, rec))
+            cached = record_path(args.out, cell, config, budget, seed)
+            if os.path.exists(cached) or args.report_only:
+                continue
+            wd = os.path.join(args.workdir, "runs", os.path.basename(cached)[:-5])
+            shutil.rmtree(wd, ignore_errors=True)
+            print(f"== smollm2 / {cell.name} / seed {seed}", flush=True)
+            rec = rl_run(with_overrides(config, cell.overrides, seed), wd, None,
+                         budget=budget, eval_points=eval_points, start_acc=start["greedy"],
+                         eval_n=n, sampled_at_ends_only=True,
+                         start_sampled=start["sampled"], keep_outcomes=True)  # fmt: skip
+            save_record(rec, cell, cached)
+            shutil.rmtree(wd, ignore_errors=True)
+            end = f"greedy {rec['curve'][-1][1]:.3f}  avg@{n} {rec['curve_sampled'][-1][1]:.3f}"
+            print(f"   {end}  {rec['time_s']:.0f}s", flush=True)
+    records, runs = load_records(args.out, config, todo, seeds, budget)
     if start is None or not records:
         print("nothing recorded yet")
         return {}
-    summary = {name: summarise(recs) for name, recs in records.items()}
-    diffs = [compare_cells(records, a, b) for a, b in PAIRS if a in records and b in records]
-    calib_path = os.path.join(args.out, "calibration.json")
+    summary, diffs, block = report_block(records, runs, n)
     calib = json.load(open(calib_path)) if os.path.exists(calib_path) else []
     start_trunc = truncation(start["outcomes"])
     md = [
@@ -353,19 +441,7 @@ def main(argv=None) -> dict:
             if calib
             else []
         ),  # fmt: skip
-        "Cells at the end of the budget:",
-        "",
-        cell_table(summary, n),
-        "",
-        "Differences at the end (second - first cell), over seeds and paired on the same "
-        "problems (the seeds' mean score per problem, 10,000 bootstrap resamples of the "
-        "problems):",
-        "",
-        diff_table(diffs) if diffs else "(no pair recorded yet)",
-        "",
-        "Every run:",
-        "",
-        runs_table(runs),
+        block,
         "",
         "![stale smollm2](stale_smollm2.png)",
     ]
@@ -377,6 +453,11 @@ def main(argv=None) -> dict:
     out = {"budget_responses": budget, "settings": SETTINGS, "start": start,
            "calibration": calib, "cells": summary, "diffs": diffs}  # fmt: skip
     write_results(args.out, out, "\n".join(md))
+    if args.study_md:  # the tables between their markers in STUDY.md part 3
+        if calib:
+            write_block(args.study_md, calibration_table(calib), CALIBRATION_BEGIN,
+                        CALIBRATION_END)  # fmt: skip
+        write_block(args.study_md, block, BEGIN, END)
     print("\n".join(md))
     return out
 

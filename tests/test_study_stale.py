@@ -98,6 +98,16 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
         paired = compare.paired_difference(sa, sb)
         assert (d[metric]["paired_lo"], d[metric]["paired_hi"]) == (paired["lo"], paired["hi"])
         assert d[metric]["paired_diff"] == pytest.approx(np.mean(sb - sa))
+        # the data that would resolve it: the seeds' and the problems' 95% half-widths shrink
+        # as 1/sqrt(n) to |diff| at those counts
+        xa = np.array([r[end][-1][1] for r in recs["a"]])
+        xb = np.array([r[end][-1][1] for r in recs["b"]])
+        m = d[metric]["seeds_needed"]
+        assert 1.96 * np.sqrt((xa.var(ddof=1) + xb.var(ddof=1)) / m) <= abs(diff)
+        assert 1.96 * np.sqrt((xa.var(ddof=1) + xb.var(ddof=1)) / (m - 1)) > abs(diff)
+        half = (paired["hi"] - paired["lo"]) / 2
+        q = d[metric]["problems_needed"]
+        assert half * np.sqrt(problems / q) <= abs(diff) < half * np.sqrt(problems / (q - 1))
     table = smol.diff_table([d])
     assert f"{d['greedy']['diff']:+.3f} +- {d['greedy']['seeds_ci95']:.3f}" in table
     assert f"[{d['avg@8']['paired_lo']:+.3f}, {d['avg@8']['paired_hi']:+.3f}]" in table
@@ -132,6 +142,21 @@ def test_study_md_part_3_tables_are_the_recorded_runs():
     text = open(os.path.join(runs.REPO, "STUDY.md")).read()
     start = text.index(study_stale.BEGIN) + len(study_stale.BEGIN)
     assert text[start : text.index(study_stale.END)].strip() == block.strip()
+
+
+def test_study_md_part_3_smollm2_tables_are_the_recorded_runs():
+    """STUDY.md's SmolLM2 part 3 tables are `report_block` of the committed records (not typed
+    by hand): the cells, the over-seeds and paired differences, and every recorded run."""
+    import os
+
+    config = smol.study_config(False)
+    budget = smol.SMOL_STEPS * config.rollout.prompts_per_step * config.rollout.group_size
+    records, runs_ = smol.load_records(smol.OUT, config, smol.cells(False), smol.SEEDS, budget)
+    assert records, "no SmolLM2 part 3 run recorded"
+    _, _, block = smol.report_block(records, runs_, smol.SMOL_EVAL_N)
+    text = open(os.path.join(runs.REPO, "STUDY.md")).read()
+    start = text.index(smol.BEGIN) + len(smol.BEGIN)
+    assert text[start : text.index(smol.END)].strip() == block.strip()
 
 
 def test_study_md_part_3_calibration_is_the_recorded_one():
