@@ -77,6 +77,15 @@ def _step_mean(recs: list[dict], key: str) -> float:
 # Intervals: over seeds, over the held-out problems, and the data a difference needs
 
 
+def logp_gap(recs: list[dict]) -> float:
+    """Median over the runs' steps of `sampler_logp_gap_max`: the largest per-token gap (nats)
+    between the log-prob the sampler drew a token with and the one the update recomputes. At
+    k = 0 it is numerical noise; with stale rollouts it is how far the policy moved since."""
+    vals = [s["sampler_logp_gap_max"] for r in recs for s in r.get("step_metrics", [])
+            if np.isfinite(s.get("sampler_logp_gap_max", np.nan))]  # fmt: skip
+    return float(np.median(vals)) if vals else float("nan")
+
+
 def ci95(x) -> float:
     """Half-width of the 95% confidence interval of the mean of x (Student's t over seeds)."""
     x = np.asarray(x, np.float64)

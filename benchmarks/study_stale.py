@@ -42,6 +42,7 @@ from benchmarks.study_report import (
     ci95,
     diff_lines,
     diverged,
+    logp_gap,
     write_results,
 )
 from benchmarks.study_runs import OFFICIAL, REPO, config_key, make_cell, rl_run, save_record, sft
@@ -106,6 +107,7 @@ def summarise(recs: list[dict], budget: int) -> dict:
         "reward_corr": step_mean("reward_corr", lambda m: m["reward_corr"]),
         "lag": step_mean("rollout_lag", lambda m: m["rollout_lag"]),
         "is_clipped_frac": step_mean("is_clipped_frac", lambda m: m["is_clipped_frac"]),
+        "logp_gap": logp_gap(recs),
         "grad_clipped_frac": float(np.mean([np.mean(r["grad_clipped_frac"]) for r in recs])),
         "time_s": float(np.mean([r["time_s"] for r in recs])),
     }  # fmt: skip
@@ -124,8 +126,8 @@ def _f(x, spec=".3f"):
 def report(summary: dict) -> str:
     lines = [
         "| cell | seeds | greedy (95% CI) | avg@16 (95% CI) | AUC greedy | diverged | KL to start "
-        "| var/adv term | corr(rc, a) | IS clipped | norm-clipped updates |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| var/adv term | corr(rc, a) | IS clipped | sampler gap | norm-clipped updates |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary["cells"].items():
         lines.append(
@@ -133,7 +135,7 @@ def report(summary: dict) -> str:
             f"{_f(s['avg16'])} +- {_f(s['avg16_ci95'])} | {_f(s['auc'])} | {s['diverged']} | "
             f"{_f(s['kl_start'], '.4f')} | {_f(s['restoring_share'], '.4f')} | "
             f"{_f(s['reward_corr'])} | {_f(s['is_clipped_frac'], '.4f')} | "
-            f"{_f(s['grad_clipped_frac'], '.2f')} |"
+            f"{_f(s['logp_gap'], '.2f')} | {_f(s['grad_clipped_frac'], '.2f')} |"
         )
     return "\n".join(lines)
 

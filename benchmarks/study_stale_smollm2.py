@@ -36,6 +36,7 @@ from benchmarks.study_report import (
     ci95,
     diff_ci95,
     diverged,
+    logp_gap,
     runs_table,
     write_results,
 )
@@ -235,6 +236,7 @@ def summarise(recs: list[dict]) -> dict:
         "restoring_share": (sum(s["var_term"] for s in steps if s.get("adv_term", 0) > 0) / adv
                             if adv > 0 else float("nan")),
         "reward_corr": mean_of("reward_corr"), "is_clipped_frac": mean_of("is_clipped_frac"),
+        "logp_gap": logp_gap(recs),
         "grad_clipped_frac": float(np.mean([np.mean(r["grad_clipped_frac"]) for r in recs])),
         "cpu_s": float(np.mean([r.get("cpu_s", np.nan) for r in recs])),
     }  # fmt: skip
@@ -246,16 +248,17 @@ def _f(x, spec=".3f"):
 
 def cell_table(summary: dict, n: int) -> str:
     lines = [f"| cell | seeds | greedy end (95% CI) | avg@{n} end (95% CI) | replies at the cap "
-             "| mean length | KL to start | var/adv term | corr(rc, a) | IS clipped | "
-             "norm-clipped updates | diverged | CPU min |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| mean length | KL to start | var/adv term | corr(rc, a) | IS clipped | sampler gap "
+             "| norm-clipped updates | diverged | CPU min |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, s in summary.items():
         lines.append(
             f"| {name} | {s['seeds']} | {_f(s['greedy'])} +- {_f(s['greedy_ci95'])} | "
             f"{_f(s['avg'])} +- {_f(s['avg_ci95'])} | {100 * s['truncated_end']:.1f}% | "
             f"{s['length_end']:.1f} | {_f(s['kl_start'], '.4f')} | "
             f"{_f(s['restoring_share'], '.4f')} | {_f(s['reward_corr'])} | "
-            f"{_f(s['is_clipped_frac'], '.4f')} | {_f(s['grad_clipped_frac'], '.2f')} | "
+            f"{_f(s['is_clipped_frac'], '.4f')} | {_f(s['logp_gap'], '.2f')} | "
+            f"{_f(s['grad_clipped_frac'], '.2f')} | "
             f"{s['diverged']} | {_f(s['cpu_s'] / 60, '.0f')} |"
         )
     return "\n".join(lines)

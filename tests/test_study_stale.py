@@ -49,6 +49,8 @@ def test_quick_stale_study_records_every_run_and_reports_the_records_numbers(tmp
         assert f"| {rec['curve'][-1][1]:.3f} +- " in row, name
         assert f"| {rec['curve_sampled'][-1][1]:.3f} +- " in row, name
         assert f"| {rec['kl_start']:.4f} |" in row, name
+        gap = np.median([s["sampler_logp_gap_max"] for s in steps])  # the sampler gap column
+        assert f"| {gap:.2f} | {np.mean(rec['grad_clipped_frac']):.2f} |" in row, name
         if name.startswith("gvpo"):
             with_spread = [s for s in steps if s["adv_term"] > 0]
             share = (sum(s["var_term"] for s in with_spread) / sum(s["adv_term"]
@@ -111,7 +113,10 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
     table = smol.diff_table([d])
     assert f"{d['greedy']['diff']:+.3f} +- {d['greedy']['seeds_ci95']:.3f}" in table
     assert f"[{d['avg@8']['paired_lo']:+.3f}, {d['avg@8']['paired_hi']:+.3f}]" in table
+    for i, r in enumerate(recs["a"]):  # the sampler gap: median over every run's steps
+        r["step_metrics"] = [{"sampler_logp_gap_max": 0.5 * i + j} for j in range(3)]
     s = smol.summarise(recs["a"])
+    assert s["logp_gap"] == pytest.approx(1.5)  # of 0 1 2, .5 1.5 2.5, 1 2 3
     assert s["truncated_end"] == pytest.approx(1 / n)  # 1 of 8 samples per problem at the cap
     assert s["greedy"] == pytest.approx(np.mean([r["curve"][-1][1] for r in recs["a"]]))
     row = smol.cell_table({"a": s}, n).splitlines()[-1]
