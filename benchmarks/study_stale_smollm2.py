@@ -30,6 +30,7 @@ import time
 import zlib
 
 import numpy as np
+from scipy import stats
 
 from benchmarks.study_report import (
     chance_note,
@@ -187,8 +188,8 @@ def end_values(recs: list[dict], metric: str) -> np.ndarray:
 def compare_cells(records: dict, a: str, b: str) -> dict:
     """b - a at the end: over seeds (Welch) and paired on the same problems (bootstrap), each
     with the data that would resolve a difference of the measured size at the measured spread:
-    seeds per cell (normal quantiles on the two cells' seed variances, so an under-estimate at
-    few seeds) and problems (the paired interval narrows as 1 / sqrt(problems))."""
+    seeds per cell (`seeds_needed`) and problems (the paired interval narrows as
+    1 / sqrt(problems))."""
     out = {"a": a, "b": b}
     for metric in ("greedy", f"avg@{records[a][0]['outcomes']['n']}"):
         m = "greedy" if metric == "greedy" else "mean"
@@ -197,14 +198,30 @@ def compare_cells(records: dict, a: str, b: str) -> dict:
         ids, sa = problem_scores(records[a], m)
         _, sb = problem_scores(records[b], m)
         paired = compare.paired_difference(sa, sb)
-        seed_var = xa.var(ddof=1) + xb.var(ddof=1) if min(len(xa), len(xb)) > 1 else np.nan
         half = (paired["hi"] - paired["lo"]) / 2
         out[metric] = {"diff": d, "seeds_ci95": h, "paired_lo": paired["lo"],
                        "paired_hi": paired["hi"], "paired_diff": paired["diff"],
                        "b_higher": paired["b_higher"], "a_higher": paired["a_higher"],
-                       "seeds_needed": _needed(1.96**2 * seed_var, d),
+                       "seeds_needed": seeds_needed(xa, xb, d),
                        "problems_needed": _needed(len(ids) * half**2, paired["diff"])}  # fmt: skip
     return out
+
+
+def seeds_needed(xa, xb, diff: float, most: int = 10_000) -> float:
+    """The fewest seeds per cell at which Welch's 95% interval, at the two cells' measured seed
+    variances, is narrower than |diff|: t quantile at the Welch-Satterthwaite degrees of
+    freedom for n seeds each, (n - 1) (va + vb)^2 / (va^2 + vb^2). nan with one seed in a cell
+    (no spread measured), inf for a zero difference or beyond `most`."""
+    if min(len(xa), len(xb)) < 2:
+        return float("nan")
+    va, vb = np.var(xa, ddof=1), np.var(xb, ddof=1)
+    if va + vb == 0:
+        return 2.0 if diff != 0 else float("inf")
+    for n in range(2, most + 1):
+        dof = (n - 1) * (va + vb) ** 2 / (va**2 + vb**2)
+        if stats.t.ppf(0.975, dof) * np.sqrt((va + vb) / n) < abs(diff):
+            return float(n)
+    return float("inf")
 
 
 def _needed(scale: float, diff: float) -> float:
@@ -291,8 +308,9 @@ PAIRS = [
 ]
 BEGIN, END = "<!-- part3-smollm2:begin -->", "<!-- part3-smollm2:end -->"
 WHAT_WOULD_RESOLVE = (
-    "What would resolve the rest, if the differences are real (at the spread "
-    "measured here; normal quantiles, so the seed counts are under-estimates):"
+    "What would resolve the rest, if the differences are real and the spread is what was "
+    "measured here (seeds per cell for Welch's interval, or held-out problems for the paired "
+    "one):"
 )
 
 

@@ -79,7 +79,7 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
     rng = np.random.default_rng(0)
     problems, n = 40, 8
     recs = {}
-    for name, p in (("a", 0.3), ("b", 0.5)):
+    for name, p in (("a", 0.3), ("b", 0.36)):
         recs[name] = []
         for _ in range(3):
             greedy = [bool(x) for x in rng.random(problems) < p]
@@ -104,9 +104,13 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
         # as 1/sqrt(n) to |diff| at those counts
         xa = np.array([r[end][-1][1] for r in recs["a"]])
         xb = np.array([r[end][-1][1] for r in recs["b"]])
-        m = d[metric]["seeds_needed"]
-        assert 1.96 * np.sqrt((xa.var(ddof=1) + xb.var(ddof=1)) / m) <= abs(diff)
-        assert 1.96 * np.sqrt((xa.var(ddof=1) + xb.var(ddof=1)) / (m - 1)) > abs(diff)
+        m = int(d[metric]["seeds_needed"])
+        assert m >= 3, m  # so that m - 1 seeds is a measured spread too
+        for seeds, resolves in ((m, True), (m - 1, False)):  # Welch's at m seeds, not m - 1
+            a_, b_ = np.resize(xa, seeds), np.resize(xb, seeds)
+            a_ = (a_ - a_.mean()) * np.sqrt(xa.var(ddof=1) / a_.var(ddof=1)) + xa.mean()
+            b_ = (b_ - b_.mean()) * np.sqrt(xb.var(ddof=1) / b_.var(ddof=1)) + xb.mean()
+            assert (abs(diff) > study_report.diff_ci95(b_, a_)[1]) == resolves, (metric, seeds)
         half = (paired["hi"] - paired["lo"]) / 2
         q = d[metric]["problems_needed"]
         assert half * np.sqrt(problems / q) <= abs(diff) < half * np.sqrt(problems / (q - 1))
