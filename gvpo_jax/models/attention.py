@@ -530,6 +530,25 @@ def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_
     return _from_rows_t_major(out, t)
 
 
+def _prefix_pass(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, window=None,
+                 q_pos_PxQ=None, prefix_pos_PxJ=None):  # fmt: skip
+    """The blocked pass of the Q query rows of each prefix p over its J keys, for
+    `shared_prefix` and `packed_prefix`: every prefix key precedes the queries (no causality);
+    with a sliding `window` a key W or more positions before the query's is hidden (the query
+    rows' positions [P, Q], the keys' [P, J]). Returns blocked's (out, log-denominator)."""
+    p, _, q = q_PxKxQxH.shape[:3]
+    j = pk_PxKxJxH.shape[2]
+    prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (p, j))
+    if window is None:
+        every_key = jnp.full((p, q), NO_SLOT, jnp.int32)
+        return blocked(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, every_key, prefix_slot,
+                       prefix_valid_PxJ)  # fmt: skip
+    after_prefix = jnp.full((p, q), j, jnp.int32)  # the queries sit at slot J, past every key
+    return blocked(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, after_prefix, prefix_slot,
+                   prefix_valid_PxJ, BLOCK_Q, BLOCK_K, window, q_pos_PxQ,
+                   prefix_pos_PxJ)  # fmt: skip
+
+
 def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_PxKxRxSxH,
                   v_PxKxRxSxH, valid_q_BxT, valid_BxS, index, window=None,
                   positions=None):  # fmt: skip
@@ -569,20 +588,13 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
     q_PxKxRTGxH = (
         q_BxTxNxH.reshape(p, r, t, kv, g, h).transpose(0, 3, 1, 2, 4, 5).reshape(p, kv, -1, h)
     )
-    prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (p, j))
     if window is None:
-        every_key = jnp.full((p, r * t * g), NO_SLOT, jnp.int32)
-        pre_out, pre_lse = blocked(
-            q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, every_key, prefix_slot, prefix_valid_PxJ
-        )
-    else:  # every prefix slot is before the queries (slot J); the window by positions, the
-        # query rows of prompt p in their (row, position, head) order
+        pre_out, pre_lse = _prefix_pass(q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ)
+    else:  # the query rows of prompt p in their (row, position, head) order
         q_pos, prefix_pos, k_pos = (x.astype(jnp.int32) for x in positions)
-        after_prefix = jnp.full((p, r * t * g), j, jnp.int32)
-        pre_out, pre_lse = blocked(
-            q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, after_prefix, prefix_slot, prefix_valid_PxJ,
-            BLOCK_Q, BLOCK_K, window, jnp.repeat(q_pos.reshape(p, r * t), g, axis=1),
-            prefix_pos,
+        pre_out, pre_lse = _prefix_pass(
+            q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, window,
+            jnp.repeat(q_pos.reshape(p, r * t), g, axis=1), prefix_pos,
         )  # fmt: skip
     per_row = lambda x: (
         x.reshape(p, kv, r, t * g, *x.shape[3:]).swapaxes(1, 2).reshape(b, kv, t * g, *x.shape[3:])
@@ -658,16 +670,11 @@ def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_R
     if impl != "blocked":
         raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
     q_rows = _rows_t_major(q_RxTxNxH, kv)  # [R, K, T * G, H]
-    prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (r, j))
     if window is None:
-        every_key = jnp.full((r, t * g), NO_SLOT, jnp.int32)
-        pre_out, pre_lse = blocked(q_rows, pk_RxKxJxH, pv_RxKxJxH, every_key, prefix_slot,
-                                   prefix_valid_RxJ)  # fmt: skip
-    else:  # every prefix slot is before the query (slot j); the window by positions
-        after_prefix = jnp.full((r, t * g), j, jnp.int32)
-        pre_out, pre_lse = blocked(q_rows, pk_RxKxJxH, pv_RxKxJxH, after_prefix, prefix_slot,
-                                   prefix_valid_RxJ, BLOCK_Q, BLOCK_K, window,
-                                   jnp.repeat(pos, g, axis=1), pre_pos)  # fmt: skip
+        pre_out, pre_lse = _prefix_pass(q_rows, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ)
+    else:
+        pre_out, pre_lse = _prefix_pass(q_rows, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, window,
+                                        jnp.repeat(pos, g, axis=1), pre_pos)  # fmt: skip
     slots = jnp.arange(t, dtype=jnp.int32)
     q_slot = jnp.broadcast_to(jnp.repeat(slots, g)[None], (r, t * g))
     k_slot = jnp.broadcast_to(slots[None], (r, t))
