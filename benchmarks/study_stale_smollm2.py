@@ -322,8 +322,9 @@ def needs_lines(diffs: list[dict]) -> list[str]:
         for metric in [k for k in d if k not in ("a", "b")]:
             x = d[metric]
             parts = []
-            if not abs(x["diff"]) > x["seeds_ci95"] and np.isfinite(x["seeds_needed"]):
-                parts.append(f"~{x['seeds_needed']:.0f} seeds per cell")
+            if not abs(x["diff"]) > x["seeds_ci95"] and not np.isnan(x["seeds_needed"]):
+                parts.append(f"~{x['seeds_needed']:.0f} seeds per cell" if np.isfinite(
+                    x["seeds_needed"]) else "more than 10,000 seeds per cell")  # fmt: skip
             paired_resolved = x["paired_lo"] > 0 or x["paired_hi"] < 0
             if not paired_resolved and np.isfinite(x["problems_needed"]):
                 parts.append(f"~{x['problems_needed']:.0f} held-out problems (paired)")

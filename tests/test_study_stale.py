@@ -114,6 +114,15 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
         half = (paired["hi"] - paired["lo"]) / 2
         q = d[metric]["problems_needed"]
         assert half * np.sqrt(problems / q) <= abs(diff) < half * np.sqrt(problems / (q - 1))
+    # what would resolve an unresolved difference: both counts, or "more than" past the search
+    x = {"diff": 0.01, "seeds_ci95": 0.2, "paired_lo": -0.01, "paired_hi": 0.03,
+         "seeds_needed": 12.0, "problems_needed": 900.0}  # fmt: skip
+    line = smol.needs_lines([{"a": "a", "b": "b", "greedy": x}])[0]
+    assert "~12 seeds per cell or ~900 held-out problems" in line
+    line = smol.needs_lines([{"a": "a", "b": "b", "greedy": {**x, "seeds_needed": np.inf}}])[0]
+    assert "more than 10,000 seeds per cell" in line
+    resolved = {**x, "seeds_ci95": 0.001, "paired_lo": 0.001}  # by both intervals: no line
+    assert smol.needs_lines([{"a": "a", "b": "b", "greedy": resolved}]) == []
     table = smol.diff_table([d])
     assert f"{d['greedy']['diff']:+.3f} +- {d['greedy']['seeds_ci95']:.3f}" in table
     assert f"[{d['avg@8']['paired_lo']:+.3f}, {d['avg@8']['paired_hi']:+.3f}]" in table
