@@ -18,9 +18,9 @@ The result is the plain update's on the same micro-batches (trimmed slots are pa
 loss masks them, and Dr. GRPO's divisor is the constant `max_new_tokens`), except that groups are
 assigned to micro-batches by length rather than by position. Every loss is a mean over whole
 groups or sequences of a micro-batch, which that assignment does not change, except DAPO's
-token mean: there each micro-batch is weighted by its share of the minibatch's tokens, so the
-accumulated loss is the minibatch's exact token mean (sorting by length would otherwise weight
-short answers' tokens up).
+token mean: there each micro-batch is weighted by its share of the tokens the minibatch's loss
+counts (after `seq_mis` masks responses out), so the accumulated loss is the minibatch's exact
+token mean (sorting by length would otherwise weight short answers' tokens up).
 
 Packed groups (`optim.pack_groups`, with buckets): one row per group instead of G, [its prompt |
 its G responses back to back | padding] (`pack`), each response attending to the prompt and to
@@ -35,6 +35,7 @@ whole groups, GVPO's centring included.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gvpo_jax import sharding, train_step
@@ -176,13 +177,23 @@ class BucketedSteps:
         acc_sh = {"grads": trained, "loss": repl, "aux": repl}
         self._acc_shardings = acc_sh
 
-        def accumulate(params, acc, batch, weight):
-            def weighted(p, b):
+        def accumulate(params, acc, batch):
+            def weighted(p, b):  # a token mean: its sum, divided by the total in `normalize`
                 loss, aux = loss_fn(p, b)
-                return loss * weight, aux
+                return loss * jax.lax.stop_gradient(aux["loss_tokens"]), aux
 
             with sharding.tracing_mesh(mesh, rules):
-                return train_step.accumulate(params, acc, batch, loss_fn=weighted)
+                return train_step.accumulate(
+                    params, acc, batch, loss_fn=weighted if token_weighted else loss_fn
+                )
+
+        def normalize(acc):
+            # Micro-batch m weighted by M * n_m / sum(n): n_m the tokens its loss counted
+            # (`rl_loss`'s aux, after seq_mis masks responses out), so the accumulated loss is the
+            # minibatch's exact token mean.
+            scale = micro_batches / jnp.maximum(acc["aux"]["loss_tokens"], 1.0)
+            grads = jax.tree.map(lambda g: g * scale, acc["grads"])
+            return {**acc, "grads": grads, "loss": acc["loss"] * scale}
 
         def apply(state, acc):
             return train_step.apply_gradients(
@@ -192,9 +203,12 @@ class BucketedSteps:
 
         self._accumulate = jax.jit(
             accumulate,
-            in_shardings=(state_shardings.params, acc_sh, rows, repl),
+            in_shardings=(state_shardings.params, acc_sh, rows),
             out_shardings=acc_sh,
             donate_argnames=("acc",),
+        )
+        self._normalize = jax.jit(
+            normalize, in_shardings=(acc_sh,), out_shardings=acc_sh, donate_argnums=0
         )
         self._apply = jax.jit(
             apply,
@@ -245,17 +259,14 @@ class BucketedSteps:
         groups (the `train_step.accumulate` carry), and the share of its response slots that
         were computed (of B x max_new_tokens)."""
         M = self.micro_batches
-        resp_mask = np.asarray(batch["resp_mask"])
-        total_tokens = max(float(resp_mask.sum()), 1.0)
         acc = None
-        for rows, mb in self._device_chunks(batch, M):
-            weight = 1.0
-            if self.token_weighted:  # the minibatch's exact token mean (see the module doc)
-                weight = M * float(resp_mask[rows].sum()) / total_tokens
+        for _, mb in self._device_chunks(batch, M):
             if acc is None:
                 acc = self._zero_acc(params, mb)
-            acc = self._accumulate(params, acc, mb, np.float32(weight))
-        return acc, self.computed_slots(batch, M) / resp_mask.size
+            acc = self._accumulate(params, acc, mb)
+        if self.token_weighted:  # the minibatch's exact token mean (see the module doc)
+            acc = self._normalize(acc)
+        return acc, self.computed_slots(batch, M) / np.asarray(batch["resp_mask"]).size
 
     def update(self, state, batch: dict):
         """One optimizer update on a host minibatch of whole groups -> (state, metrics);

@@ -320,6 +320,9 @@ def rl_loss(
         **loss_kwargs,
     )
     aux = dict(aux) | is_aux
+    # The tokens the loss counted (the mask it was given, after seq_mis): length buckets weight
+    # their micro-batches by it for a token mean's exact value (`gvpo_jax.buckets`).
+    aux["loss_tokens"] = jnp.sum(loss_mask).astype(jnp.float32)
     if "rollout_logp" in batch:  # the sampler's own log-probs vs this forward, sampled rows
         sampled_BxN = mask_BxN * batch["sampled"][:, None]
         logp = jax.lax.stop_gradient(logp_BxN)
@@ -351,7 +354,7 @@ def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
 
 
 # rl_loss's aux totals over an update's micro-batches (every other aux value is their mean).
-AUX_SUMS = ("sampled_logp_sum", "sampled_tokens")
+AUX_SUMS = ("sampled_logp_sum", "sampled_tokens", "loss_tokens")
 AUX_MAXES = ("sampler_logp_gap_max", "is_weight_max", "is_seq_log_weight_abs_max")
 
 

@@ -70,20 +70,41 @@ def _bucketed(algo, micro_batches=2, **changes):
                                "optim.length_buckets": 4, **changes})  # fmt: skip
 
 
-@pytest.mark.parametrize("algo", ["gvpo", "grpo", "dr_grpo", "dapo"])
-def test_bucketed_update_has_the_full_width_single_batch_gradient(algo):
-    """Every loss is a mean over whole groups / sequences (DAPO's token mean: micro-batches
-    weighted by their tokens), so accumulating sorted, trimmed micro-batches gives the gradient
-    and loss of one full-width pass over the minibatch; and the update applies it."""
-    c = _bucketed(algo)
+SEQ_MIS = {"algo.rollout_correction": "seq_mis", "algo.rollout_is_cap": 2.0}
+
+
+@pytest.mark.parametrize(
+    "algo, changes",
+    [("gvpo", {}), ("grpo", {}), ("dr_grpo", {}), ("dapo", {}), ("dapo", SEQ_MIS),
+     ("cispo", SEQ_MIS), ("reinforce_pp", SEQ_MIS)],
+    ids=["gvpo", "grpo", "dr_grpo", "dapo", "dapo-seq_mis", "cispo-seq_mis", "reinforce_pp-seq_mis"],
+)  # fmt: skip
+def test_bucketed_update_has_the_full_width_single_batch_gradient(algo, changes):
+    """Every loss is a mean over whole groups / sequences (a token mean: micro-batches weighted
+    by the tokens their loss counts, after seq_mis masks responses out), so accumulating sorted,
+    trimmed micro-batches gives the gradient and loss of one full-width pass over the minibatch;
+    and the update applies it."""
+    c = _bucketed(algo, **changes)
     run, state, loop, ref = make_run(c)
     batch = _varied_batch(run, state, ref, seed=3)
+    if changes:  # a behaviour policy that masks a few long responses out (seq_mis)
+        logp = np.asarray(run.logprobs(state.params, batch["tokens"], batch["attn_mask"]))
+        shift = np.where(batch["resp_mask"].sum(1) >= 6, 0.3, 0.0).astype(np.float32)
+        shift[1::4] = 0.0  # some long rows stay
+        batch["behaviour_logp"] = (logp - shift[:, None]) * batch["resp_mask"]
+        if algo == "reinforce_pp":  # its whole-batch advantages, as the trainer gives them
+            adv = assemble.batch_advantages_fn(c)(rewards=batch["rewards"],
+                                                  mask=batch["resp_mask"], old_logp=logp,
+                                                  ref_logp=batch.get("ref_logp"))  # fmt: skip
+            batch["advantages"] = np.asarray(adv, np.float32)
     acc, slot_frac = run.buckets.accumulated(state.params, batch)
     assert slot_frac < 0.9  # the short groups' micro-batch was cut to 8 of 16 slots
 
     loss_fn = assemble.rl_loss_fn(c, run.graphdef)
     dev = sharding.device_batch(batch, run.mesh, group_size=c.rollout.group_size)
-    (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, dev)
+    (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, dev)
+    if changes:
+        assert 0 < float(aux["is_masked_frac"]) < 0.5  # some responses masked out, not all
     M = c.optim.micro_batches
     g_bucket, g_full = _flat(acc["grads"]) / M, _flat(grads)
     np.testing.assert_allclose(g_bucket, g_full, rtol=0, atol=2e-5 * np.abs(g_full).max())
