@@ -43,7 +43,7 @@ def get_config():
 
     c.algo.name = "gvpo"
     c.algo.beta = 0.1
-    c.algo.anchor = "old"  # the official code's anchor: the policy that sampled the rollout
+    c.algo.anchor = "old"  # the official code's anchor: the policy at the start of the step
     c.algo.num_minibatches = 4  # 256 prompts x 4 responses per update
     c.algo.num_epochs = 1
     c.algo.overlong_cache = 256

@@ -228,7 +228,9 @@ def gvpo_loss(
     seq_anchor_logp_i)` with token log-probs summed over the mask (no length normalisation);
     `rc` is r_theta centered in its group, `a` the reward centered in its group (no std division,
     which would move the optimum to pi' exp(R / (sigma beta))). The anchor pi_theta' is a constant:
-    the rollout policy's log-probs (anchor="old") or a frozen reference's (anchor="ref").
+    the log-probs of the policy at the start of the step (anchor="old"; the policy that sampled
+    the rollout only when sampling is on-policy), of the policy that sampled (anchor="sampler"),
+    or of a frozen reference (anchor="ref").
     Gradient: `dL / d seq_logp_i = beta * d_i / ((G - 1) * P)` with `d = rc - a`; sum_i d_i = 0 in
     every group, which is what removes the partition function Z(x).
     Minimiser: pi' exp(R / beta) / Z for any sampling distribution covering pi' (no importance
@@ -785,7 +787,8 @@ class LossPreset:
     "reinforce_pp" (`reinforce_pp_advantages` with `adv_kwargs`); gvpo and rloo take the rewards
     themselves. dynamic_sampling / overlong_penalty: DAPO's batch filtering and reward shaping,
     applied by the trainer (see informative_groups, overlong_penalty).
-    uses_old_logp: the loss needs the rollout policy's log-probs (for gvpo: as the default anchor).
+    uses_old_logp: the loss needs pi_old's log-probs, the policy at the start of the step (for
+    gvpo: as the default anchor).
     off_policy: the loss is correct on groups the rollout policy did not sample (replayed
     groups, demonstrations); only GVPO's is, every ratio- or IS-weighted loss assumes pi_old did.
     """
@@ -1037,7 +1040,10 @@ def preset_loss(
         if anchor is None:
             raise ValueError("Preset 'gvpo' needs `anchor_logp` or `old_logp` (the anchor policy).")
     elif old_logp is None:
-        raise ValueError(f"Preset {name!r} needs `old_logp` (the rollout policy's log-probs).")
+        raise ValueError(
+            f"Preset {name!r} needs `old_logp` (pi_old's log-probs: the policy at the start of "
+            "the step)."
+        )
     if advantages is not None and preset.kind in _TAKES_REWARDS:
         raise ValueError(f"Preset {name!r} takes the rewards; do not pass `advantages`.")
     if kwargs.get("agg") == "seq-mean-token-sum-norm" and max_tokens is None:
