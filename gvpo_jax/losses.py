@@ -1084,3 +1084,238 @@ def preset_loss(
         })  # fmt: skip
     aux["informative_frac"] = jnp.mean(informative_groups(rewards, group_size).astype(jnp.float32))
     return loss, aux
+
+
+# ----------------------------------------------------------------------------- one algorithm
+
+ANCHORS = ("old", "ref", "sampler")  # GVPO's pi_theta': pi_old, a frozen reference, the sampler
+
+
+class AlgorithmError(ValueError):
+    """An algorithm setting `resolve` cannot honour, in one sentence: argument `field` and what
+    follows it (`rest`), where "@x" names another argument. `sentence(prefix)` names them as a
+    trainer's own config does (e.g. prefix "algo." -> "algo.name")."""
+
+    def __init__(self, field: str, rest: str):
+        self.field, self.rest = field, rest
+        super().__init__(self.sentence())
+
+    def sentence(self, prefix: str = "") -> str:
+        return f"{prefix}{self.field} {self.rest.replace('@', prefix)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """One algorithm resolved once (`resolve`): preset `name` with its overrides applied, and
+    what a trainer must provide and do for it. Frozen and hashable, so jit may take it as a
+    static argument; code below a trainer's assembly takes it instead of settings or a config.
+
+    overrides: the preset settings replaced, sorted (name, value) pairs, as `preset_loss` takes
+    them. anchor: GVPO's pi_theta' ("old" for every other preset, which all read pi_old).
+    max_tokens: the response slots (Dr. GRPO's divisor, DAPO's overlong penalty). correction:
+    (mode, cap) of `rollout_correction`, or None. overlong: DAPO's soft penalty (max_len,
+    cache_len, factor), or None. dynamic_sampling: DAPO's filter of equal-reward groups.
+    """
+
+    name: str
+    overrides: tuple[tuple[str, Any], ...] = ()
+    anchor: str = "old"
+    entropy_coef: float = 0.0
+    max_tokens: int | None = None
+    correction: tuple[str, float] | None = None
+    overlong: tuple[int, int, float] | None = None
+    dynamic_sampling: bool = False
+
+    @property
+    def preset(self) -> LossPreset:
+        return LOSSES[self.name]
+
+    @property
+    def settings(self) -> dict:
+        """The preset's loss and advantage settings with the overrides applied."""
+        _, kwargs, adv = _settings(self.name, dict(self.overrides))
+        return {**kwargs, **adv}
+
+    @property
+    def loss_kwargs(self) -> dict:
+        """`preset_loss`'s keyword arguments besides the arrays and group_size."""
+        kw = dict(self.overrides)
+        if self.preset.kind != "gvpo":
+            kw["max_tokens"] = self.max_tokens
+        if self.entropy_coef:
+            kw["entropy_coef"] = self.entropy_coef
+        return kw
+
+    @property
+    def kl_coef(self) -> float:
+        """The KL-to-reference coefficient in the loss (0 for GVPO, whose anchor plays its part)."""
+        return float(self.settings.get("kl_coef", 0.0))
+
+    @property
+    def reward_kl_coef(self) -> float:
+        """REINFORCE++'s KL-in-reward coefficient (0 for every other preset)."""
+        return float(self.settings.get("reward_kl_coef", 0.0))
+
+    @property
+    def needs_reference(self) -> bool:
+        """Reference log-probs enter the loss: GVPO's anchor "ref", or a KL penalty (in the loss
+        or, REINFORCE++, in the reward)."""
+        if self.preset.kind == "gvpo":
+            return self.anchor == "ref"
+        return self.kl_coef > 0 or self.reward_kl_coef > 0
+
+    @property
+    def batch_statistics(self) -> bool:
+        """The advantages use whole-batch statistics (`uses_batch_statistics`)."""
+        return uses_batch_statistics(self.name, **dict(self.overrides))
+
+    @property
+    def advantages_need_old(self) -> bool:
+        """The advantages read pi_old (REINFORCE++'s KL in the reward)."""
+        return self.reward_kl_coef > 0
+
+    @property
+    def token_weighted(self) -> bool:
+        """The loss is one token mean over the batch (DAPO, CISPO, REINFORCE++): split into
+        micro-batches, each is weighted by the tokens its loss counts."""
+        return self.settings.get("agg") == "token-mean"
+
+    @property
+    def off_policy(self) -> bool:
+        """The loss holds on groups pi_old did not sample (replay, demonstrations): GVPO's."""
+        return self.preset.off_policy
+
+    def advantages(self, *, rewards, mask, group_size: int, old_logp=None, ref_logp=None):
+        """`preset_advantages` of this algorithm: [B] or [B, T]."""
+        return preset_advantages(
+            self.name,
+            rewards=rewards,
+            mask=mask,
+            group_size=group_size,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            **dict(self.overrides),
+        )
+
+    def loss(
+        self,
+        *,
+        logp,
+        old_logp,
+        rewards,
+        mask,
+        group_size: int,
+        ref_logp=None,
+        anchor_logp=None,
+        advantages=None,
+        entropy=None,
+    ) -> tuple[Array, Aux]:
+        """`preset_loss` of this algorithm on one batch of whole groups -> (loss, aux)."""
+        return preset_loss(
+            self.name,
+            logp=logp,
+            old_logp=old_logp,
+            rewards=rewards,
+            mask=mask,
+            group_size=group_size,
+            ref_logp=ref_logp,
+            anchor_logp=anchor_logp,
+            advantages=advantages,
+            entropy=entropy,
+            **self.loss_kwargs,
+        )
+
+
+def resolve(
+    name: str,
+    *,
+    anchor: str = "old",
+    entropy_coef: float = 0.0,
+    max_tokens: int | None = None,
+    rollout_correction: str = "none",
+    rollout_is_cap: float = 2.0,
+    dynamic_sampling: bool | None = None,
+    overlong_cache: int = 4,
+    overlong_factor: float = 1.0,
+    **overrides,
+) -> Algorithm:
+    """Preset `name` with `overrides` (None: the preset's own value) and the trainer-side
+    settings, checked once -> a frozen `Algorithm`. AlgorithmError names the argument and the fix.
+
+    anchor: GVPO's pi_theta' (ANCHORS). max_tokens: the response slots, needed by Dr. GRPO's
+    divisor and DAPO's overlong penalty. rollout_correction / rollout_is_cap:
+    `rollout_correction`'s mode ("none": off) and cap. dynamic_sampling: None takes the preset's
+    choice. overlong_cache / overlong_factor: DAPO's soft penalty window and scale.
+    """
+    if name not in LOSSES:
+        raise AlgorithmError("name", f"is {name!r}; use one of {', '.join(LOSSES)}.")
+    preset = LOSSES[name]
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    for field, value in sorted(overrides.items()):
+        if field not in _overridable(preset):
+            users = [n for n, p in LOSSES.items() if field in _overridable(p)]
+            raise AlgorithmError(
+                field,
+                f"is set but @name={name!r} has no such setting; leave "
+                f"it unset or use one of {', '.join(users)}.",
+            )
+        if isinstance(value, int | float) and not value >= 0:
+            raise AlgorithmError(field, f"is {value}; use a non-negative value or leave it unset.")
+    if preset.kind == "gvpo" and not overrides.get("beta", 1.0) > 0:
+        raise AlgorithmError("beta", f"is {overrides['beta']}; set a positive value such as 0.1.")
+    if anchor not in ANCHORS:
+        raise AlgorithmError("anchor", f"is {anchor!r}; use old, ref or sampler.")
+    if anchor == "sampler" and preset.kind != "gvpo":
+        raise AlgorithmError(
+            "anchor",
+            f"is 'sampler' with @name={name!r}: only GVPO has an "
+            "anchor policy; use @name=gvpo or leave @anchor=old.",
+        )
+    if not entropy_coef >= 0:
+        raise AlgorithmError(
+            "entropy_coef", f"is {entropy_coef}; use 0 (off) or a positive bonus such as 0.001."
+        )
+    corr = rollout_correction
+    if corr not in ROLLOUT_CORRECTIONS:
+        raise AlgorithmError("rollout_correction", f"is {corr!r}; use none, token_tis or seq_mis.")
+    if corr != "none" and preset.off_policy:
+        raise AlgorithmError(
+            "rollout_correction",
+            f"is {corr!r} with @name={name!r}: GVPO's optimum holds for "
+            "any sampling distribution, so it takes stale samples without importance weights; "
+            "use @rollout_correction=none.",
+        )
+    if corr == "token_tis" and not takes_token_weights(name):
+        raise AlgorithmError(
+            "rollout_correction",
+            f"is 'token_tis' with @name={name!r}, whose loss treats a "
+            "response as one action (no token advantages to weight); use "
+            "@rollout_correction=seq_mis.",
+        )
+    if not rollout_is_cap > 1.0:
+        raise AlgorithmError("rollout_is_cap", f"is {rollout_is_cap}; use a cap > 1 such as 2.")
+    _, kwargs, _ = _settings(name, overrides)
+    if max_tokens is None and (kwargs.get("agg") == AGG_MODES[3] or preset.overlong_penalty):
+        raise AlgorithmError(
+            "max_tokens", f"is None but @name={name!r} needs it; pass the number of response slots."
+        )
+    overlong = None
+    if preset.overlong_penalty:
+        if not 0 <= overlong_cache < max_tokens:
+            raise AlgorithmError(
+                "overlong_cache",
+                f"is {overlong_cache}; use a window in [0, @max_tokens) (here {max_tokens}).",
+            )
+        overlong = (max_tokens, overlong_cache, float(overlong_factor))
+    if dynamic_sampling is None:
+        dynamic_sampling = preset.dynamic_sampling
+    return Algorithm(
+        name=name,
+        overrides=tuple(sorted(overrides.items())),
+        anchor=anchor if preset.kind == "gvpo" else "old",
+        entropy_coef=float(entropy_coef),
+        max_tokens=max_tokens,
+        correction=None if corr == "none" else (corr, float(rollout_is_cap)),
+        overlong=overlong,
+        dynamic_sampling=bool(dynamic_sampling),
+    )

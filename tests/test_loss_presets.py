@@ -620,3 +620,77 @@ def test_misuse_raises_a_clear_error(case):
     fn, pattern = MISUSE[case]
     with pytest.raises(ValueError, match=pattern):
         fn()
+
+
+# ----------------------------------------------------------------------------- the Algorithm
+
+
+@pytest.mark.parametrize("name", list(losses.LOSSES))
+def test_resolved_algorithm_loss_is_the_preset_loss_with_its_overrides(name, data):
+    """`resolve(name, **overrides).loss` is `preset_loss(name, ..., **overrides)`: the object
+    carries the overrides, max_tokens and the entropy bonus, and nothing else changes the loss."""
+    j = {k: jnp.asarray(v, jnp.float32) for k, v in data.items()}
+    preset = losses.LOSSES[name]
+    overrides = {"beta": 0.3} if preset.kind == "gvpo" else {}
+    if "eps_high" in losses.overridable(name):
+        overrides["eps_high"] = 0.5 * preset.kwargs["eps_high"]
+    algo = losses.resolve(name, max_tokens=T, entropy_coef=0.01, eps_low=None, **overrides)
+    entropy = jnp.abs(j["logp"])
+    arrays = dict(logp=j["logp"], old_logp=j["old_logp"], rewards=j["rewards"], mask=j["mask"],
+                  group_size=G, ref_logp=j["ref_logp"], entropy=entropy)  # fmt: skip
+    got, _ = algo.loss(**arrays)
+    want, _ = losses.preset_loss(name, **arrays, max_tokens=T, entropy_coef=0.01, **overrides)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain, _ = losses.preset_loss(name, **arrays, max_tokens=T)
+    assert float(got) != float(plain)  # the overrides and the bonus reached the loss
+    assert hash(algo) == hash(losses.resolve(name, max_tokens=T, entropy_coef=0.01, **overrides))
+
+
+def test_resolved_algorithm_says_what_the_trainer_must_provide():
+    r = losses.resolve
+    assert r("gvpo").needs_reference is False and r("gvpo", anchor="ref").needs_reference
+    assert r("grpo", max_tokens=8).needs_reference  # kl_coef 0.04
+    assert not r("grpo", max_tokens=8, kl_coef=0.0).needs_reference
+    assert r("reinforce_pp", max_tokens=8).needs_reference  # KL in the reward
+    assert r("reinforce_pp", max_tokens=8).advantages_need_old
+    assert not r("reinforce_pp", max_tokens=8, reward_kl_coef=0.0).needs_reference
+    assert r("reinforce_pp", max_tokens=8).batch_statistics and not r("grpo").batch_statistics
+    assert [n for n in losses.LOSSES if r(n, max_tokens=8).token_weighted] == [
+        "dapo", "cispo", "reinforce_pp", "reinforce_pp_baseline"]  # fmt: skip
+    dapo = r("dapo", max_tokens=16, overlong_cache=4, overlong_factor=0.5)
+    assert dapo.dynamic_sampling and dapo.overlong == (16, 4, 0.5)
+    assert not r("dapo", max_tokens=16, dynamic_sampling=False).dynamic_sampling
+    assert r("grpo").overlong is None and r("gvpo").off_policy and not r("grpo").off_policy
+    assert r("grpo", anchor="ref").anchor == "old"  # only GVPO has an anchor policy
+    assert r("dapo", max_tokens=8, rollout_correction="seq_mis").correction == ("seq_mis", 2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, sentence",
+    [
+        (dict(name="ppo"), "name is 'ppo'; use one of gvpo, grpo"),
+        (dict(name="gmpo", kl_coef=0.1), "kl_coef is set but name='gmpo' has no such setting"),
+        (dict(name="grpo", eps_low=-0.1), "eps_low is -0.1; use a non-negative value"),
+        (dict(name="grpo", kl_coef=float("nan")), "kl_coef is nan; use a non-negative value"),
+        (dict(name="gvpo", beta=0.0), "beta is 0.0; set a positive value"),
+        (dict(name="gvpo", anchor="new"), "anchor is 'new'; use old, ref or sampler."),
+        (dict(name="grpo", anchor="sampler"), "anchor is 'sampler' with name='grpo': only GVPO"),
+        (dict(name="gvpo", entropy_coef=-1.0), "entropy_coef is -1.0; use 0 (off)"),
+        (dict(name="gvpo", rollout_correction="seq_mis"), "rollout_correction is 'seq_mis' with "
+         "name='gvpo': GVPO's optimum holds"),
+        (dict(name="gspo", rollout_correction="token_tis"), "rollout_correction is 'token_tis' "
+         "with name='gspo', whose loss treats a response as one action"),
+        (dict(name="grpo", rollout_is_cap=1.0), "rollout_is_cap is 1.0; use a cap > 1"),
+        (dict(name="dr_grpo"), "max_tokens is None but name='dr_grpo' needs it"),
+        (dict(name="dapo", max_tokens=8, overlong_cache=8), "overlong_cache is 8; use a window"),
+    ],
+)  # fmt: skip
+def test_resolve_refuses_what_the_algorithm_cannot_honour_in_one_sentence(kwargs, sentence):
+    kwargs = dict(kwargs)
+    with pytest.raises(losses.AlgorithmError) as e:
+        losses.resolve(kwargs.pop("name"), **kwargs)
+    assert str(e.value).startswith(sentence) and str(e.value).count(". ") == 0, str(e.value)
+    # a trainer names its own fields, every argument the sentence mentions included
+    named = e.value.sentence("algo.")
+    assert named.startswith("algo." + sentence.split(" ")[0])
+    assert " name=" not in named and " rollout_correction=" not in named
