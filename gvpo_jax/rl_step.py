@@ -105,6 +105,31 @@ class LoopState:
         if replay and self.replay is not None:
             self.replay.load_state_dict(replay)
 
+    def fit_queue(self, staleness: int) -> str | None:
+        """Fits the queue to the `rollout.staleness` a resumed run has (`rollout_queue.fit`):
+        the dropped rollouts were never trained on, so the data position goes back to the
+        first one's prompts, which the current policy samples again. Returns the log line
+        saying so (None: nothing dropped)."""
+        dropped = rollout_queue.fit(self.queue, staleness=staleness, step=self.step + 1)
+        if not dropped:
+            return None
+        first = self.step + 1 + len(self.queue)
+
+        def steps(a: int, b: int) -> str:
+            return f"step {a}" if a == b else f"steps {a}-{b}"
+
+        what = (
+            f"rollout.staleness={staleness}: dropped the {len(dropped)} queued rollout(s) for "
+            f"{steps(first, first + len(dropped) - 1)}, sampled by the policy of "
+            f"{steps(dropped[0].policy_step, dropped[-1].policy_step)}, as a lag of at most "
+            f"{staleness} cannot train on them"
+        )
+        start = dropped[0].data_start
+        if start is None:  # a checkpoint from before the queue recorded its data positions
+            return f"{what}; the checkpoint does not say where their prompts start: skipped."
+        self.data = tasks.DataCursor.from_state_dict(start)
+        return f"{what}; their prompts are sampled again from stream position {self.data.position}."
+
 
 def rl_step(run, state, loop: LoopState, ref_params):
     """One RL step from `state` (a `train_step.TrainState`) and `loop` (advanced in place);
@@ -129,7 +154,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
     if s.staleness:
         current, pending = rollout_queue.take(
             loop.queue, staleness=s.staleness, step=loop.step + 1, params=state.params,
-            rng=roll_rng, sampling=run.sampling_mesh,
+            rng=roll_rng, sampling=run.sampling_mesh, position=lambda: loop.data.state_dict(),
             collect=lambda params, key: collect_groups(
                 run, params, loop, key, P, mesh=run.sampling_mesh),
         )  # fmt: skip
@@ -139,6 +164,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
         fresh, completions, examples, metrics = collect_groups(
             run, state.params, loop, roll_rng, P - n_replay
         )
+        metrics["rollout_lag"] = 0.0  # logged at every k: a resume may change it
 
     # 3. Replay: the update batch is the fresh groups plus replayed ones; the fresh go in.
     t0 = time.perf_counter()

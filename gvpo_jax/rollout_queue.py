@@ -6,7 +6,9 @@ first k steps use the start policy), whatever the timing: the lag is a count of 
 race, so reruns and resumes are bit-identical. At step t the queue holds R_t .. R_{t+k-1}; the
 step pops R_t, samples R_{t+k} with its own start parameters (on the training mesh, or on a
 sampling mesh in a thread while the update runs: `SamplingMesh`), and trains on R_t. The queue
-is part of the loop state and is checkpointed (`state_dict` / `load_state_dict`).
+is part of the loop state and is checkpointed (`state_dict` / `load_state_dict`); a resume with
+another k first drops what the new k may not train on (`fit`), and the loop state rewinds the
+data position so the dropped rollouts' prompts are sampled again.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class QueuedRollout:
     completions: list[str]  # this process's rows of the first round (sample logs)
     examples: list[dict]  # their prompts and golds: {"prompt", "answer"}
     policy_step: int  # the step whose start-of-step policy sampled it
+    # The training stream's position before its prompts were read (`tasks.DataCursor`'s
+    # state_dict): where a resume that drops it rewinds to (None: an older checkpoint's).
+    data_start: dict | None = None
     times: tuple[float, float] = (0.0, 0.0)  # wall-clock start and end of its sampling
 
 
@@ -48,12 +53,15 @@ def state_dict(queue: list[QueuedRollout]) -> tuple[list[dict], dict[str, np.nda
     for i, r in enumerate(queue):
         meta.append({"metrics": r.metrics, "completions": r.completions, "examples": r.examples,
                      "policy_step": r.policy_step, "keys": sorted(r.batch)})  # fmt: skip
+        if r.data_start is not None:
+            meta[-1]["data_start"] = dict(r.data_start)
         for k, v in r.batch.items():
             arrays[f"{PREFIX}{i}/{k}"] = np.asarray(v)
     return meta, arrays
 
 
 def load_state_dict(meta: list[dict], arrays: dict[str, np.ndarray]) -> list[QueuedRollout]:
+    """The queue `state_dict` saved."""
     return [
         QueuedRollout(
             batch={k: np.asarray(arrays[f"{PREFIX}{i}/{k}"]) for k in m["keys"]},
@@ -61,9 +69,28 @@ def load_state_dict(meta: list[dict], arrays: dict[str, np.ndarray]) -> list[Que
             completions=list(m["completions"]),
             examples=list(m["examples"]),
             policy_step=int(m["policy_step"]),
+            data_start=m.get("data_start"),
         )
         for i, m in enumerate(meta)
     ]
+
+
+def fit(queue: list[QueuedRollout], *, staleness: int, step: int) -> list[QueuedRollout]:
+    """Removes from `queue` (in place) what a run at `staleness` = k may not train on from step
+    `step`, and returns it, oldest first.
+
+    queue[i] is R_{step + i}. It stays while i < k and its lag at that step, step + i minus the
+    step whose policy sampled it, is at most k; from the first that fails, it and every newer
+    one go, so the kept rollouts and the prompts read again after them stay in stream order.
+    A smaller k than the queue was sampled for therefore drops the whole queue (each rollout
+    was sampled the old k steps ahead), k = 0 too; a larger k keeps it all.
+    """
+    keep = 0
+    while keep < min(len(queue), staleness) and step + keep - queue[keep].policy_step <= staleness:
+        keep += 1
+    dropped = queue[keep:]
+    del queue[keep:]
+    return dropped
 
 
 class SamplingMesh:
@@ -118,27 +145,32 @@ def take(
     params,
     rng: jax.Array,
     collect: Callable,
+    position: Callable[[], dict],
     sampling: SamplingMesh | None = None,
 ) -> tuple[QueuedRollout, Pending]:
     """The rollout step `step` trains on, and the sampling of R_{step + staleness}.
 
     `collect(params, key) -> (batch, completions, examples, metrics)` samples and scores one
-    rollout from the next training prompts. At the run's start (or a resume whose checkpoint
-    has fewer queued rollouts) the missing ones are sampled first, from the current policy,
-    with keys folded from `rng` by the step they are for; R_{step + staleness} uses `rng`.
-    With `sampling`, that last one runs on the sampling mesh in a thread (join the returned
-    `Pending` after the update); without, it is sampled here before returning.
+    rollout from the next training prompts, which start at `position()` (the data cursor's
+    state_dict, recorded with the rollout). The queue must fit
+    `staleness` (`fit`). At the run's start (or a resume whose queue is shorter) the missing
+    rollouts are sampled first, from the current policy, with keys folded from `rng` by the
+    step they are for; R_{step + staleness} uses `rng`. With `sampling`, that last one runs on
+    the sampling mesh in a thread (join the returned `Pending` after the update); without, it
+    is sampled here before returning.
     """
+    if len(queue) > staleness:  # dropping here would skip their prompts: `fit` rewinds them
+        raise ValueError(f"{len(queue)} queued rollouts for staleness {staleness}; fit() first.")
 
     def sample(policy, key) -> QueuedRollout:
-        t0 = time.time()
+        t0, start = time.time(), position()
         batch, completions, examples, metrics = collect(policy, key)
-        return QueuedRollout(batch, metrics, completions, _brief(examples), step, (t0, time.time()))
+        return QueuedRollout(batch, metrics, completions, _brief(examples), policy_step=step,
+                             data_start=start, times=(t0, time.time()))  # fmt: skip
 
     policy = params
     if sampling is not None:  # the policy and the key (host copy: uncommitted) go over there
         policy, rng = sampling.send(params), np.asarray(jax.device_get(rng))
-    del queue[staleness:]  # a resume with a smaller lag drops the newest
     for s in range(step + len(queue), step + staleness):
         queue.append(sample(policy, jax.random.fold_in(rng, s)))
     current = queue.pop(0)

@@ -308,8 +308,12 @@ def restore(run_: assemble.Run, state, loop: LoopState):
             else reference_copy(run_, restored["state"].params)
         )
     loop.load_state_dict(meta, replay)
+    # The queued rollouts to this run's rollout.staleness (their prompts served again if dropped).
+    note = loop.fit_queue(run_.step.staleness) if assemble.trains(run_.config) else None
     if sharding.is_primary():
         print(f"Resumed from {directory} at step {step}.", flush=True)
+        if note:
+            print(note, flush=True)
     return restored["state"], ref, True
 
 

@@ -175,6 +175,106 @@ def test_sigkill_with_rollouts_in_the_queue_then_resume_is_bit_exact(tmp_path):
     assert all(np.array_equal(x[k], y[k]) for k in x)
 
 
+def _trained_prompts(workdir) -> list[str]:
+    """The prompts of samples.jsonl (every prompt of a step: sample_log_every 1, 4 prompts)."""
+    import ast
+
+    out = []
+    for line in open(os.path.join(workdir, "samples.jsonl")):
+        for text in json.loads(line)["samples"].splitlines():
+            out.append(ast.literal_eval(re.match(r"prompt: (.*) gold: ", text).group(1)))
+    return out
+
+
+def test_resumes_with_another_staleness_keep_the_lag_and_serve_every_prompt(tmp_path, capsys):
+    """The trainer's loop, checkpoint and resume at k = 1, 2, 0, 2, 4, 2 (the issue's
+    2 -> 0 -> 2, a decrease 4 -> 2, increases from 0 and 1 to 2): metrics.jsonl's rollout_lag
+    is at most k and exactly k once k steps have run since the change; every checkpoint's queue
+    holds k rollouts; a resume that drops queued rollouts says so and serves their prompts
+    again, so samples.jsonl shows the stream's prompts trained on in order, none skipped and
+    none twice."""
+    import dataclasses
+
+    from gvpo_jax import assemble
+
+    workdir = str(tmp_path / "run")
+    changes = {
+        "train.sample_log_every": 1,
+        "train.checkpoint_every": 100,
+    }  # saves: where a stretch ends
+    run, state = assemble.assemble(_arith_config(**changes), workdir)
+    ref, loop = train.reference_copy(run, state.params), assemble.start_loop(run)
+    stretches = ((1, [0, 1]), (2, [1, 1, 2]), (0, [0, 0]), (2, [0, 1, 2]), (4, [2, 2, 2, 3, 4]),
+                 (2, [0, 1, 2]))  # fmt: skip
+    notes, queued = [], []
+    for k, lags in stretches:
+        config = run.config.copy_and_resolve_references()
+        config.rollout.staleness, config.train.steps = k, loop.step + len(lags)
+        at_k = dataclasses.replace(run, config=config,
+                                   step=dataclasses.replace(run.step, staleness=k))  # fmt: skip
+        if loop.step:  # resume from the checkpoint the last stretch ended with
+            loop = assemble.start_loop(at_k)
+            state, ref, _ = train.restore(at_k, state, loop)
+            notes.append(capsys.readouterr().out.split("Resumed from")[1].splitlines()[1:])
+        state, _ = train.rl_loop(at_k, state, loop, ref)
+        run.ckpt.wait()
+        queue = json.load(open(os.path.join(workdir, "checkpoints", str(loop.step), "meta",
+                                            "metadata"))).get("queue", [])  # fmt: skip
+        queued.append(len(queue))
+    run.writer.flush()
+    run.task.close()
+    rows = _rows(workdir)
+    got, t = [], 1
+    for _, lags in stretches:
+        got.append([rows[t + i]["rollout_lag"] for i in range(len(lags))])
+        t += len(lags)
+    assert got == [lags for _, lags in stretches]
+    assert queued == [k for k, _ in stretches]
+    trained = _trained_prompts(workdir)
+    assert len(trained) == 4 * (t - 1)
+    assert trained == [ex["prompt"] for ex in run.task.next_train(len(trained), run.task.start)[0]]
+    # A smaller k drops the queue (2 -> 0, 4 -> 2); a larger one keeps it (1 -> 2, 2 -> 4).
+    assert [bool(n) for n in notes] == [False, True, False, False, True], notes
+    assert notes[1] == [
+        "rollout.staleness=0: dropped the 2 queued rollout(s) for steps 6-7, sampled by the "
+        "policy of steps 4-5, as a lag of at most 0 cannot train on them; their prompts are "
+        "sampled again from stream position 20."
+    ]
+    assert (
+        "dropped the 4 queued rollout(s) for steps 16-19" in notes[4][0]
+        and "position 60." in notes[4][0]
+    )
+
+
+def test_fit_keeps_the_oldest_rollouts_a_lag_of_k_allows_and_rewinds_to_the_rest():
+    """After step 5 of a run that went from k = 0 to 2 at step 5 the queue holds R_6 and R_7,
+    both sampled by step 5's policy: a resume at k = 1 keeps R_6 (lag 1), drops R_7 and
+    rewinds the data to R_7's prompts; at k = 2 both stay. A checkpoint from before the data
+    positions were recorded cannot rewind: its dropped prompts are skipped, and the line says so."""
+    from gvpo_jax import rollout_queue, tasks
+
+    def loop_with(starts):
+        queue = [rollout_queue.QueuedRollout({}, {}, [], [], policy_step=5, data_start=d)
+                 for d in starts]  # fmt: skip
+        meta, arrays = rollout_queue.state_dict(queue)
+        return rl_step.LoopState(
+            step=5, data=tasks.DataCursor(position=32), np_rng=np.random.default_rng(0),
+            replay=None, queue=rollout_queue.load_state_dict(json.loads(json.dumps(meta)), arrays),
+        )  # fmt: skip
+
+    loop = loop_with([tasks.DataCursor(24).state_dict(), tasks.DataCursor(28, 1).state_dict()])
+    assert loop.fit_queue(2) is None and len(loop.queue) == 2
+    note = loop.fit_queue(1)
+    assert [r.data_start for r in loop.queue] == [tasks.DataCursor(24).state_dict()]
+    assert loop.data == tasks.DataCursor(28, dropped=1)
+    assert note == ("rollout.staleness=1: dropped the 1 queued rollout(s) for step 7, sampled by "
+                    "the policy of step 5, as a lag of at most 1 cannot train on them; their "
+                    "prompts are sampled again from stream position 28.")  # fmt: skip
+    old = loop_with([None, None])
+    assert old.fit_queue(0).endswith("does not say where their prompts start: skipped.")
+    assert old.queue == [] and old.data == tasks.DataCursor(32)
+
+
 # ----------------------------------------------------------------------------------------------
 # The rollout correction
 
