@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -167,6 +168,7 @@ def evaluate(
         {
             "id": ex.get("id"),
             "dataset": names[i],
+            "prompt": ex.get("prompt"),
             "answer": ex["answer"],
             "completions": completions[i],
             "scores": np.asarray(scores)[i * n : (i + 1) * n].tolist(),
@@ -204,8 +206,9 @@ def evaluate_policy(
     first; greedy accuracy is the single best guess.
 
     `outcomes`, when given, receives one dict per problem (`problem_outcomes`): its id, set, gold,
-    correct count out of n, greedy verdict, response lengths and truncations, what a paired
-    comparison of two policies on the same problems needs (`gvpo_jax.compare`).
+    digest of its text and gold, correct count out of n, greedy verdict, response lengths and
+    truncations, what a paired comparison of two policies on the same problems needs
+    (`gvpo_jax.compare`). Each chunk samples with its own key, `fold_in(key(seed), chunk index)`.
     """
     rows = sharding.process_rows(chunk, mesh).rows
     key = jax.random.key(seed)
@@ -225,9 +228,13 @@ def evaluate_policy(
             part = list(examples[i : i + chunk])
             real = len(part)
             part += [part[-1]] * (chunk - real)
+            # A key per chunk: the sampler draws row j from (key, j), so one key for every chunk
+            # would give problem j of each chunk the same draws, and problems would no longer be
+            # sampled independently (what the paired bootstrap of `compare` assumes).
             out = sampler.sample_groups(
                 model, [part[int(r)]["prompt_ids"] for r in rows],
-                settings=eval_settings, rng=key, mesh=mesh, rules=rules,
+                settings=eval_settings, rng=jax.random.fold_in(key, i // chunk), mesh=mesh,
+                rules=rules,
             )  # fmt: skip
             full = sharding.gather_rows({"tokens": out.tokens_BxN, "lengths": out.lengths_B}, mesh)
             texts = rollout.decode(tokenizer, full["tokens"], full["lengths"])
@@ -267,15 +274,26 @@ def evaluate_policy(
     return flat
 
 
+def problem_digest(prompt, gold) -> str:
+    """16 hex digits of SHA-256 over a problem's text and gold answer: what `compare` checks
+    before pairing two evaluations' outcomes, so two files that share a set name and row ids
+    but hold different problems are never paired."""
+    text = json.dumps([str(prompt), str(gold)], ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 def problem_outcomes(greedy_details, greedy_shapes, details, shapes, *, n: int) -> list[dict]:
     """One dict per problem from `evaluate(..., return_details=True)`'s details of the greedy
     pass and of the n-sample pass (the same when n = 1) and each pass's (lengths, truncated) per
-    problem: id, set, gold, n, correct (of the n samples), greedy (0/1), lengths (tokens, EOS
-    included) and truncated (count) of the n samples, greedy_length, greedy_truncated."""
+    problem: id (the digest when the example has none), set, gold, digest (`problem_digest`), n,
+    correct (of the n samples), greedy (0/1), lengths (tokens, EOS included) and truncated
+    (count) of the n samples, greedy_length, greedy_truncated."""
     out = []
     for g, g_shape, d, shape in zip(greedy_details, greedy_shapes, details, shapes, strict=True):
+        digest = problem_digest(d["prompt"], d["answer"])
         out.append({
-            "id": d["id"], "set": d["dataset"], "gold": str(d["answer"]), "n": n,
+            "id": digest if d["id"] is None else d["id"], "set": d["dataset"],
+            "gold": str(d["answer"]), "digest": digest, "n": n,
             "correct": int(sum(s > 0.5 for s in d["scores"])),
             "greedy": int(g["scores"][0] > 0.5),
             "lengths": [int(x) for x in shape[0]], "truncated": int(sum(shape[1])),

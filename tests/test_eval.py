@@ -1,6 +1,8 @@
-"""Evaluation metrics: pass@k and maj@k against hand-computed values, avg@n on a known policy."""
+"""Evaluation metrics: pass@k and maj@k against hand-computed values, avg@n on a known policy,
+and the sampling keys of `evaluate_policy` (one per chunk)."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -128,3 +130,43 @@ def test_evaluate_with_a_callable_reward_counts_errors():
     assert set(out["per_dataset"]) == {"eval"}
     with pytest.raises(ValueError, match="completions"):
         eval_lib.evaluate(lambda exs, num: [["1"]], examples, reward_fn=reward, n=2)
+
+
+def test_each_chunk_samples_with_its_own_key(monkeypatch):
+    """The sampler draws row j from (key, j): with one key for every chunk, problem j of each
+    chunk got the same draws, so problems were not sampled independently. Two chunks of
+    identical prompts must differ, and the same seed must reproduce the same samples."""
+    import jax
+
+    from gvpo_jax import sampler, sharding
+
+    def fake_sample_groups(model, prompts, *, settings, rng, mesh, rules):
+        del model, mesh, rules  # row b's tokens are a function of (rng, b), as in the sampler
+        rows = len(prompts) * settings.group_size
+        tokens = jax.vmap(lambda b: jax.random.randint(jax.random.fold_in(rng, b), (4,), 1, 99))(
+            np.arange(rows)
+        )
+        return SimpleNamespace(tokens_BxN=np.asarray(tokens), lengths_B=np.full(rows, 4))
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+    monkeypatch.setattr(sampler, "sample_groups", fake_sample_groups)
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    examples = [{"prompt": "1+1=", "answer": "2", "prompt_ids": [5, 6]}] * 4
+    settings = sampler.SamplingSettings(group_size=1, max_new_tokens=4, eos_ids=(0,), pad_id=0)
+
+    def samples(seed):
+        seen = []
+        eval_lib.evaluate_policy(
+            None, examples, tokenizer=Tokenizer(), settings=settings, mesh=mesh, rules=(),
+            reward_fn=lambda completion, gold: seen.append(completion) or 0.0, n=3, chunk=2,
+            seed=seed,
+        )  # fmt: skip
+        return seen[len(examples) :]  # the n-sample pass, after the greedy one
+
+    first = samples(0)
+    per_problem = [first[i * 3 : (i + 1) * 3] for i in range(4)]
+    assert per_problem[0] != per_problem[2] and per_problem[1] != per_problem[3]  # chunk 0 vs 1
+    assert first == samples(0) and first != samples(1)

@@ -161,6 +161,36 @@ def test_olympiad_multi_answer_kept_proofs_and_lists_skipped(fixture_dirs):
         )
 
 
+def test_money_and_inline_math_golds_stay_parseable(tmp_path):
+    """MATH-500's '\\$18.90' keeps its escaped dollar (dropping the '$' left '\\18.90', which
+    math-verify cannot parse, so every policy scored 0); '\\(1\\), \\(-1\\)' loses all four
+    markers, not just the outer two."""
+    _jsonl(str(tmp_path / "math500" / "test.jsonl"), [
+        {"problem": "A book costs $\\$18.90$.", "solution": "$\\boxed{\\$18.90}$",
+         "answer": "\\$18.90", "unique_id": "test/prealgebra/1.json"},
+        {"problem": "Total?", "solution": "...", "answer": "$\\$32,\\!348$",
+         "unique_id": "test/prealgebra/2.json"},
+    ])  # fmt: skip
+    ev = eval_sets.load_eval_set("math500", str(tmp_path / "math500"))
+    money, total = (ex["answer"] for ex in ev.examples)
+    assert rewards.math_reward("so \\boxed{18.90}", money) == 1.0
+    assert rewards.math_reward("so \\boxed{\\$18.90}", money) == 1.0
+    assert rewards.math_reward("so \\boxed{18.80}", money) == 0.0
+    assert rewards.math_reward("so \\boxed{32348}", total) == 1.0
+    assert (money, total) == ("\\$18.90", "\\$32,\\!348")
+    _parquet(str(tmp_path / "olympiad" / "OE_TO_maths_en_COMP" / "x.parquet"), [
+        {"id": 1, "question": "Price?", "final_answer": ["$\\$ 100$"],
+         "question_type": "Open-ended"},
+        {"id": 2, "question": "Roots?", "final_answer": ["\\(1\\), \\(-1\\)"],
+         "question_type": "Open-ended"},
+    ])  # fmt: skip
+    price, roots = (ex["answer"] for ex in eval_sets.load_eval_set(
+        "olympiad", str(tmp_path / "olympiad")).examples)  # fmt: skip
+    assert rewards.math_reward("\\boxed{100}", price) == 1.0
+    assert rewards.math_reward("\\boxed{-1, 1}", roots) == 1.0
+    assert (price, roots) == ("\\$ 100", "1, -1")
+
+
 def test_bad_input_names_the_file_and_line(tmp_path, fixture_dirs):
     with pytest.raises(eval_sets.EvalSetError, match="unknown evaluation set 'aime25'"):
         eval_sets.load_eval_set("aime25", fixture_dirs["aime24"])
@@ -230,7 +260,9 @@ def eval_run(tmp_path_factory, fixture_dirs):
 
 
 def test_eval_mode_writes_the_table_of_the_five_sets(eval_run):
-    workdir, _, table = eval_run
+    from gvpo_jax import eval as eval_lib
+
+    workdir, root, table = eval_run
     rows = {r["set"]: r for r in table["rows"]}
     assert list(rows) == list(eval_sets.EVAL_SETS)
     assert {k: r["problems"] for k, r in rows.items()} == {
@@ -246,6 +278,10 @@ def test_eval_mode_writes_the_table_of_the_five_sets(eval_run):
         o = record["outcomes"][0]
         assert len(o["lengths"]) == o["n"] and 0 <= o["correct"] <= o["n"]
         assert all(1 <= x <= 6 for x in o["lengths"]) and 0 <= o["truncated"] <= o["n"]
+        problems = {ex["id"]: ex for ex in eval_sets.load_eval_set(name, f"{root}/{name}").examples}
+        for o in record["outcomes"]:  # the digest compare checks pairs by: the text and the gold
+            ex = problems[o["id"]]
+            assert o["digest"] == eval_lib.problem_digest(ex["prompt"], ex["answer"])
     md = open(os.path.join(workdir, "eval", "table.md")).read()
     assert "| aime24 |" in md and "avg@32 at T=1" in md and "greedy pass@1" in md
     assert json.load(open(os.path.join(workdir, "eval", "table.json"))) == json.loads(
@@ -280,9 +316,17 @@ def test_a_policy_compared_with_itself_is_zero_with_a_zero_width_interval(eval_r
     assert "| all | 12 |" in capsys.readouterr().out
 
 
-def _outcome_file(path, correct, n=1):
-    outcomes = [{"id": f"amc/{i}", "set": "amc", "n": n, "correct": c, "greedy": int(c > 0),
-                 "lengths": [3] * n, "truncated": 0} for i, c in enumerate(correct)]  # fmt: skip
+def _outcome_file(path, correct, n=1, *, prompt="Find {i}.", set_name="amc", **changes):
+    """Outcomes of problems `prompt.format(i=i)` (gold i), as `eval.problem_outcomes` writes them;
+    `changes` replace fields of every record (None: drop the field)."""
+    from gvpo_jax import eval as eval_lib
+
+    outcomes = []
+    for i, c in enumerate(correct):
+        o = {"id": f"{set_name}/{i}", "set": set_name, "gold": str(i), "n": n, "correct": c,
+             "greedy": int(c > 0), "lengths": [3] * n, "truncated": 0,
+             "digest": eval_lib.problem_digest(prompt.format(i=i), str(i)), **changes}  # fmt: skip
+        outcomes.append({k: v for k, v in o.items() if v is not None})
     with open(path, "w") as f:
         json.dump({"outcomes": outcomes}, f)
     return str(path)
@@ -306,6 +350,97 @@ def test_two_hand_made_outcome_files_give_the_hand_count(tmp_path, capsys):
     assert r4["diff"] == pytest.approx((0 + 0.25 + 0.25) / 3) and "mcnemar_p" not in r4
     assert compare.main([a, str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'missing'} does not exist")
+
+
+def test_different_problems_under_the_same_ids_are_refused(tmp_path):
+    """Two evaluations of different files with the same set name have the same ids (the row
+    index): pairing them by id compared different problems. Pairs must be the same problem (the
+    digest of text and gold; records without digests: the gold)."""
+    from gvpo_jax import compare
+
+    a = _outcome_file(tmp_path / "a.json", [1, 0, 1])
+    same = _outcome_file(tmp_path / "same.json", [0, 0, 1])
+    assert compare.compare(a, same)["all"]["problems"] == 3
+    other = _outcome_file(tmp_path / "other.json", [0, 0, 1], prompt="Compute {i}.")
+    with pytest.raises(compare.CompareError, match=r"hold different problems .*\(3 of 3, first"):
+        compare.compare(a, other)
+    old_a = _outcome_file(tmp_path / "old_a.json", [1, 0], digest=None)
+    old_b = _outcome_file(tmp_path / "old_b.json", [1, 0], digest=None, gold="7")
+    assert compare.compare(a, old_a)["all"]["problems"] == 2  # no digest on one side: the golds
+    with pytest.raises(compare.CompareError, match="hold different problems"):
+        compare.compare(old_a, old_b)
+
+
+def test_bad_compare_input_exits_2_with_one_sentence(tmp_path):
+    """Through the CLI, every kind of compare input: flags, paths, files, records, problems that
+    differ. Each is one sentence naming the input, exit status 2, and no --json file written."""
+    import subprocess
+    import sys
+
+    d = tmp_path
+    a = _outcome_file(d / "a.json", [1, 0, 1])
+    b = _outcome_file(d / "b.json", [0, 1, 1])
+    (d / "bad.json").write_text("{not json")
+    (d / "flat.json").write_text(json.dumps({"metrics": {}}))
+    files = {
+        "other": _outcome_file(d / "other.json", [1, 1, 1], prompt="Compute {i}."),
+        "math": _outcome_file(d / "math.json", [1, 1, 1], set_name="math500"),
+        "n0": _outcome_file(d / "n0.json", [0], n=0),
+        "c5": _outcome_file(d / "c5.json", [5], n=4),
+        "g2": _outcome_file(d / "g2.json", [1], greedy=2),
+        "noid": _outcome_file(d / "noid.json", [1], id=None),
+        "dup": _outcome_file(d / "dup.json", [1, 1], id="amc/0"),
+    }
+    with open(d / "notobj.json", "w") as f:
+        json.dump({"outcomes": [3]}, f)
+    os.makedirs(d / "run" / "eval_outcomes")
+    _outcome_file(d / "run" / "eval_outcomes" / "step_000005.json", [1, 0, 1])
+    out = d / "result.json"
+    cases = [
+        ([a, b, "--resamples=0"], "error: --resamples is 0; give at least 1"),
+        ([a, b, "--resamples=-3"], "error: --resamples is -3; give at least 1"),
+        ([a, b, "--resamples=x"], "error: argument --resamples: invalid int value: 'x'; see"),
+        ([a, b, "--level=1.5"], "error: --level is 1.5; give the interval's confidence between"),
+        ([a, b, "--level=nan"], "error: --level is nan; give the interval's confidence between"),
+        ([a, b, "--metric=best"], "error: argument --metric: invalid choice: 'best'"),
+        ([a, b, "--seed=-1"], "error: --seed is -1; give a whole number >= 0."),
+        ([a, b, "--bogus"], "error: unrecognized arguments: --bogus; see"),
+        ([a], "error: the following arguments are required: b; see"),
+        ([a, b, f"--json={d / 'nowhere' / 'r.json'}"], f"error: --json {d / 'nowhere' / 'r.json'}"),
+        ([a, str(d / "missing")], f"error: {d / 'missing'} does not exist; give a workdir"),
+        ([a, str(d / "bad.json")], f"error: {d / 'bad.json'} is not valid JSON (Expecting"),
+        ([a, str(d / "flat.json")], f"error: {d / 'flat.json'} holds no 'outcomes' list;"),
+        ([a, str(d / "notobj.json")], f"error: {d / 'notobj.json'} outcome 1 is 3, not a JSON"),
+        ([a, files["noid"]], f"error: {files['noid']} outcome 1 has no id;"),
+        ([a, files["n0"]], f"error: {files['n0']} outcome 1 has n 0; n counts samples"),
+        ([a, files["c5"]], f"error: {files['c5']} outcome 1 has correct 5 of n 4;"),
+        ([a, files["g2"]], f"error: {files['g2']} outcome 1 has greedy 2; it is a verdict"),
+        ([a, files["dup"]], f"error: {files['dup']} outcome 2 repeats id 'amc/0' of set 'amc';"),
+        ([a, files["other"]], f"error: {a} and {files['other']} hold different problems under "
+                              "the same set and id (3 of 3, first: set 'amc' id 'amc/0');"),
+        ([a, files["math"]], f"error: {a} (sets amc) and {files['math']} (sets math500) share "
+                             "no problem"),
+        ([a, b, "--step_a=5"], f"error: --step_a picks a training-time evaluation in a workdir, "
+                               f"and {a} is a file;"),
+        ([a, str(d / "run"), "--step_b=7"], f"error: {d / 'run'} holds no evaluation outcomes "
+                                            "at step 7;"),
+    ]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "gvpo_jax.compare", f"--json={out}", *args],
+                         cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for args, _ in cases
+    ]  # fmt: skip
+    for proc, (args, sentence) in zip(procs, cases, strict=True):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (args, err[-3000:])
+        assert err.startswith(sentence) and err.count("\n") == 1, (args, err)
+        assert err.rstrip().endswith("."), (args, err)
+    assert not out.exists()
+    ok = subprocess.run([sys.executable, "-m", "gvpo_jax.compare", a, b, "--level=0.9",
+                         f"--json={out}"], cwd=repo, capture_output=True, text=True)  # fmt: skip
+    assert ok.returncode == 0 and "90% interval" in ok.stdout, ok.stderr
+    assert json.loads(out.read_text())["level"] == 0.9
 
 
 def test_training_time_evaluations_keep_outcomes(eval_run, tmp_path, fixture_dirs):

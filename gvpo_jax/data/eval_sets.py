@@ -89,11 +89,18 @@ def _where(path: str, index: int, is_jsonl: bool) -> str:
 # Gold answers for math-verify
 
 
+# Inline-math markers: an unescaped '$', or a '\(' / '\)' pair. '\$' is a dollar sign (MATH-500's
+# '\$18.90'), which math-verify reads as money; dropping its '$' leaves '\18.90', which nothing
+# parses. The pair is matched lazily so '\(1\), \(-1\)' loses all four markers, not the outer two.
+_DOLLAR_RE = re.compile(r"(?<!\\)\$")
+_PAREN_MATH_RE = re.compile(r"(?<!\\)\\\((.*?)(?<!\\)\\\)", re.S)
+
+
 def strip_dollars(text: str) -> str:
-    """'$\\frac{1}{2}$' -> '\\frac{1}{2}'; '$x=1$, $x=2$' -> 'x=1, x=2' (inline math markers)."""
-    text = text.strip()
-    text = re.sub(r"^\\\((.*)\\\)$", r"\1", text, flags=re.S)
-    return text.replace("$", "").strip()
+    """'$\\frac{1}{2}$' -> '\\frac{1}{2}'; '$x=1$, $x=2$' -> 'x=1, x=2'; '\\(1\\), \\(2\\)' ->
+    '1, 2' (inline math markers); an escaped '\\$' is a dollar sign and stays: '\\$18.90'."""
+    text = _PAREN_MATH_RE.sub(r"\1", text.strip())
+    return _DOLLAR_RE.sub("", text).strip()
 
 
 def number_text(value) -> str:
