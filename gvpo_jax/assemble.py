@@ -336,11 +336,16 @@ def build_tokenizer(config: ml_collections.ConfigDict, workdir: str):
         return tok
     import transformers
 
-    if kind == "hf":
-        return transformers.AutoTokenizer.from_pretrained(config.tokenizer.path)
-    if config.model.hf_dir:
-        return transformers.AutoTokenizer.from_pretrained(config.model.hf_dir)
-    return None  # kind == "model" with a GGUF: from_gguf returns its tokenizer
+    field = "tokenizer.path" if kind == "hf" else "model.hf_dir"
+    path = config.tokenizer.path if kind == "hf" else config.model.hf_dir
+    if not path:
+        return None  # kind == "model" with a GGUF: from_gguf returns its tokenizer
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - `tokenizers` raises bare Exceptions on damaged files
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0].rstrip('.')}"
+        config_lib.fail(f"the tokenizer in config.{field} {path!r} could not be loaded "
+                        f"({reason}); save it again with tokenizer.save_pretrained.")  # fmt: skip
 
 
 def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
@@ -353,6 +358,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     param_dtype = base_dtype(config)
     if c.hf_dir:
         cfg = sharding.hf_model_config(c.hf_dir, param_dtype, c.compute_dtype)
+        config_lib.check_vocab(config, cfg.vocab_size, tokenizer)  # before the weights load
         rules = sharding.logical_rules(mesh, cfg.replace(remat=c.remat))
         model = sharding.load_pretrained_sharded(
             c.hf_dir, mesh, param_dtype, c.compute_dtype, remat=c.remat, rules=rules
@@ -362,6 +368,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
         from gvpo_jax.config import resolve_gguf
 
         model, gguf_tok = models.from_gguf(resolve_gguf(c.gguf), param_dtype, c.compute_dtype)
+        config_lib.check_vocab(config, model.config.vocab_size, tokenizer or gguf_tok)
         model = models.with_config(model, remat=c.remat, attention=c.attention)
         rules = sharding.logical_rules(mesh, model.config)
         return sharding.shard_model(model, mesh, rules), tokenizer or gguf_tok, rules
@@ -374,6 +381,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     fields.setdefault("remat", c.remat)
     fields.setdefault("attention", c.attention)
     cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
+    config_lib.check_vocab(config, cfg.vocab_size, tokenizer)
     rules = sharding.logical_rules(mesh, cfg)
     return sharding.init_sharded(cfg, mesh, config.seed, rules), tokenizer, rules
 
@@ -501,9 +509,10 @@ def sampling_mesh(config: ml_collections.ConfigDict, devices: list, graphdef,
 
 
 def prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Fails early on an unusable workdir or restore path; writes config.json (process 0)."""
+    """Fails early on an unusable workdir or restore path, before anything is written there."""
     if config.restore_from:  # a bad explicit path fails before anything is written
         checkpoint.resolve_restore(config.restore_from, workdir)
+    checkpoint.check_directory(checkpoint.checkpoint_dir(workdir))
     try:
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, f".write_test.{jax.process_index()}")
@@ -514,6 +523,12 @@ def prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
         raise checkpoint.CheckpointError(
             f"workdir {workdir!r} is not writable ({e.strerror}); choose another --workdir."
         ) from e
+
+
+def record_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Writes the run's config.json (process 0), once the assembly has succeeded: a config
+    refused at assembly (a tokenizer larger than the model, a malformed data file) leaves a
+    resumed workdir's record of its own config as it was."""
     if sharding.is_primary():
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=2))
@@ -577,6 +592,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),
         lora=lora_spec(config),
     )
+    record_config(config, workdir)
     if sharding.is_primary():
         adapters = nnx.state(state.params, nnx.LoRAParam)
         lora_note = f" ({models.param_count(adapters) / 1e6:.3f}M in LoRA adapters)"

@@ -5,18 +5,21 @@ damaged steps (`restore_newest`)."""
 from __future__ import annotations
 
 import base64
+import errno
 import gc
 import inspect
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
 import threading
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from gvpo_jax.errors import BadInputError
+from gvpo_jax.errors import BadInputError, FaultError
 
 CHECKPOINT_SUBDIR = "checkpoints"  # checkpoints of a run live in <workdir>/checkpoints/<step>/
 _BYTES_TAG = "__bytes_b64__"  # JSON has no bytes; grain iterator states are bytes
@@ -34,9 +37,29 @@ class CheckpointError(BadInputError):
     """A checkpoint cannot be written or read; the message names the path and the fix."""
 
 
+class CheckpointWriteError(FaultError):
+    """The system refused to write a checkpoint (a full disk, a quota, a file size limit). The
+    half-written step is removed and the steps before it are intact: a rerun resumes from the
+    newest of them once the cause is fixed."""
+
+
 def checkpoint_dir(workdir: str | os.PathLike) -> Path:
     """Directory that holds the step directories of the run in `workdir`."""
     return Path(workdir) / CHECKPOINT_SUBDIR
+
+
+def check_directory(directory: str | os.PathLike) -> None:
+    """CheckpointError unless `directory` is a directory or absent (Orbax would otherwise fail
+    on it in a background thread, with pages of tracebacks, once the run has started)."""
+    directory = Path(directory).absolute()
+    for path in (directory, *directory.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise CheckpointError(
+                    f"{path} is a file where the checkpoint directory {directory} should be; "
+                    "move the file away or choose another --workdir."
+                )
+            return
 
 
 # ---------------------------------------------------------------- JSON-able metadata
@@ -255,6 +278,8 @@ class Checkpointer:
     when the next Checkpointer opens the directory. With `async_save`, `save` returns once
     the arrays are copied to host (so donating the state to the next step is safe) and the
     write finishes in a background thread; call `wait()` before exiting or reading back.
+    A write the system refuses (a full disk) is CheckpointWriteError at the next `save`, `wait`
+    or `close`, the failed step's partial files removed; the Checkpointer then saves no more.
     Replay arrays are numpy (host) data: in a multi-process run only process 0's copy is
     written, so they must be identical on every process.
     """
@@ -273,6 +298,7 @@ class Checkpointer:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1 (checkpoints to retain).")
         self.directory = Path(directory).absolute()
+        check_directory(self.directory)
         options = ocp.CheckpointManagerOptions(
             # Any host receiving a JAX preemption notice makes all hosts save at a common step.
             save_decision_policy=ocm.AnySavePolicy(
@@ -288,6 +314,9 @@ class Checkpointer:
         self.verify = verify  # compare CRC-32s at restore (sizes are always compared)
         self._unsigned: list[int] = []  # steps saved here whose manifest is not written yet
         self._signer: threading.Thread | None = None
+        self._sign_error: tuple[int, OSError] | None = None  # set by the manifest thread
+        self._failure: CheckpointWriteError | None = None  # a save failed: no more saves
+        self._quiet = _QuietFailedSave()
 
     # -- queries
     def should_save(self, step: int) -> bool:
@@ -349,18 +378,64 @@ class Checkpointer:
             items["replay"] = ocp.args.StandardSave(nonempty)
         # The previous save has committed once Orbax starts this one: its manifest is written
         # in the background while this step is written (no pause of the training loop).
-        self._manager.wait_until_finished()
+        self._settle()
         self._sign(background=True)
-        started = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._quiet.open()
+        try:
+            started = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:  # what Orbax writes before it returns (directories, metadata)
+            self._fail(step, e)
         if started:
             self._unsigned.append(step)
         return started
+
+    def _settle(self) -> None:
+        """Waits for the save in flight; a failed one becomes CheckpointWriteError (its half-written
+        step removed). Raises the failure again once one happened: Orbax's manager keeps
+        re-raising it, so this Checkpointer saves nothing more."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._fail(self._unsigned[-1] if self._unsigned else None, e)
+        self._quiet.close()
+
+    def _fail(self, step: int | None, error: BaseException) -> NoReturn:
+        """Removes what step `step` wrote and raises CheckpointWriteError naming the cause and the
+        newest step that is intact. The quiet window stays open until `close`: writes abandoned
+        with the failed one may still report."""
+        self._unsigned = [s for s in self._unsigned if s != step]
+        if step is not None and jax.process_index() == 0:
+            for partial in self.directory.glob(f"{int(step)}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        intact = _steps(self.directory)
+        cause, fix = _write_cause(error)
+        after = (
+            f"step {intact[-1]} is intact: {fix} and rerun to resume from it"
+            if intact
+            else f"no earlier step was saved: {fix} and rerun"
+        )
+        self._failure = CheckpointWriteError(
+            f"checkpoint step {step} could not be written to {self.directory} ({cause}); its "
+            f"partial files were removed and {after}."
+        )
+        raise self._failure from error
 
     def _sign(self, *, background: bool) -> None:
         """Writes the manifests of the committed steps this object saved (process 0)."""
         if self._signer is not None:
             self._signer.join()
             self._signer = None
+        if self._sign_error is not None:
+            (step, error), self._sign_error = self._sign_error, None
+            cause, fix = _write_cause(error)
+            self._failure = CheckpointWriteError(
+                f"the manifest of checkpoint step {step} in {self.directory} could not be written "
+                f"({cause}); the step itself is complete and a rerun resumes from it unverified: "
+                f"{fix} and rerun."
+            )
+            raise self._failure from error
         steps, self._unsigned = self._unsigned, []
         if not steps or jax.process_index() != 0:
             return
@@ -371,6 +446,9 @@ class Checkpointer:
                     write_manifest(self.directory / str(step))
                 except FileNotFoundError:  # removed meanwhile (keep=1): nothing to record
                     pass
+                except OSError as e:  # e.g. a full disk: the step is committed, its manifest not
+                    (self.directory / str(step) / f".{MANIFEST}.tmp").unlink(missing_ok=True)
+                    self._sign_error = (step, e)
 
         if background:
             self._signer = threading.Thread(target=sign, name="checkpoint-manifest", daemon=True)
@@ -496,16 +574,25 @@ class Checkpointer:
 
     # -- lifecycle
     def wait(self) -> None:
-        """Blocks until any async save has committed (and re-raises its error, if any) and its
-        manifest is written."""
-        self._manager.wait_until_finished()
+        """Blocks until any async save has committed and its manifest is written; raises
+        CheckpointWriteError if a save of this Checkpointer failed."""
+        self._settle()
         self._sign(background=False)
 
     def close(self) -> None:
+        """Waits for the save in flight (CheckpointWriteError if it failed, unless that was
+        raised already) and releases Orbax's threads."""
         try:
-            self.wait()
+            if self._failure is None:
+                self.wait()
         finally:
-            self._manager.close()
+            try:
+                self._manager.close()
+            except Exception:
+                if self._failure is None:
+                    raise
+                # Orbax re-raises the failed save on every wait; it was reported once already.
+            self._quiet.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -559,6 +646,90 @@ def _phrase(error: BaseException) -> str:
     if len(text) > 240:
         text = text[:237] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+# Write errors whose fix is room on the disk (or in the quota, or under the file size limit).
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _write_cause(error: BaseException) -> tuple[str, str]:
+    """(why a write failed, what to do): the system's reason ("No space left on device") from
+    the OSError in the exception's chain or the errno in tensorstore's message, else the root
+    cause as a phrase."""
+    seen = error
+    while seen is not None:
+        code = seen.errno if isinstance(seen, OSError) else None
+        found = None if code else re.search(r"os_error_code='?(\d+)", str(seen))
+        code = int(found.group(1)) if found else code
+        if code:
+            return os.strerror(code), "free space" if code in _NO_ROOM else "fix that"
+        seen = seen.__cause__ or seen.__context__
+    return _phrase(error), "fix that"
+
+
+class _QuietFailedSave:
+    """Keeps a failing async save from printing pages of tracebacks while it is in flight.
+
+    Orbax logs the failure from each of its threads (and again when it is waited for), asyncio
+    the write tasks abandoned with it, and tensorstore's writes still in flight report to the
+    event loop Orbax has closed ("Event loop is closed", as unraisable exceptions). None of it
+    is lost: `wait_until_finished` re-raises the failure and `Checkpointer` turns it into one
+    sentence. Only those reports are dropped, only while a Checkpointer holds the window open
+    (from a save until it is waited for, or after a failure until `close`); the windows of
+    several Checkpointers share one set of hooks."""
+
+    _holders = 0
+    _previous_hook = _hook = None
+    _filter: logging.Filter | None = None
+
+    def __init__(self):
+        self._held = False
+
+    def open(self) -> None:
+        """Holds the window open (once per instance); the first holder installs the hooks."""
+        if self._held:
+            return
+        self._held = True
+        cls = _QuietFailedSave
+        cls._holders += 1
+        if cls._holders > 1:
+            return
+        cls._previous_hook = sys.unraisablehook
+        orbax_dir = os.path.dirname(ocp.__file__)
+
+        def hook(unraisable):
+            closed = isinstance(unraisable.exc_value, RuntimeError) and (
+                str(unraisable.exc_value) == "Event loop is closed"
+            )
+            if not (closed or inspect.iscoroutine(unraisable.object)):
+                cls._previous_hook(unraisable)
+
+        class DropOrbaxErrors(logging.Filter):
+            def filter(self, record: logging.LogRecord) -> bool:
+                """False for an error Orbax (or asyncio about Orbax's tasks) logs."""
+                return record.levelno < logging.ERROR or not (
+                    record.pathname.startswith(orbax_dir) or orbax_dir in record.getMessage()
+                )
+
+        sys.unraisablehook = cls._hook = hook
+        cls._filter = DropOrbaxErrors()
+        for name in ("absl", "asyncio"):  # Orbax logs through absl; asyncio its own logger
+            logging.getLogger(name).addFilter(cls._filter)
+
+    def close(self) -> None:
+        """Lets go of the window; the last holder restores the previous hooks."""
+        if not self._held:
+            return
+        self._held = False
+        cls = _QuietFailedSave
+        cls._holders -= 1
+        if cls._holders > 0:
+            return
+        if sys.unraisablehook is cls._hook:  # else someone replaced it since: leave theirs
+            sys.unraisablehook = cls._previous_hook
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).removeFilter(cls._filter)
+        cls._previous_hook = cls._hook = cls._filter = None
 
 
 def _sync(name: str) -> None:

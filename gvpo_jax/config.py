@@ -3,8 +3,12 @@ including command-line overrides that do not parse (an unknown field gets its cl
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
+import json
+import math
+import numbers
 import os
 import re
 
@@ -23,6 +27,25 @@ TASKS = ("arith", "gsm8k", "math", "math_gsm8k", "jsonl")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The projections LoRA can adapt, named as transformers and PEFT name them (models/lora.py).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# A tokenizer directory holds at least one of these vocabularies (fast, SentencePiece, BPE,
+# WordPiece, tiktoken); without one transformers builds an empty tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.tiktoken",
+)
+# Its files in JSON, parsed by validation so that a damaged one is refused before a run writes.
+TOKENIZER_JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
 
 
 class ConfigError(BadInputError):
@@ -132,8 +155,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.shed = 0
 
     c.algo = ml_collections.ConfigDict()
-    c.algo.name = "gvpo"  # a losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo
-    # gmpo rloo reinforce_pp reinforce_pp_baseline
+    # A losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo gmpo rloo reinforce_pp
+    # reinforce_pp_baseline.
+    c.algo.name = "gvpo"
     c.algo.beta = 0.1  # GVPO: KL strength in the optimum pi' exp(R/beta)/Z
     # GVPO pi_theta': old (the policy at the start of the step, moves) | ref (frozen start) |
     # sampler (the policy that sampled the rollout, from the sampler's own log-probs at T = 1:
@@ -159,7 +183,7 @@ def base_config() -> ml_collections.ConfigDict:
     # weights exp(old - behaviour) truncated at rollout_is_cap) | seq_mis (samples whose
     # sequence weight leaves [1/cap, cap] are masked out). GVPO needs none.
     c.algo.rollout_correction = "none"
-    c.algo.rollout_is_cap = 2.0
+    c.algo.rollout_is_cap = 2.0  # the correction's cap (> 1)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-4  # peak learning rate of AdamW
@@ -267,6 +291,12 @@ def _check_async(c: ml_collections.ConfigDict, preset) -> None:
     k, n = c.rollout.staleness, c.mesh.rollout_devices
     _check_positive_int(c, "rollout.staleness", minimum=0)
     _check_positive_int(c, "mesh.rollout_devices", minimum=0)
+    if c.mode == "train" and k > c.train.steps:
+        _fail(
+            f"config.rollout.staleness is {k} but the run has only {c.train.steps} RL steps "
+            "(train.steps), so rollouts sampled before step 1 would never be trained on; use "
+            "a lag of at most train.steps."
+        )
     if k and c.algo.replay_fraction > 0:
         _fail(
             f"config.rollout.staleness is {k} with algo.replay_fraction > 0: a stale rollout "
@@ -304,6 +334,127 @@ def _check_async(c: ml_collections.ConfigDict, preset) -> None:
 
 
 fail = _fail  # for checks that need the tokenizer (assemble): the same one-sentence ConfigError
+
+
+def _check_finite(c: ml_collections.ConfigDict, prefix: str = "") -> None:
+    """Every number of the config is finite: nan passes every `< 0` check and inf every `> 0`
+    one (no field gives inf a meaning such as "no limit"), and either trains nothing."""
+    for key, value in c.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            _check_finite(value, f"{path}.")
+        elif (
+            isinstance(value, numbers.Real)
+            and not isinstance(value, numbers.Integral)
+            and not math.isfinite(value)
+        ):
+            try:
+                default = _get(base_config(), path)
+            except (KeyError, AttributeError):
+                default = None
+            hint = f" such as its default {default}" if isinstance(default, float) else ""
+            _fail(f"config.{path} is {value}; set a finite number{hint}.")
+
+
+def _check_overrides(c: ml_collections.ConfigDict) -> None:
+    """model.overrides (alone, or on model.preset) make a valid ModelConfig; without a
+    vocab_size the tokenizer's size is used at assembly. A model.hf_dir or model.gguf takes
+    its shapes from its file."""
+    if c.model.hf_dir or c.model.gguf:
+        return
+    from gvpo_jax import models
+
+    fields = dict(c.model.overrides.to_dict())
+    spec = {f.name: f for f in dataclasses.fields(models.ModelConfig)}
+    for name in fields:
+        if name not in spec:
+            close = difflib.get_close_matches(name, list(spec), n=1, cutoff=0.5)
+            hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(spec)}."
+            _fail(f"config.model.overrides.{name} is not a ModelConfig field; {hint}")
+    base = models.PRESETS.get(c.model.preset)
+    if base is None:
+        fields.setdefault("vocab_size", 1)  # a stand-in for the tokenizer's size
+        missing = [
+            n for n, f in spec.items() if n not in fields and f.default is dataclasses.MISSING
+        ]
+        if missing:
+            _fail(
+                f"config.model.overrides sets no {', '.join(missing)} and there is no "
+                f"model.preset to take it from; set config.model.overrides.{missing[0]} or a "
+                "model.preset."
+            )
+    try:
+        base.replace(**fields) if base is not None else models.ModelConfig(**fields)
+    except ValueError as e:
+        on = f" on model.preset={c.model.preset!r}" if base is not None else ""
+        _fail(f"config.model.overrides{on} give an invalid model: {str(e).rstrip('.')}.")
+
+
+def _check_tokenizer_files(c: ml_collections.ConfigDict) -> None:
+    """The tokenizer directory a run loads (tokenizer.path, or model.hf_dir with kind=model)
+    holds a vocabulary and its JSON files parse: transformers would otherwise build an empty
+    tokenizer that fails deep inside the sampler, or raise once the run has started."""
+    if c.tokenizer.kind == "hf":
+        field, directory = "config.tokenizer.path", c.tokenizer.path
+    elif c.tokenizer.kind == "model" and c.model.hf_dir:
+        field, directory = "config.model.hf_dir", c.model.hf_dir
+    else:
+        return
+    if not any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES):
+        fix = (
+            "set tokenizer.kind=hf and tokenizer.path to the model's tokenizer directory"
+            if field == "config.model.hf_dir"
+            else "point it at a directory written by tokenizer.save_pretrained"
+        )
+        _fail(
+            f"{field} {directory!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, "
+            f"...); {fix}."
+        )
+    for name in TOKENIZER_JSON_FILES:
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except OSError as e:
+            _fail(
+                f"the tokenizer file {path} ({field}) cannot be read ({e.strerror or e}); make "
+                "it a readable file."
+            )
+        except ValueError as e:  # not JSON, or not UTF-8
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
+            _fail(
+                f"the tokenizer file {path} ({field}) is not valid JSON ({reason}); fix it or "
+                "save the tokenizer again."
+            )
+
+
+def check_vocab(c: ml_collections.ConfigDict, vocab_size: int, tokenizer) -> None:
+    """ConfigError when the tokenizer has ids past the model's embedding table: the embedding
+    gather clips them to its last row, so the run would train on wrong inputs. Special tokens
+    above the table that the run never feeds (Gemma 3's image token) are allowed."""
+    if tokenizer is None:
+        return
+    fed = {getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    unused = {i for i, t in added.items() if getattr(t, "special", False) and i not in fed}
+    past = sorted(
+        i for i in set(tokenizer.get_vocab().values()) if i >= vocab_size and i not in unused
+    )
+    if not past:
+        return
+    source = {
+        "char": "the character tokenizer (tokenizer.kind=char)",
+        "hf": f"the tokenizer of config.tokenizer.path {c.tokenizer.path!r}",
+        "model": "the model's own tokenizer (tokenizer.kind=model)",
+    }[c.tokenizer.kind]
+    ids = f"{len(past)} token ids ({past[0]} to {past[-1]})" if past[1:] else f"token id {past[0]}"
+    _fail(
+        f"{source} has {ids} past the model's embedding table of {vocab_size} rows (its "
+        "vocab_size), which would read its last row instead; use the model's own tokenizer or a "
+        f"model with vocab_size >= {past[-1] + 1}."
+    )
 
 
 def _get(c, path: str):
@@ -346,6 +497,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     """
     for path in _unknown_fields(c, base_config()):
         _fail(_unknown_field_sentence(base_config(), path))
+    _check_finite(c)
     if c.mode not in MODES:
         _fail(f"config.mode is {c.mode!r}; use one of {', '.join(MODES)}.")
     if c.algo.name not in ALGOS:
@@ -366,8 +518,23 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"config.model.hf_dir {c.model.hf_dir!r} has no config.json; "
             "point it at a Hugging Face checkpoint directory."
         )
+    if check_paths and c.model.hf_dir:  # its shapes, before the weights are read
+        from gvpo_jax.models import config as model_config
+
+        try:
+            hf = model_config.read_hf_config(c.model.hf_dir)
+            model_config.config_from_hf(hf, source=os.path.join(c.model.hf_dir, "config.json"))
+        except BadInputError as e:
+            raise ConfigError(str(e)) from e
     if check_paths and c.model.gguf and not os.path.isfile(resolve_gguf(c.model.gguf)):
         _fail(f"config.model.gguf {c.model.gguf!r} does not exist; give a GGUF file or 'smollm2'.")
+    if check_paths and (c.model.hf_dir or c.model.gguf):  # damaged weights: before any write
+        from gvpo_jax.models import gguf_io, hf
+
+        if c.model.hf_dir:
+            hf.check_files(c.model.hf_dir)
+        else:
+            gguf_io.check_file(resolve_gguf(c.model.gguf))
     if c.model.preset:
         from gvpo_jax import models
 
@@ -376,6 +543,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
                 f"config.model.preset is {c.model.preset!r}; use one of "
                 f"{', '.join(sorted(models.PRESETS))}."
             )
+    _check_overrides(c)
     from gvpo_jax.models.config import ATTENTION_IMPLEMENTATIONS
 
     if c.model.attention not in ATTENTION_IMPLEMENTATIONS:
@@ -406,10 +574,18 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     _check_positive_int(c, "model.logprob_chunk")
     if c.tokenizer.kind not in ("char", "hf", "model"):
         _fail(f"config.tokenizer.kind is {c.tokenizer.kind!r}; use char, hf or model.")
+    if c.tokenizer.kind == "model" and not (c.model.hf_dir or c.model.gguf):
+        _fail(
+            "config.tokenizer.kind is 'model' but the model is built from model.preset / "
+            "model.overrides, which hold no tokenizer; use tokenizer.kind=char, or hf with "
+            "tokenizer.path."
+        )
     if check_paths and c.tokenizer.kind == "hf" and not os.path.isdir(c.tokenizer.path):
         _fail(
             f"config.tokenizer.path {c.tokenizer.path!r} is not a directory; set a tokenizer dir."
         )
+    if check_paths:
+        _check_tokenizer_files(c)
     if c.data.task not in TASKS:
         _fail(f"config.data.task is {c.data.task!r}; use one of {', '.join(TASKS)}.")
     reads_data = not (c.mode == "eval" and c.eval.sets)  # eval sets: no training data read
@@ -460,6 +636,13 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(
             f"config.rollout.num_slots is {c.rollout.num_slots} but a rollout has only {P * G} "
             f"rows (prompts_per_step x group_size); use 0 (one slot per row) or at most {P * G}."
+        )
+    if c.rollout.shed and 0 < c.rollout.num_slots < P * G:
+        _fail(
+            f"config.rollout.shed is {c.rollout.shed} with rollout.num_slots "
+            f"{c.rollout.num_slots} (continuous batching, whose slots take the next row as soon "
+            "as one ends), where there is no static batch to halve; set rollout.shed=0 or "
+            "rollout.num_slots=0."
         )
     if P % c.algo.num_minibatches:
         _fail(
@@ -648,6 +831,11 @@ def flag_error_sentence(argv: list[str], error: BaseException) -> str:
     ml_collections reports an unknown `--config.` field as a KeyError traceback whose last line
     holds its "Did you mean" hint; absl reports bad values in two sentences with exit status 1.
     """
+    if isinstance(error, SyntaxError):  # the config file is Python that does not parse
+        return (
+            f"the config file {error.filename} has a syntax error at line {error.lineno} "
+            f"({error.msg}); fix it."
+        )
     config_file = None
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):

@@ -15,10 +15,14 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (default runs/<co
 
 # Errors that mean "bad input", reported as one sentence with exit status 2 (absl's usage status).
 EXIT_BAD_INPUT = 2
+# A fault that stopped a run of valid input (errors.FaultError: a full disk, every update
+# non-finite), one sentence with exit status 1; the checkpoints before it are intact.
+EXIT_FAULT = 1
 
 
-def bad_input(sentence: str):
-    """Ends the process the way every bad input ends: `error: <one sentence>`, exit status 2.
+def bad_input(sentence: str, status: int = EXIT_BAD_INPUT):
+    """Ends the process the way every bad input ends: `error: <one sentence>`, exit status 2
+    (`status`: EXIT_FAULT for a fault that is not the input's).
 
     The exit skips the interpreter's shutdown (the run has closed its writer and checkpoints
     by then): after a failed checkpoint read, tensorstore's abandoned reads would otherwise
@@ -26,7 +30,7 @@ def bad_input(sentence: str):
     print(f"error: {sentence}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(EXIT_BAD_INPUT)
+    os._exit(status)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -34,7 +38,15 @@ def parse_flags(argv: list[str]) -> list[str]:
     status 2 (absl exits 1 after two sentences; ml_collections raises a KeyError traceback)."""
     try:
         return flags.FLAGS(argv)
-    except (flags.Error, KeyError, AttributeError, OSError, TypeError, ValueError) as e:
+    except (
+        flags.Error,
+        KeyError,
+        AttributeError,
+        OSError,
+        TypeError,
+        ValueError,
+        SyntaxError,
+    ) as e:
         from gvpo_jax import config as config_lib
 
         bad_input(config_lib.flag_error_sentence(argv, e))
@@ -70,6 +82,8 @@ def main(argv):
         train.run(config, workdir)
     except errors.BadInputError as e:
         bad_input(str(e))
+    except errors.FaultError as e:
+        bad_input(str(e), status=EXIT_FAULT)
 
 
 if __name__ == "__main__":

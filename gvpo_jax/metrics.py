@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,9 +17,16 @@ import jax
 import numpy as np
 import tqdm
 
+from gvpo_jax import errors
+
 DEFAULT_PLOT_KEYS = ("reward_mean", "eval/accuracy", "response_len_mean", "kl_ref")
 # Metrics shown on the progress line, in this order, when present.
 PROGRESS_KEYS = ("reward_mean", "accuracy", "response_len_mean", "loss", "kl_ref", "grad_norm")
+
+
+class MetricsWriteError(errors.FaultError):
+    """The metric files could not be written (a full disk, a quota): one sentence; the writer
+    writes nothing more, and the checkpoints written before are intact."""
 
 
 def to_python_scalar(value: Any) -> int | float:
@@ -95,7 +103,8 @@ class MetricWriter:
         values = {k: to_python_scalar(v) for k, v in flatten(scalars).items()}
         row = {"step": int(step), "time": round(time.time(), 3)}
         row.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
-        self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
+        with self._refused("metrics.jsonl"):
+            self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
         for k, v in values.items():
             self._tb.add_scalar(k, v, int(step))
         if self._wandb is not None:
@@ -105,10 +114,11 @@ class MetricWriter:
         """Text (e.g. sampled completions) to TensorBoard and one row of `samples.jsonl`."""
         if not self.enabled:
             return
-        if self._samples is None:
-            self._samples = open(self.workdir / "samples.jsonl", "a", buffering=1)  # noqa: SIM115
         texts = {k: str(v) for k, v in flatten(texts).items()}
-        self._samples.write(json.dumps({"step": int(step), **texts}) + "\n")
+        with self._refused("samples.jsonl"):
+            if self._samples is None:
+                self._samples = open(self.workdir / "samples.jsonl", "a", buffering=1)  # noqa: SIM115
+            self._samples.write(json.dumps({"step": int(step), **texts}) + "\n")
         for k, v in texts.items():
             self._tb.add_text(k, v, int(step))
         if self._wandb is not None:
@@ -118,19 +128,39 @@ class MetricWriter:
                 {"step": int(step), **{k: wandb.Html(f"<pre>{v}</pre>") for k, v in texts.items()}}
             )
 
+    @contextlib.contextmanager
+    def _refused(self, name: str):
+        """A write the disk refuses (full, quota, size limit) -> one MetricsWriteError; the
+        writer is then off, so closing it at the run's end neither writes nor raises again."""
+        try:
+            yield
+        except OSError as e:
+            self.enabled = False
+            raise MetricsWriteError(
+                f"{self.workdir / name} could not be written ({e.strerror or e}); the checkpoints "
+                "written before are intact: free space and rerun to resume from the latest."
+            ) from e
+
     def flush(self) -> None:
         if not self.enabled:
             return
-        for f in (self._jsonl, self._samples, self._tb):
-            if f is not None:
-                f.flush()
+        with self._refused("metrics.jsonl"):
+            for f in (self._jsonl, self._samples, self._tb):
+                if f is not None:
+                    f.flush()
 
     def close(self) -> None:
         if not self.enabled:
+            for f in (self._jsonl, self._samples, self._tb):  # after a refused write: quietly
+                if f is not None:
+                    with contextlib.suppress(OSError):
+                        f.close()
+            self._jsonl = self._samples = self._tb = None
             return
-        for f in (self._jsonl, self._samples, self._tb):
-            if f is not None:
-                f.close()
+        with self._refused("metrics.jsonl"):
+            for f in (self._jsonl, self._samples, self._tb):
+                if f is not None:
+                    f.close()
         if self._wandb is not None:
             self._wandb.finish()
         self._jsonl = self._samples = self._tb = self._wandb = None

@@ -21,10 +21,11 @@ import jax
 import numpy as np
 
 from gvpo_jax import rewards, rollout, rollout_queue, sampler, sharding, tasks, train_step
+from gvpo_jax.errors import FaultError
 from gvpo_jax.replay import ReplayBuffer
 
 
-class TrainingError(RuntimeError):
+class TrainingError(FaultError):
     """The run cannot go on (e.g. too many consecutive non-finite steps); checkpoints are intact.
 
     `metrics` holds the failing step's metrics when they were computed (the trainer logs them).

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -245,7 +244,7 @@ def hf_model_config(
     """The ModelConfig of a Hugging Face directory (reads only config.json)."""
     path = Path(hf_dir) / "config.json"
     return models.config_from_hf(
-        json.loads(path.read_text()),
+        models.config.read_hf_config(hf_dir),  # CheckpointError: missing, unreadable, not JSON
         param_dtype=param_dtype,
         compute_dtype=compute_dtype,
         source=str(path),

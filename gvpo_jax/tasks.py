@@ -89,7 +89,10 @@ def _load(config, split: str):
         return data.load_task(c.task, split, path=c.path, prompt_field=c.prompt_field,
                               answer_field=c.answer_field, arith=arith)  # fmt: skip
     except (OSError, ValueError, KeyError) as e:
-        raise DataError(f"data.task={c.task!r} split {split!r} could not be loaded: {e}.") from e
+        reason = str(e).strip().rstrip(".")  # name the file when the loader's reason does not
+        where = f" from config.data.path {c.path!r}" if c.path and c.path not in reason else ""
+        raise DataError(f"data.task={c.task!r} split {split!r} could not be loaded{where}: "
+                        f"{reason}.") from e  # fmt: skip
 
 
 class Task:

@@ -8,8 +8,9 @@ run continues bit for bit. A LoRA run's checkpoint holds the adapters and their 
 not the frozen base: the run reloads that from its source and checks it against the
 checkpoint's fingerprint of it (`models.lora.fingerprint`).
 
-`rl_loop` is the one RL loop: the CLI's run (`train_rl`), the learning study and the benchmarks
-drive their steps through it (`on_step` lets them record, evaluate or stop).
+`rl_loop` is the one RL loop: the CLI's run (`train_rl`), the learning studies and the
+benchmarks drive their steps through it; `run(config, workdir, on_step=...)` hands its `on_step`
+hook (record, evaluate or stop after each RL step) to scripts that run a whole mode.
 """
 
 from __future__ import annotations
@@ -36,22 +37,27 @@ from gvpo_jax.rl_step import LoopState, TrainingError, next_examples, rl_step
 __all__ = ["TrainingError", "rl_loop", "run"]
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Runs the configured mode in `workdir`; returns the final summary metrics."""
+def run(config: ml_collections.ConfigDict, workdir: str, on_step=None) -> dict:
+    """Runs the configured mode in `workdir`; returns the final summary metrics.
+
+    `on_step(step, state, metrics) -> bool`, when given, runs after each RL step (`rl_loop`'s
+    hook: it may add entries to `metrics`); True ends the RL phase there, without a checkpoint
+    of that step, and the run ends as after its last step (held-out evaluation, export, summary).
+    """
     run_, state = assemble.assemble(config, workdir)
     # Handed over in a list that _run_mode empties: once a checkpoint's state replaces the
     # initial one, nothing here keeps the initial parameters (and moments) alive.
     handover = [state]
     del state
     try:
-        return _run_mode(run_, handover, assemble.start_loop(run_))
+        return _run_mode(run_, handover, assemble.start_loop(run_), on_step)
     finally:
         run_.writer.close()
         run_.task.close()
         run_.ckpt.close()
 
 
-def _run_mode(run_: assemble.Run, handover: list, loop: LoopState) -> dict:
+def _run_mode(run_: assemble.Run, handover: list, loop: LoopState, on_step=None) -> dict:
     c = run_.config
     state, ref, resumed = restore(run_, handover.pop(), loop)
     summary: dict = {}
@@ -76,19 +82,20 @@ def _run_mode(run_: assemble.Run, handover: list, loop: LoopState) -> dict:
         save(run_, state, loop, ref)
         finish(run_, state.params, summary)
         return summary
-    return train_rl(run_, state, loop, ref, summary)
+    return train_rl(run_, state, loop, ref, summary, on_step)
 
 
-def train_rl(run_: assemble.Run, state, loop: LoopState, ref, summary: dict) -> dict:
-    """RL from `loop.step` to train.steps between two held-out evaluations, then the run's end
-    (export, curves, summary)."""
+def train_rl(run_: assemble.Run, state, loop: LoopState, ref, summary: dict, on_step=None) -> dict:
+    """RL from `loop.step` to train.steps (or where `on_step` stops it) between two held-out
+    evaluations, then the run's end (export, curves, summary)."""
     c = run_.config
     _record_eval(summary, "eval_start", run_, state.params, step=loop.step)
-    state, preempted = rl_loop(run_, state, loop, ref)
+    state, preempted = rl_loop(run_, state, loop, ref, on_step=on_step)
     if preempted:
         summary["preempted_at"] = loop.step
         return summary
-    _record_eval(summary, "eval_end", run_, state.params, step=c.train.steps)
+    check_trained(run_, state, "RL", c.train.steps)
+    _record_eval(summary, "eval_end", run_, state.params, step=loop.step)
     finish(run_, state.params, summary)
     if sharding.is_primary():
         with open(os.path.join(run_.workdir, "summary.json"), "w") as f:
@@ -141,6 +148,19 @@ def rl_loop(run_: assemble.Run, state, loop: LoopState, ref, *, on_step=None):
                 return state, True
     bar.close()
     return state, False
+
+
+def check_trained(run_: assemble.Run, state, phase: str, steps: int) -> None:
+    """TrainingError when every update of a phase of `steps` steps was non-finite and skipped
+    (`state.step` counts the applied ones): the policy never moved, and exporting it as if it
+    had trained would hide that. The checkpoints saved before stay."""
+    if steps and int(state.step) == 0:
+        raise TrainingError(
+            f"every {phase} update of the run ({steps} steps) was non-finite and skipped, so the "
+            f"policy never changed and nothing was exported (the checkpoints in {run_.workdir} "
+            "are intact); see skipped_updates and loss in metrics.jsonl, and lower the learning "
+            "rate or fix the reward or setting that makes the loss NaN or inf."
+        )
 
 
 def fresh_moments(run_: assemble.Run, state: train_step.TrainState) -> train_step.TrainState:
@@ -248,6 +268,7 @@ def run_sft(
                 print(f"[sft] step {i + 1}/{steps}  nll {float(m['nll']):.4f}", flush=True)
         if on_step is not None:
             on_step(i + 1, sft_state.params)
+    check_trained(run_, sft_state, "SFT", steps)
     return state.replace(params=sft_state.params)
 
 

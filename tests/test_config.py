@@ -191,3 +191,139 @@ def test_bf16_parameters_validate_with_the_opt_in_or_outside_training():
     c = _arith()
     c.model.compute_dtype = "bfloat16"  # fp32 masters + bf16 compute: the recommended setting
     config_lib.validate(c)
+
+
+def _float_fields(c, prefix=""):
+    """Dotted paths of every float field of a config (placeholders included)."""
+    for key in c.keys():
+        if isinstance(c[key], type(c)):
+            yield from _float_fields(c[key], f"{prefix}{key}.")
+        elif c.get_type(key) is float:
+            yield f"{prefix}{key}"
+
+
+FLOAT_FIELDS = sorted(_float_fields(config_lib.base_config()))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_every_float_field_must_be_finite(value):
+    """nan passes every `< 0` check and inf every `> 0` one: the generic check refuses both in
+    each float field (placeholders and model overrides included) before any other check."""
+    assert len(FLOAT_FIELDS) > 15, FLOAT_FIELDS
+    for path in [*FLOAT_FIELDS, "model.overrides.rope_theta"]:
+        c = _arith()
+        config_lib.set_fields(c, {path: value})
+        with pytest.raises(config_lib.ConfigError) as err:
+            config_lib.validate(c)
+        text = str(err.value)
+        assert text.startswith(f"config.{path} is {value}; set a finite number"), text
+        assert text.count(". ") == 0 and text.endswith("."), text
+
+
+MODEL_INVALID = [
+    ({"model.overrides.num_kv_heads": 3}, "config.model.overrides give an invalid model: "
+     "ModelConfig.num_heads=4 must be a multiple of num_kv_heads=3"),
+    ({"model.overrides.hidden_size": 0}, "config.model.overrides give an invalid model: "
+     "ModelConfig.hidden_size=0; use a positive integer."),
+    ({"model.overrides.num_kv_heads": 0}, "ModelConfig.num_kv_heads=0; use a positive integer."),
+    ({"model.overrides.sliding_window": "2"}, "ModelConfig.sliding_window='2'; use an integer"),
+    ({"model.overrides.rope_theta": 0.0}, "ModelConfig.rope_theta=0.0; use a finite number > 0."),
+    ({"model.overrides.hidden_sise": 64}, "config.model.overrides.hidden_sise is not a "
+     "ModelConfig field; did you mean 'hidden_size'?"),
+    ({"model.preset": "tiny", "model.overrides.num_heads": 3},
+     "config.model.overrides on model.preset='tiny' give an invalid model: ModelConfig.num_heads"),
+    ({"tokenizer.kind": "model"}, "config.tokenizer.kind is 'model' but the model is built from "
+     "model.preset / model.overrides, which hold no tokenizer"),
+    ({"rollout.staleness": 201}, "config.rollout.staleness is 201 but the run has only 200 RL "
+     "steps (train.steps)"),
+    ({"rollout.shed": 1, "rollout.num_slots": 64}, "config.rollout.shed is 1 with "
+     "rollout.num_slots 64 (continuous batching"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("changes,message", MODEL_INVALID, ids=[m[:40] for _, m in MODEL_INVALID])
+def test_model_and_rollout_settings_fail_in_one_sentence(changes, message):
+    c = _arith()
+    config_lib.set_fields(c, changes)
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.validate(c)
+    assert message in str(err.value) and str(err.value).count(". ") == 0, str(err.value)
+
+
+def test_bounds_that_validate():
+    """The edges of the new bounds are valid: a lag of the whole run, shedding the static batch
+    (num_slots = P x G is the static batch too), overrides without a vocab_size."""
+    for changes in (
+        {"rollout.staleness": 200},
+        {"rollout.shed": 2},
+        {"rollout.shed": 2, "rollout.num_slots": 128 * 4},
+        {"mode": "eval", "rollout.staleness": 300},
+    ):
+        c = _arith()
+        config_lib.set_fields(c, changes)
+        config_lib.validate(c)
+    del c.model.overrides["head_dim"]
+    with pytest.raises(config_lib.ConfigError, match="sets no head_dim and there is no"):
+        config_lib.validate(c)
+
+
+def test_config_json_fields_are_checked_by_name():
+    """A config.json whose shape fields are zero, of the wrong JSON type, or not an object is
+    one sentence naming the file and the field, never a ZeroDivisionError or TypeError."""
+    from gvpo_jax import models
+
+    good = models.config_to_hf(models.PRESETS["tiny"])
+    cases = [
+        ({"hidden_size": 0}, "config.json: 'hidden_size' is 0; set the model's positive integer"),
+        ({"num_attention_heads": 0}, "'num_attention_heads' is 0"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' is 0"),
+        ({"num_hidden_layers": "2"}, "'num_hidden_layers' is '2'"),
+        ({"intermediate_size": 1.5}, "'intermediate_size' is 1.5"),
+        ({"rope_theta": float("nan"), "rope_parameters": None}, "ModelConfig.rope_theta=nan"),
+        ({"rms_norm_eps": [1e-6]}, "config.json has a field of the wrong type (TypeError"),
+        ({"rope_parameters": "default"}, "config.json has a field of the wrong type"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(models.CheckpointError) as err:
+            models.config_from_hf({**good, **changes}, source="d/config.json")
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(models.CheckpointError, match="holds a JSON list, not an object"):
+        models.config_from_hf([good])
+
+
+def test_tokenizer_past_the_embedding_is_refused_but_unused_special_tokens_pass():
+    """Ids past the model's vocabulary would read the embedding's last row; a special token up
+    there that the run never feeds (as Gemma 3's image token) is allowed."""
+    from gvpo_jax.data import char_tokenizer
+
+    c = _arith()
+    tok = char_tokenizer.build_char_tokenizer()
+    config_lib.check_vocab(c, len(tok), tok)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    config_lib.check_vocab(c, len(tok) - 1, tok)
+    tok.add_tokens(["<word>"])
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.check_vocab(c, len(tok) - 2, tok)
+    n = len(tok)
+    assert str(err.value).startswith(
+        f"the character tokenizer (tokenizer.kind=char) has token id {n - 1} past the model's "
+        f"embedding table of {n - 2} rows"
+    ), str(err.value)
+
+
+def test_a_data_file_that_does_not_decode_is_named(tmp_path):
+    """A loader's reason that does not name the file (a UnicodeDecodeError) gets
+    config.data.path in the sentence."""
+    from gvpo_jax import tasks
+    from gvpo_jax.data import char_tokenizer
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "1+1=", "answer": "2\xff"}\n')
+    c = _arith()
+    c.data.task, c.data.path = "jsonl", str(bad)
+    config_lib.validate(c)
+    with pytest.raises(tasks.DataError) as err:
+        tasks.build_task(c, char_tokenizer.build_char_tokenizer())
+    text = str(err.value)
+    assert f"could not be loaded from config.data.path {str(bad)!r}: 'utf-8' codec" in text, text
+    assert "\n" not in text and text.endswith(".") and not text.endswith(".."), text

@@ -1,14 +1,22 @@
-"""Faults inside a run: non-finite steps are skipped and counted, bad rewards score 0 and go on."""
+"""Faults inside a run: non-finite steps are skipped and counted, a run that never trained stops
+without exporting (one sentence, exit status 1), bad rewards score 0 and go on."""
 
+import os
+import subprocess
+import sys
 import time
 
 import jax
 import numpy as np
 import pytest
 
-from gvpo_jax import checkpoint, rewards
+from gvpo_jax import checkpoint, rewards, train
+from gvpo_jax.errors import FaultError
 from gvpo_jax.rl_step import TrainingError, rl_step
+from tests.conftest import child_env
 from tests.test_train import _flat, make_run, toy_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _nan_at(task, calls_to_poison):
@@ -50,6 +58,47 @@ def test_consecutive_nan_steps_stop_the_run():
     assert m["skipped_updates"] == 1
     with pytest.raises(TrainingError, match="2 consecutive non-finite updates"):
         rl_step(run, state, loop, ref)
+
+
+def test_a_run_whose_every_update_was_skipped_stops_without_exporting(monkeypatch):
+    """Fewer steps than train.max_bad_steps, every one non-finite: the run used to end as if it
+    had trained (exit 0, the start policy exported); now it stops with a TrainingError (a
+    FaultError: one sentence, exit status 1) before the export, and its checkpoint stays."""
+    c = toy_config("gvpo", **{"train.steps": 2, "train.checkpoint_every": 1, "train.plot": False})
+    run, state, loop, ref = make_run(c)
+    _nan_at(run.task, set(range(1, 100)))
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"accuracy": 0.0, "greedy": 0.0})
+    with pytest.raises(TrainingError) as err:
+        train.train_rl(run, state, loop, ref, {})
+    assert isinstance(err.value, FaultError)
+    assert str(err.value).startswith(
+        "every RL update of the run (2 steps) was non-finite and skipped, so the policy never "
+        "changed and nothing was exported"
+    ), str(err.value)
+    run.ckpt.wait()
+    assert run.ckpt.all_steps() == [1, 2]  # the checkpoints written before stay
+    assert not os.path.exists(os.path.join(run.workdir, "export"))
+
+
+def test_a_fault_ends_the_cli_with_one_sentence_and_status_1(tmp_path):
+    """A FaultError (here the trainer's TrainingError) is the input's fault no more than a full
+    disk is: `error: <sentence>` and exit status 1, no traceback."""
+    code = (
+        "import sys\n"
+        "from absl import app\n"
+        "from gvpo_jax import main, train\n"
+        "def run(config, workdir):\n"
+        "    raise train.TrainingError('every RL update of the run (2 steps) was non-finite')\n"
+        "train.run = run\n"
+        f"sys.argv = ['main', '--config=configs/arith_tiny.py', '--workdir={tmp_path}']\n"
+        "app.run(main.main, flags_parser=main.parse_flags)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("error: every RL update of the run (2 steps) was non-finite"), (
+        proc.stderr[-3000:]
+    )
 
 
 @pytest.fixture

@@ -168,17 +168,60 @@ def test_unpermute_inverts_llama_cpp_permute():
     np.testing.assert_array_equal(models.gguf_io.unpermute_rope(_llama_cpp_permute(b, 3), 3), b)
 
 
-def test_bad_gguf_files_give_clear_errors(tmp_path):
-    with pytest.raises(models.CheckpointError, match="not found"):
-        models.from_gguf(tmp_path / "absent.gguf")
-    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+def _write_small_gguf(path, arch="llama", embedding_length=8):
+    """A GGUF file with a header, some metadata and one tensor (no tokenizer)."""
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    if isinstance(embedding_length, str):  # a value of the wrong type, as a garbled file may hold
+        writer.add_string(f"{arch}.embedding_length", embedding_length)
+    else:
+        writer.add_embedding_length(embedding_length)
+    writer.add_tensor("token_embd.weight", np.ones((16, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path.read_bytes()
+
+
+_GARBAGE = np.random.default_rng(0).integers(0, 256, 200, dtype=np.uint8).tobytes()
+# Damaged files: (name, bytes from the valid small file -> the damaged file's bytes, the reason).
+DAMAGED_GGUF = [
+    ("magic_then_garbage", lambda good: b"GGUF" + _GARBAGE, "cannot handle"),
+    ("magic_v3_then_garbage", lambda good: good[:8] + _GARBAGE, "IndexError"),
+    ("magic_only", lambda good: b"GGUF", "IndexError"),
+    ("truncated_in_the_tensors", lambda good: good[: len(good) // 2], "ValueError"),
+    ("truncated_by_ten_bytes", lambda good: good[:-10], "ValueError"),
+    ("empty", lambda good: b"", "empty file"),
+]  # fmt: skip
+
+
+def test_bad_gguf_files_give_clear_errors(tmp_path):
+    with pytest.raises(models.CheckpointError, match="not found"):
+        models.from_gguf(tmp_path / "absent.gguf")
+    _write_small_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
     with pytest.raises(models.CheckpointError, match="general.architecture='gpt2'"):
         models.from_gguf(tmp_path / "gpt2.gguf", load_tokenizer=False)
+    good = _write_small_gguf(tmp_path / "good.gguf")
+    for name, damage, reason in DAMAGED_GGUF:  # a valid magic number and garbage after it, ...
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(damage(good))
+        for load in (models.gguf_io.check_file, models.from_gguf):
+            with pytest.raises(models.CheckpointError) as e:
+                load(path)
+            assert str(e.value).startswith(f"{path} is not a valid GGUF file ("), (name, e.value)
+            assert reason in str(e.value) and str(e.value).endswith("re-download or re-convert it.")
+    # Metadata of the wrong type (a garbled file parses into values of any type) is named.
+    _write_small_gguf(tmp_path / "odd.gguf", embedding_length="twelve")
+    with pytest.raises(
+        models.CheckpointError, match="'llama.embedding_length' is 'twelve', not a whole"
+    ):
+        models.gguf_io.check_file(tmp_path / "odd.gguf")
+    # A file without a tokenizer, when the run takes its tokenizer from the file.
+    with pytest.raises(
+        models.CheckpointError, match="good.gguf holds no tokenizer that transformers"
+    ):
+        models.gguf_tokenizer(tmp_path / "good.gguf", cache_dir="")
 
 
 def test_gguf_tokenizer_is_converted_once_then_loaded_from_its_cache(tmp_path, monkeypatch):

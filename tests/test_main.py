@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -93,6 +94,7 @@ def test_demo_export_loads_in_transformers(demo_run):
 
 
 # Bad command lines from a new user's battery: each is one sentence on stderr and exit status 2.
+# An entry is one argument or several; {inputs} is a directory of damaged files (`bad_inputs`).
 BAD_OVERRIDES = [
     ("--config.data.rewards=nosuch:1", "error: config.data.rewards is 'nosuch:1': unknown reward "
      "'nosuch'; registered rewards: math, format, think_format, exact_match, last_number."),
@@ -101,33 +103,134 @@ BAD_OVERRIDES = [
     ("--config.algo.betta=0.2", "error: unknown config field 'algo.betta'; did you mean "
      "'algo.beta'?"),
     ("--config.train.reward_workers=auto", "error: config.train.reward_workers cannot be 'auto'"),
+    ("--config.lora.alpha=inf", "error: config.lora.alpha is inf; set a finite number such as "
+     "its default 32.0."),
+    ("--config.rollout.staleness=201", "error: config.rollout.staleness is 201 but the run has "
+     "only 200 RL steps (train.steps)"),
+    (("--config.rollout.shed=1", "--config.rollout.num_slots=64"), "error: config.rollout.shed "
+     "is 1 with rollout.num_slots 64 (continuous batching"),
+    ("--config.model.overrides.num_kv_heads=3", "error: config.model.overrides give an invalid "
+     "model: ModelConfig.num_heads=4 must be a multiple of num_kv_heads=3"),
+    ("--config.model.hf_dir={inputs}/badjson", "error: {inputs}/badjson/config.json is not valid "
+     "JSON (Expecting property name enclosed in double quotes at line 1, column 25)"),
+    ("--config.model.hf_dir={inputs}/zero", "error: {inputs}/zero/config.json: 'hidden_size' is "
+     "0; set the model's positive integer"),
+    (("--config.model.hf_dir={inputs}/notok", "--config.tokenizer.kind=model"), "error: "
+     "config.model.hf_dir '{inputs}/notok' holds no tokenizer files"),
+    (("--config.tokenizer.kind=hf", "--config.tokenizer.path={inputs}/badtok"), "error: the "
+     "tokenizer file {inputs}/badtok/tokenizer.json (config.tokenizer.path) is not valid JSON"),
+    ("--config={inputs}/syntax.py", "error: the config file {inputs}/syntax.py has a syntax "
+     "error at line 1"),
 ]  # fmt: skip
 
 
-def test_bad_overrides_exit_2_with_one_sentence(tmp_path):
+def tiny_hf_dir(directory) -> str:
+    """A Hugging Face directory of a tiny Qwen2 model: config.json and zero weights, no tokenizer
+    files."""
+    from gvpo_jax.models import safetensors_io
+
+    cfg = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=16, intermediate_size=64)  # fmt: skip
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(models.config_to_hf(cfg), f)
+    zeros = [(m.hf_name, m.hf_shape, np.float32, lambda m=m: np.zeros(m.hf_shape, np.float32))
+             for m in models.tensor_maps(cfg)]  # fmt: skip
+    safetensors_io.write_file(Path(directory) / "model.safetensors", zeros)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    """Damaged files a run reads: config.json not JSON or with a zero width, an hf_dir without
+    tokenizer files, a tokenizer.json not JSON, a config file that is not Python."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    (root / "badjson").mkdir()
+    (root / "badjson" / "config.json").write_text('{"model_type": "qwen2", ')
+    (root / "zero").mkdir()
+    good = models.config_to_hf(models.PRESETS["tiny"])
+    (root / "zero" / "config.json").write_text(json.dumps({**good, "hidden_size": 0}))
+    tiny_hf_dir(root / "notok")
+    (root / "badtok").mkdir()
+    (root / "badtok" / "tokenizer.json").write_text('{"version": ')
+    (root / "syntax.py").write_text("def get_config(:\n")
+    return root
+
+
+def _cli(workdir, args) -> list[str]:
+    """The trainer's command line with `args` (after configs/arith_tiny.py unless they name a
+    config file)."""
+    config = (
+        [] if any(a.startswith("--config=") for a in args) else ["--config=configs/arith_tiny.py"]
+    )
+    return [sys.executable, "-m", "gvpo_jax.main", *config, f"--workdir={workdir}", *args]
+
+
+def test_bad_overrides_exit_2_with_one_sentence(tmp_path, bad_inputs):
+    cases = [
+        ([a.format(inputs=bad_inputs) for a in ((o,) if isinstance(o, str) else o)],
+         sentence.format(inputs=bad_inputs))
+        for o, sentence in BAD_OVERRIDES
+    ]  # fmt: skip
     procs = [  # in parallel: each spends its ~2 s importing
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gvpo_jax.main",
-                "--config=configs/arith_tiny.py",
-                f"--workdir={tmp_path / str(i)}",
-                override,
-            ],
+            _cli(tmp_path / str(i), args),
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )  # fmt: skip
-        for i, (override, _) in enumerate(BAD_OVERRIDES)
+        for i, (args, _) in enumerate(cases)
     ]
-    for proc, (override, sentence) in zip(procs, BAD_OVERRIDES, strict=True):
+    for proc, (args, sentence) in zip(procs, cases, strict=True):
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2, (override, err[-3000:])
-        assert err.strip().startswith(sentence) and "\n" not in err.strip(), (override, err)
+        assert proc.returncode == 2, (args, err[-3000:])
+        assert err.strip().startswith(sentence) and "\n" not in err.strip(), (args, err)
         assert err.strip()[len("error: ") :].count(". ") == 0, err
     assert not any(tmp_path.iterdir()), "nothing may be written before the command line is valid"
+
+
+def test_tokenizer_faults_found_at_assembly_end_before_anything_compiles(tmp_path):
+    """Ids past the model's vocabulary (a 352-token tokenizer on the 256-row tiny preset) and a
+    tokenizer.json that transformers cannot load: one sentence and exit 2 once the tokenizer is
+    loaded, before the model is initialised or any step compiles."""
+    from gvpo_jax.data import char_tokenizer
+
+    big = char_tokenizer.build_char_tokenizer()
+    big.add_tokens([f"<w{i}>" for i in range(300)])
+    big.save_pretrained(str(tmp_path / "bigtok"))
+    (tmp_path / "badtok").mkdir()
+    (tmp_path / "badtok" / "tokenizer.json").write_text("{}")
+    cases = [
+        (("--config.model.preset=tiny", "--config.tokenizer.kind=hf",
+          f"--config.tokenizer.path={tmp_path / 'bigtok'}"),
+         f"error: the tokenizer of config.tokenizer.path '{tmp_path / 'bigtok'}' has 96 token ids "
+         "(256 to 351) past the model's embedding table of 256 rows (its vocab_size)"),
+        (("--config.tokenizer.kind=hf", f"--config.tokenizer.path={tmp_path / 'badtok'}"),
+         f"error: the tokenizer in config.tokenizer.path '{tmp_path / 'badtok'}' could not be "
+         "loaded ("),
+    ]  # fmt: skip
+    for i in range(len(cases)):  # a workdir resumed with a bad tokenizer keeps its own record
+        (tmp_path / f"run{i}").mkdir()
+        (tmp_path / f"run{i}" / "config.json").write_text('{"earlier": "run"}')
+    procs = [
+        subprocess.Popen(
+            _cli(tmp_path / f"run{i}", args),
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i, (args, _) in enumerate(cases)
+    ]
+    for i, (proc, (args, sentence)) in enumerate(zip(procs, cases, strict=True)):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (args, err[-3000:])
+        assert err.strip().startswith(sentence) and "\n" not in err.strip(), (args, err)
+        assert "model:" not in out, out  # the model is never built
+        assert not (tmp_path / f"run{i}" / "checkpoints").exists()
+        assert (tmp_path / f"run{i}" / "config.json").read_text() == '{"earlier": "run"}'
 
 
 def test_qwen_math_validates_and_has_7b_shapes():

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import struct
 import time
@@ -13,6 +14,7 @@ from tensorboardX.proto import event_pb2
 
 from gvpo_jax.metrics import (
     LaggedFetch,
+    MetricsWriteError,
     MetricWriter,
     plot_curves,
     read_jsonl,
@@ -91,6 +93,22 @@ def test_writer_appends_on_resume_and_closed_writer_is_noop(tmp_path):
         (1, 1.0),
         (2, 3.0),
     ]
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl"])
+def test_a_full_disk_is_one_sentence_and_the_writer_closes_quietly(tmp_path, name):
+    """/dev/full refuses every write with ENOSPC, as a full disk does: one MetricsWriteError
+    (a FaultError: exit 1) naming the file, and the run's closing of the writer raises nothing."""
+    os.symlink("/dev/full", tmp_path / name)
+    w = MetricWriter(tmp_path, enabled=True)
+    with pytest.raises(MetricsWriteError) as e:
+        w.write_scalars(1, {"a": 1.0})
+        w.write_texts(1, {"sample": "1+1=2"})
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path / name} could not be written (No space left on device)")
+    assert "\n" not in message and message.count(". ") == 0
+    w.write_scalars(2, {"a": 2.0})  # the writer is off: nothing more, no second error
+    w.close()
 
 
 def test_read_jsonl_skips_truncated_last_line_only(tmp_path):

@@ -4,6 +4,10 @@ named presets, HF I/O."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import numbers
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -19,6 +23,17 @@ ARCHITECTURES = {
 # transformers' model_type of each architecture (Gemma 3's text-only model is "gemma3_text").
 HF_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3_text"}
 LAYER_TYPES = ("full", "sliding")
+# Widths and counts of a ModelConfig: each a positive integer.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+)
 
 
 class CheckpointError(BadInputError):
@@ -83,6 +98,26 @@ class ModelConfig:
     query_pre_attn_scalar: int = 0  # scores scaled by this^-1/2; 0 = head_dim
 
     def __post_init__(self):
+        for name in SHAPE_FIELDS:  # a zero width divides by zero or builds empty arrays later
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name}={value!r}; use a positive integer.")
+        for name in ("sliding_window", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name}={value!r}; use an integer >= 0 (0: off).")
+        for name in ("rope_theta", "rope_local_theta", "rms_norm_eps", "rope_scaling"):
+            value = getattr(self, name)
+            positive = name != "rms_norm_eps"
+            if (
+                not isinstance(value, numbers.Real)
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or value < 0
+                or (positive and value == 0)
+            ):
+                bound = "a finite number > 0" if positive else "a finite number >= 0"
+                raise ValueError(f"ModelConfig.{name}={value!r}; use {bound}.")
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r} is not supported; "
@@ -120,10 +155,13 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} must be a multiple of "
-                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)."
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention); use a "
+                "num_kv_heads that divides num_heads."
             )
         if self.head_dim % 2:
-            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE.")
+            raise ValueError(
+                f"ModelConfig.head_dim={self.head_dim} must be even for RoPE; use an even width."
+            )
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(
                 f"ModelConfig.attention={self.attention!r}; use one of "
@@ -303,10 +341,64 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def read_hf_config(hf_dir) -> dict:
+    """The config.json of a Hugging Face directory as a dict; CheckpointError (one sentence
+    naming the file) when it is missing, unreadable, not JSON or not a JSON object."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        text = path.read_text()
+    except FileNotFoundError as e:
+        raise CheckpointError(
+            f"{path} not found; point model.hf_dir at a Hugging Face checkpoint directory "
+            "(config.json and *.safetensors)."
+        ) from e
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise CheckpointError(
+            f"{path} cannot be read ({reason}); make it a readable UTF-8 text file."
+        ) from e
+    try:
+        hf = json.loads(text)
+    except ValueError as e:
+        where = (
+            f" at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        )
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise CheckpointError(
+            f"{path} is not valid JSON ({reason}{where}); fix it or download it again."
+        ) from e
+    if not isinstance(hf, dict):
+        raise CheckpointError(
+            f"{path} holds a JSON {type(hf).__name__}, not an object of model fields; use the "
+            "model's own config.json."
+        )
+    return hf
+
+
 def _field(hf: dict, name: str, source: str) -> Any:
     if name not in hf or hf[name] is None:
         raise CheckpointError(f"{source}: required field '{name}' is missing; add it to the file.")
     return hf[name]
+
+
+def _count(hf: dict, name: str, source: str, default: int | None = None) -> int:
+    """A width or count of config.json: a positive integer (`default` when absent or null; a
+    required field without one)."""
+    if hf.get(name) is None and default is not None:
+        return default
+    value = _field(hf, name, source)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+        or value < 1
+    ):
+        raise CheckpointError(
+            f"{source}: '{name}' is {value!r}; set the model's positive integer (as in its "
+            "published config.json)."
+        )
+    return int(value)
 
 
 def _rope_theta(hf: dict, source: str) -> float:
@@ -333,10 +425,31 @@ def config_from_hf(
     compute_dtype: str = "float32",
     source: str = "config.json",
 ) -> ModelConfig:
-    """Builds a ModelConfig from a Hugging Face config.json dict (Qwen2, Qwen3 or Llama family).
+    """Builds a ModelConfig from a Hugging Face config.json dict (Qwen2, Qwen3, Llama or Gemma 3).
 
-    Raises CheckpointError naming the field for unsupported architectures or options.
+    Raises CheckpointError naming the field for unsupported architectures or options, and naming
+    the file for a field of the wrong JSON type.
     """
+    if not isinstance(hf, dict):
+        raise CheckpointError(
+            f"{source} holds a JSON {type(hf).__name__}, not an object of model fields; use the "
+            "model's own config.json."
+        )
+    try:
+        return _config_from_hf(hf, param_dtype, compute_dtype, source)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+        # A field of the wrong JSON type: a string for a number, a list for an object, ...
+        reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else ""
+        raise CheckpointError(
+            f"{source} has a field of the wrong type ({type(e).__name__}: {reason}); compare it "
+            "with the model's published config.json."
+        ) from e
+
+
+def _config_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str) -> ModelConfig:
+    """`config_from_hf` of a dict."""
     model_type = hf.get("model_type")
     by_type = {v: k for k, v in HF_MODEL_TYPES.items()}
     if model_type not in by_type:
@@ -373,21 +486,21 @@ def config_from_hf(
             f"{source}: attention_bias=true is not supported for qwen3 (its o_proj would have a "
             "bias too); only bias-free Qwen3 attention, as in the published checkpoints."
         )
-    hidden = int(_field(hf, "hidden_size", source))
-    heads = int(_field(hf, "num_attention_heads", source))
-    kv = hf.get("num_key_value_heads") or heads
+    hidden = _count(hf, "hidden_size", source)
+    heads = _count(hf, "num_attention_heads", source)
+    kv = _count(hf, "num_key_value_heads", source, default=heads)
     eos = hf.get("eos_token_id")
     if isinstance(eos, list):
         eos = tuple(eos)
     try:
         return ModelConfig(
-            vocab_size=int(_field(hf, "vocab_size", source)),
+            vocab_size=_count(hf, "vocab_size", source),
             hidden_size=hidden,
-            num_layers=int(_field(hf, "num_hidden_layers", source)),
+            num_layers=_count(hf, "num_hidden_layers", source),
             num_heads=heads,
-            num_kv_heads=int(kv),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            intermediate_size=int(_field(hf, "intermediate_size", source)),
+            num_kv_heads=kv,
+            head_dim=_count(hf, "head_dim", source, default=hidden // heads),
+            intermediate_size=_count(hf, "intermediate_size", source),
             rope_theta=_rope_theta(hf, source),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             # transformers 5 defaults both Qwen2Config and LlamaConfig to untied embeddings.
@@ -399,7 +512,7 @@ def config_from_hf(
             architecture=model_type,
             param_dtype=str(jnp.dtype(param_dtype)),
             compute_dtype=str(jnp.dtype(compute_dtype)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            max_position_embeddings=_count(hf, "max_position_embeddings", source, default=32768),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
@@ -426,7 +539,7 @@ def _gemma3_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str)
         raise CheckpointError(
             f"{source}: use_bidirectional_attention=true is not supported; causal models only."
         )
-    layers = int(_field(hf, "num_hidden_layers", source))
+    layers = _count(hf, "num_hidden_layers", source)
     names = {"sliding_attention": "sliding", "full_attention": "full"}
     raw_types = hf.get("layer_types")
     if raw_types is None:
@@ -455,18 +568,18 @@ def _gemma3_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str)
                 f"{source}: rope type {kind!r} of {part} layers is not supported; Gemma 3 uses "
                 "the default RoPE (sliding) and default or linear (full)."
             )
-    hidden = int(_field(hf, "hidden_size", source))
-    heads = int(_field(hf, "num_attention_heads", source))
+    hidden = _count(hf, "hidden_size", source)
+    heads = _count(hf, "num_attention_heads", source)
     eos = hf.get("eos_token_id")
     try:
         return ModelConfig(
-            vocab_size=int(_field(hf, "vocab_size", source)),
+            vocab_size=_count(hf, "vocab_size", source),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or 256),
-            intermediate_size=int(_field(hf, "intermediate_size", source)),
+            num_kv_heads=_count(hf, "num_key_value_heads", source, default=heads),
+            head_dim=_count(hf, "head_dim", source, default=256),
+            intermediate_size=_count(hf, "intermediate_size", source),
             rope_theta=float(full["rope_theta"]),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -475,7 +588,7 @@ def _gemma3_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str)
             architecture="gemma3",
             param_dtype=str(jnp.dtype(param_dtype)),
             compute_dtype=str(jnp.dtype(compute_dtype)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),
+            max_position_embeddings=_count(hf, "max_position_embeddings", source, default=131072),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),

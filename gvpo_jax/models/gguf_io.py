@@ -130,9 +130,35 @@ def _fields(reader: gguf.GGUFReader) -> dict:
     return out
 
 
+def _reason(error: BaseException) -> str:
+    """An exception as a short phrase for a one-sentence message (first line, no final dot)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0].rstrip(".") if lines else ""
+    return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
+
+
 def _decimal(x) -> float:
     """GGUF stores float32: recover the shortest decimal (9.9999997e-06 -> 1e-05)."""
     return float(str(np.float32(x)))
+
+
+def _metadata(fields: dict, key: str, source: str, default=None, kind=int):
+    """GGUF metadata value `key` as `kind`; CheckpointError naming the key when it is missing
+    or not of that kind (the parser turns garbled bytes into values of any type)."""
+    value = fields.get(key, default)
+    if value is None:
+        raise CheckpointError(
+            f"{source}: metadata key '{key}' is missing; use a GGUF file converted by llama.cpp's "
+            "convert_hf_to_gguf."
+        )
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise CheckpointError(
+            f"{source}: metadata key '{key}' is {str(value)[:40]!r}, not a "
+            f"{'number' if kind is float else 'whole number'}; the file is damaged, re-download "
+            "or re-convert it."
+        ) from None
 
 
 def config_from_gguf(
@@ -149,16 +175,13 @@ def config_from_gguf(
             f"use a GGUF of one of {SUPPORTED}."
         )
 
-    def get(key, default=None):
-        value = fields.get(f"{arch}.{key}", default)
-        if value is None:
-            raise CheckpointError(f"{source}: metadata key '{arch}.{key}' is missing.")
-        return value
+    def get(key, default=None, kind=int):
+        return _metadata(fields, f"{arch}.{key}", source, default, kind)
 
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
     factor = 1.0
     if arch == "gemma3" and scaling == "linear":  # Gemma 3 4B+: full layers' linear scaling
-        factor = float(get("rope.scaling.factor"))
+        factor = get("rope.scaling.factor", kind=float)
     elif scaling not in ("none", None):
         raise CheckpointError(
             f"{source}: '{arch}.rope.scaling.type'={scaling!r} is not supported (default RoPE)."
@@ -167,36 +190,38 @@ def config_from_gguf(
     if arch == "gemma3":
         # llama.cpp keeps Gemma 3's 5:1 layer pattern, the local RoPE base (10000) and the
         # query scalar (head_dim for every published size but 27B) in code, not in the file.
-        layers = int(get("block_count"))
+        layers = get("block_count")
         gemma = dict(
             layer_types=gemma3_layer_types(layers),
-            sliding_window=int(get("attention.sliding_window")),
+            sliding_window=get("attention.sliding_window"),
             rope_local_theta=10000.0,
             rope_scaling=factor,
-            query_pre_attn_scalar=int(get("attention.key_length")),
+            query_pre_attn_scalar=get("attention.key_length"),
         )
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    hidden, heads = get("embedding_length"), get("attention.head_count")
     if "token_embd.weight" not in tensor_shapes:
-        raise CheckpointError(f"{source}: tensor 'token_embd.weight' is missing.")
-    token_id = lambda key: None if fields.get(key) is None else int(fields[key])
+        raise CheckpointError(
+            f"{source}: tensor 'token_embd.weight' is missing; use a complete GGUF file."
+        )
+    token_id = lambda key: None if fields.get(key) is None else _metadata(fields, key, source)
     try:
         return ModelConfig(
-            vocab_size=int(get("vocab_size", tensor_shapes["token_embd.weight"][-1])),
+            vocab_size=get("vocab_size", tensor_shapes["token_embd.weight"][-1]),
             hidden_size=hidden,
-            num_layers=int(get("block_count")),
+            num_layers=get("block_count"),
             num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
-            intermediate_size=int(get("feed_forward_length")),
-            rope_theta=_decimal(get("rope.freq_base", 10000.0)),
-            rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
+            num_kv_heads=get("attention.head_count_kv", heads),
+            head_dim=get("attention.key_length", hidden // max(heads, 1)),
+            intermediate_size=get("feed_forward_length"),
+            rope_theta=_decimal(get("rope.freq_base", 10000.0, kind=float)),
+            rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon", kind=float)),
             tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             qk_norm=arch in ("qwen3", "gemma3"),
             architecture=arch,
             param_dtype=param_dtype,
             compute_dtype=compute_dtype,
-            max_position_embeddings=int(get("context_length", 32768)),
+            max_position_embeddings=get("context_length", 32768),
             bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
             eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
             pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
@@ -206,6 +231,48 @@ def config_from_gguf(
         raise
     except ValueError as e:  # ModelConfig's own checks (e.g. a Qwen3 GGUF with q/k/v biases)
         raise CheckpointError(f"{source}: {e}") from e
+
+
+def _open(path: Path, param_dtype: str, compute_dtype: str) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, {GGUF name: tensor}) of a GGUF file, its tensor data not read (memory
+    mapped). CheckpointError names the file and the fix when it is missing, unreadable, damaged
+    or of a layout this loader does not know."""
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found; pass the path of a .gguf file.")
+    try:
+        reader = _ModelReader(path)
+    except OSError as e:
+        raise CheckpointError(
+            f"{path} cannot be read ({e.strerror or e}); check that it is a readable file."
+        ) from e
+    except Exception as e:
+        # The gguf library walks the bytes with numpy views: a garbled or truncated file fails
+        # with whatever numpy raises there (IndexError, ValueError, OverflowError, MemoryError).
+        raise CheckpointError(
+            f"{path} is not a valid GGUF file ({_reason(e)}); re-download or re-convert it."
+        ) from e
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = config_from_gguf(
+        _fields(reader),
+        {name: tuple(int(x) for x in t.shape) for name, t in tensors.items()},
+        param_dtype=str(jnp.dtype(param_dtype)),
+        compute_dtype=str(jnp.dtype(compute_dtype)),
+        source=str(path),
+    )
+    for name in tensors:
+        if hf_name(name, cfg.architecture) is None:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has no transformers equivalent for {cfg.architecture}; "
+                "this GGUF layout is not supported."
+            )
+    return cfg, tensors
+
+
+def check_file(path) -> None:
+    """CheckpointError when the GGUF file `path` cannot be loaded: missing, unreadable, damaged
+    or unsupported. Reads the header and metadata only (~0.1 s), so config validation can
+    refuse the file before a run writes anything."""
+    _open(Path(path), "float32", "float32")
 
 
 def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_tokenizer: bool = True):
@@ -218,24 +285,17 @@ def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_toke
     GGUF conversion (`AutoTokenizer.from_pretrained(dir, gguf_file=name)`).
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path} not found; pass the path of a .gguf file.")
-    try:
-        reader = _ModelReader(path)
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e}).") from e
-    tensors = {t.name: t for t in reader.tensors}
+    cfg, tensors = _open(path, param_dtype, compute_dtype)
     shapes = {name: tuple(int(x) for x in t.shape) for name, t in tensors.items()}
-    cfg = config_from_gguf(
-        _fields(reader),
-        shapes,
-        param_dtype=str(jnp.dtype(param_dtype)),
-        compute_dtype=str(jnp.dtype(compute_dtype)),
-        source=str(path),
-    )
 
     def read(t, name):
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        try:
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+        except NotImplementedError as e:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' is stored as {t.tensor_type.name}, which gguf cannot "
+                "dequantise in numpy; convert the model with another type (F16, Q8_0, Q4_K)."
+            ) from e
         w = w.reshape(tuple(reversed(shapes[name])))  # GGUF shapes are innermost-first
         if cfg.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rope(w, cfg.num_heads)
@@ -245,15 +305,10 @@ def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_toke
             w = w - 1.0  # llama.cpp stores Gemma's norm scales as 1 + w
         return w
 
-    readers = {}
-    for name, t in tensors.items():
-        target = hf_name(name, cfg.architecture)
-        if target is None:
-            raise CheckpointError(
-                f"{path}: tensor '{name}' has no transformers equivalent for {cfg.architecture}; "
-                "this GGUF layout is not supported."
-            )
-        readers[target] = lambda t=t, name=name: read(t, name)
+    readers = {
+        hf_name(name, cfg.architecture): lambda t=t, name=name: read(t, name)
+        for name, t in tensors.items()
+    }
     model: Transformer = load_tensors(cfg, readers, source=str(path))
     tokenizer = gguf_tokenizer(path) if load_tokenizer else None
     return model, tokenizer
@@ -291,7 +346,15 @@ def gguf_tokenizer(path, cache_dir: str | None = None):
                 return transformers.AutoTokenizer.from_pretrained(str(entry))
             except Exception:  # a damaged entry: convert again and replace it
                 shutil.rmtree(entry, ignore_errors=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
+    except Exception as e:  # transformers' conversion fails on a missing or odd vocabulary
+        raise CheckpointError(
+            f"{path} holds no tokenizer that transformers can convert ({_reason(e)}); use a GGUF "
+            "file with its tokenizer, or set config.tokenizer.kind=hf with tokenizer.path."
+        ) from e
     if entry is not None:
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)

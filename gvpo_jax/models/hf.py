@@ -121,10 +121,22 @@ def _open_checkpoint(hf_dir: Path) -> dict[str, safetensors_io.SafetensorsFile]:
     if index_path.exists():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
+            names = list(weight_map.items()) if isinstance(weight_map, dict) else None
+        except OSError as e:
             raise CheckpointError(
-                f"{index_path}: no valid 'weight_map' ({e}); re-export the checkpoint."
+                f"{index_path} cannot be read ({e.strerror or e}); check that it is a readable "
+                "file."
             ) from e
+        except (ValueError, KeyError, TypeError) as e:  # not JSON, not an object, no weight_map
+            raise CheckpointError(
+                f"{index_path} has no valid 'weight_map' ({type(e).__name__}: {e}); re-download "
+                "or re-export the checkpoint."
+            ) from e
+        if names is None or not all(isinstance(v, str) and v for _, v in names):
+            raise CheckpointError(
+                f"{index_path}: 'weight_map' must map tensor names to shard file names; "
+                "re-download or re-export the checkpoint."
+            )
         files = {}
         for name in sorted(set(weight_map.values())):
             if not (hf_dir / name).exists():
@@ -149,6 +161,13 @@ def _open_checkpoint(hf_dir: Path) -> dict[str, safetensors_io.SafetensorsFile]:
         f"{hf_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found; save the checkpoint with "
         "safetensors (transformers save_pretrained(..., safe_serialization=True))."
     )
+
+
+def check_files(hf_dir) -> None:
+    """CheckpointError naming the first weight file of `hf_dir` (the index, a shard) that is
+    missing, unreadable, not safetensors or truncated. Reads the headers only, so config
+    validation can refuse the directory before a run writes anything."""
+    _open_checkpoint(Path(hf_dir))
 
 
 def _first(names: set[str]) -> str:
@@ -263,7 +282,6 @@ def save_pretrained(
             "(and models.lora.save_peft for the adapters alone)."
         )
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     dtype_name = str(jnp.dtype(dtype or cfg.param_dtype))
     if dtype_name not in ("float32", "bfloat16"):
@@ -282,19 +300,25 @@ def save_pretrained(
         current.append(src)
         current_bytes += nbytes
     shards.append(current)
-    for stale in [*out_dir.glob("model*.safetensors"), out_dir / INDEX_FILE]:
-        stale.unlink(missing_ok=True)  # never leave shards of an older export behind
-    (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype_name), indent=2) + "\n")
-    if len(shards) == 1:
-        safetensors_io.write_file(out_dir / SINGLE_FILE, shards[0])
-    else:
-        weight_map, total = {}, 0
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += safetensors_io.write_file(out_dir / name, shard)
-            weight_map.update({src[0]: name for src in shard})
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
+    try:  # a full disk or a read-only directory: the machine's fault, in one sentence
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*out_dir.glob("model*.safetensors"), out_dir / INDEX_FILE]:
+            stale.unlink(missing_ok=True)  # never leave shards of an older export behind
+        (out_dir / "config.json").write_text(
+            json.dumps(config_to_hf(cfg, dtype_name), indent=2) + "\n"
+        )
+        if len(shards) == 1:
+            safetensors_io.write_file(out_dir / SINGLE_FILE, shards[0])
+        else:
+            weight_map, total = {}, 0
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                total += safetensors_io.write_file(out_dir / name, shard)
+                weight_map.update({src[0]: name for src in shard})
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(out_dir))
+    except OSError as e:
+        raise safetensors_io.write_error(e.filename or out_dir, e) from e
     return out_dir
