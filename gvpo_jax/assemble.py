@@ -66,10 +66,19 @@ class Run:
     # the LoRA policy's with its adapters off
     logprobs: object
     buckets: BucketedSteps | None  # optim.length_buckets > 0: the bucketed update / log-probs
-    needs_reference: bool  # a frozen reference copy is kept (anchor "ref", KL penalty, metric)
     # mesh.rollout_devices > 0: the devices that only sample (rollout_queue.SamplingMesh)
     sampling_mesh: rollout_queue.SamplingMesh | None = None
     lora: lora.LoRASpec | None = None  # config.lora.enabled: the adapters on a frozen base
+
+    @property
+    def algorithm(self) -> losses.Algorithm:
+        """The run's algorithm, resolved once from the config (`config.algorithm`)."""
+        return self.step.algorithm
+
+    @property
+    def reference(self) -> train_step.Reference:
+        """Where the reference log-probs come from (a frozen copy, the adapters off, none)."""
+        return self.step.reference
 
     def model(self, params) -> models.Transformer:
         return nnx.merge(self.graphdef, params)
@@ -77,24 +86,6 @@ class Run:
 
 # ----------------------------------------------------------------------------------------------
 # Config -> settings (pure functions of the config; the planner uses them too)
-
-
-def loss_kwargs(config: ml_collections.ConfigDict) -> dict:
-    """Preset overrides from the config (only the ones the user set), plus max_tokens and the
-    entropy bonus's coefficient (when non-zero)."""
-    preset = losses.get_preset(config.algo.name)
-    kw = {}
-    if preset.kind == "gvpo":
-        kw["beta"] = config.algo.beta
-    else:
-        allowed = losses.overridable(config.algo.name)
-        for name in ("eps_low", "eps_high", "kl_coef", "reward_kl_coef"):
-            if name in allowed and config.algo[name] is not None:
-                kw[name] = config.algo[name]
-        kw["max_tokens"] = config.rollout.max_new_tokens
-    if config.algo.entropy_coef:
-        kw["entropy_coef"] = float(config.algo.entropy_coef)
-    return kw
 
 
 def trains(config: ml_collections.ConfigDict) -> bool:
@@ -137,7 +128,7 @@ def check_lora(config: ml_collections.ConfigDict, cfg: models.ModelConfig) -> No
                 f"config.lora.rank is {spec.rank} but {name} is only {width} wide in this model "
                 f"(a rank above the layer width adds nothing); set lora.rank <= {width}."
             )
-    if config.mode in ("train", "sft") and config.sft.steps and needs_reference(config):
+    if config.mode in ("train", "sft") and config.sft.steps and reference(config).kind != "none":
         config_lib.fail(
             "config.lora.enabled with sft.steps > 0 and a reference: LoRA's reference is the base "
             "with the adapters off, not the SFT result; set sft.steps=0 or drop the reference "
@@ -145,34 +136,15 @@ def check_lora(config: ml_collections.ConfigDict, cfg: models.ModelConfig) -> No
         )
 
 
-def needs_reference(config: ml_collections.ConfigDict) -> bool:
-    """A frozen reference copy: GVPO's anchor="ref", a KL penalty (in the loss or, REINFORCE++
-    and RLOO, in the reward), or the KL-to-start metric."""
-    preset = losses.get_preset(config.algo.name)
-    if config.train.kl_ref_metric:
-        return True
-    if preset.kind == "gvpo":
-        return config.algo.anchor == "ref"
-    kl = config.algo.kl_coef if config.algo.kl_coef is not None else preset.kwargs.get("kl_coef", 0)
-    return kl > 0 or _reward_kl(config) > 0
-
-
-def batch_advantages(config: ml_collections.ConfigDict) -> bool:
-    """The preset's advantages use whole-batch statistics (REINFORCE++): the step computes them
-    once on the rollout batch whenever the loss would otherwise see only a part of it."""
-    return losses.uses_batch_statistics(config.algo.name, **_preset_overrides(config))
-
-
-def _preset_overrides(config: ml_collections.ConfigDict) -> dict:
-    """`loss_kwargs` without the two that are not preset settings (max_tokens, entropy_coef)."""
-    step_only = ("max_tokens", "entropy_coef")
-    return {k: v for k, v in loss_kwargs(config).items() if k not in step_only}
-
-
-def uses_dynamic_sampling(config: ml_collections.ConfigDict) -> bool:
-    if config.algo.dynamic_sampling is not None:
-        return bool(config.algo.dynamic_sampling)
-    return losses.get_preset(config.algo.name).dynamic_sampling
+def reference(config: ml_collections.ConfigDict) -> train_step.Reference:
+    """Where the run's reference log-probs come from: a frozen copy of the start policy, the
+    LoRA policy with its adapters off, or none. One is needed by the algorithm (GVPO's anchor
+    "ref", a KL penalty in the loss or the reward) or by the KL-to-start metric, and only by a
+    run that trains."""
+    wanted = config_lib.algorithm(config).needs_reference or config.train.kl_ref_metric
+    if not (wanted and trains(config)):
+        return train_step.Reference("none")
+    return train_step.Reference("adapters_off" if config.lora.enabled else "copy")
 
 
 def rl_updates(config: ml_collections.ConfigDict) -> int:
@@ -196,33 +168,23 @@ def optimizer(config: ml_collections.ConfigDict, total_updates: int):
 
 
 def rl_loss_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
-    """`train_step.rl_loss` with the config's algorithm, anchor and loss settings bound."""
+    """`train_step.rl_loss` with the run's algorithm, layout and reference bound."""
     c = config
     return functools.partial(
         train_step.rl_loss,
         graphdef=graphdef,
-        algo=c.algo.name,
+        algorithm=config_lib.algorithm(c),
         group_size=c.rollout.group_size,
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
-        anchor=c.algo.anchor,
-        loss_kwargs=loss_kwargs(c),
-        correction=rollout_correction(c),
     )
-
-
-def rollout_correction(config: ml_collections.ConfigDict) -> tuple[str, float] | None:
-    """(mode, cap) of `losses.rollout_correction`, or None when algo.rollout_correction=none."""
-    c = config.algo
-    return None if c.rollout_correction == "none" else (c.rollout_correction, c.rollout_is_cap)
 
 
 def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
     c = config
-    overlong = None
-    if losses.get_preset(c.algo.name).overlong_penalty:
-        overlong = (c.rollout.max_new_tokens, c.algo.overlong_cache, c.algo.overlong_factor)
     return StepSettings(
+        algorithm=config_lib.algorithm(c),
+        reference=reference(c),
         prompts_per_step=c.rollout.prompts_per_step,
         group_size=c.rollout.group_size,
         prompt_len=c.data.max_prompt_len,
@@ -230,39 +192,11 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         num_minibatches=c.algo.num_minibatches,
         micro_batches=c.optim.micro_batches,
         replay_fraction=c.algo.replay_fraction,
-        dynamic_sampling=uses_dynamic_sampling(c),
         max_extra_rounds=c.algo.max_extra_rounds,
-        overlong=overlong,
         demo_slot=bool(c.algo.demo_slot),
         max_bad_steps=c.train.max_bad_steps,
         grad_clip=c.optim.grad_clip,
-        batch_advantages=batch_advantages_fn(c),
-        advantages_need_old=_reward_kl(c) > 0,
         staleness=c.rollout.staleness,
-        corrected=rollout_correction(c) is not None,
-        sampler_anchor=c.algo.anchor == "sampler",
-        reference_adapters_off=bool(c.lora.enabled) and needs_reference(c),
-    )
-
-
-def _reward_kl(config: ml_collections.ConfigDict) -> float:
-    """The KL-in-reward coefficient in effect (REINFORCE++; 0 for every other preset)."""
-    preset = losses.get_preset(config.algo.name)
-    if config.algo.reward_kl_coef is not None and preset.adv_estimator == "reinforce_pp":
-        return config.algo.reward_kl_coef
-    return preset.adv_kwargs.get("reward_kl_coef", 0.0)
-
-
-def batch_advantages_fn(config: ml_collections.ConfigDict):
-    """`losses.preset_advantages` with the config's preset, group size and overrides bound, for
-    presets whose advantages use whole-batch statistics (`batch_advantages`); else None."""
-    if not batch_advantages(config):
-        return None
-    return functools.partial(
-        losses.preset_advantages,
-        config.algo.name,
-        group_size=config.rollout.group_size,
-        **_preset_overrides(config),
     )
 
 
@@ -463,7 +397,7 @@ def bucketed_steps(config: ml_collections.ConfigDict, graphdef, logprobs, mesh, 
         micro_batches=c.optim.micro_batches,
         chunks=c.algo.num_minibatches * c.optim.micro_batches,
         widths=widths, prompt_len=c.data.max_prompt_len, group_size=G,
-        token_weighted=losses.get_preset(c.algo.name).kwargs.get("agg") == "token-mean",
+        token_weighted=config_lib.algorithm(c).token_weighted,
         mesh=mesh, state_shardings=state_shardings, rules=rules, packed=c.optim.pack_groups,
     )  # fmt: skip
 
@@ -587,8 +521,6 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         update=update,
         logprobs=logprobs,
         buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules, state.params),
-        # with LoRA the reference is the base (adapters off): no copy
-        needs_reference=needs_reference(config) and trains(config) and not config.lora.enabled,
         sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),
         lora=lora_spec(config),
     )

@@ -1093,15 +1093,17 @@ ANCHORS = ("old", "ref", "sampler")  # GVPO's pi_theta': pi_old, a frozen refere
 
 class AlgorithmError(ValueError):
     """An algorithm setting `resolve` cannot honour, in one sentence: argument `field` and what
-    follows it (`rest`), where "@x" names another argument. `sentence(prefix)` names them as a
-    trainer's own config does (e.g. prefix "algo." -> "algo.name")."""
+    follows it (`rest`), where "@x" names another argument. `sentence(prefix, refs)` names them
+    as a trainer's own config does (e.g. "config.algo.anchor ... algo.name=...")."""
 
     def __init__(self, field: str, rest: str):
         self.field, self.rest = field, rest
         super().__init__(self.sentence())
 
-    def sentence(self, prefix: str = "") -> str:
-        return f"{prefix}{self.field} {self.rest.replace('@', prefix)}"
+    def sentence(self, prefix: str = "", refs: str | None = None) -> str:
+        """The sentence with the field behind `prefix` and every other argument behind `refs`
+        (default: `prefix`)."""
+        return f"{prefix}{self.field} {self.rest.replace('@', prefix if refs is None else refs)}"
 
 
 @dataclasses.dataclass(frozen=True)

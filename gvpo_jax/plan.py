@@ -324,9 +324,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         mesh=sizes,
         params=param_bytes,
         opt_state=opt_bytes,
-        reference=tree_bytes(compute, mesh, rules)
-        if trains and assemble.needs_reference(c) and not c.lora.enabled
-        else 0,
+        reference=tree_bytes(compute, mesh, rules) if assemble.reference(c).kind == "copy" else 0,
         compute_copy=compute_bytes,
         gathered=gathered,
         gradients=grads,
@@ -410,7 +408,7 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
         "rewards": ((rows,), jnp.float32),
         "old_logp": ((rows, N), jnp.float32),
     }
-    if assemble.needs_reference(c):
+    if assemble.reference(c).present:
         spec["ref_logp"] = ((rows, N), jnp.float32)
     batch = {
         k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)

@@ -20,7 +20,7 @@ import time
 import jax
 import numpy as np
 
-from gvpo_jax import rewards, rollout, rollout_queue, sampler, sharding, tasks, train_step
+from gvpo_jax import losses, rewards, rollout, rollout_queue, sampler, sharding, tasks, train_step
 from gvpo_jax.errors import FaultError
 from gvpo_jax.replay import ReplayBuffer
 
@@ -38,8 +38,11 @@ class TrainingError(FaultError):
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-    """What one RL step does (from the config's rollout / algo / optim sections)."""
+    """What one RL step does: the algorithm and reference resolved at assembly, and the
+    config's rollout / algo / optim layout."""
 
+    algorithm: losses.Algorithm  # the loss, its advantages and what the step must provide
+    reference: train_step.Reference  # where ref_logp comes from (a copy, adapters off, none)
     prompts_per_step: int  # P groups per update batch (fresh + replayed)
     group_size: int  # G responses per prompt
     prompt_len: int  # prompt slots of the update layout (data.max_prompt_len)
@@ -47,21 +50,11 @@ class StepSettings:
     num_minibatches: int  # updates per pass (whole groups per minibatch)
     micro_batches: int  # gradient accumulation inside one update
     replay_fraction: float  # share of the P groups drawn from the replay buffer (GVPO)
-    dynamic_sampling: bool  # DAPO: replace groups whose rewards are all equal
     max_extra_rounds: int  # rollout rounds at most beyond the first, with dynamic sampling
-    overlong: tuple[int, int, float] | None  # DAPO soft penalty (max_len, cache_len, factor)
     demo_slot: bool  # the last response of every group is the demonstration answer
     max_bad_steps: int  # consecutive non-finite updates before the run stops
     grad_clip: float = 0.0  # the optimizer's global-norm clip (0: off), for grad_clipped_frac
-    # (rewards=, mask=, old_logp=, ref_logp=) -> advantages, for presets whose advantages use
-    # whole-batch statistics (REINFORCE++); None: each loss call computes its own.
-    batch_advantages: object = None
-    advantages_need_old: bool = False  # batch_advantages reads pi_old (a KL in the reward)
     staleness: int = 0  # the rollout of step t comes from the policy of step t - staleness
-    corrected: bool = False  # algo.rollout_correction: the batch carries behaviour_logp
-    sampler_anchor: bool = False  # GVPO anchor "sampler": the batch carries sampler_logp
-    # LoRA: the reference log-probs are the policy's with its adapters off (no copy is kept)
-    reference_adapters_off: bool = False
 
 
 @dataclasses.dataclass
@@ -170,8 +163,9 @@ def rl_step(run, state, loop: LoopState, ref_params):
     # 3. Replay: the update batch is the fresh groups plus replayed ones; the fresh go in.
     t0 = time.perf_counter()
     keys = ("tokens", "attn_mask", "resp_mask", "rewards")
-    batch = {k: fresh[k] for k in keys + (("behaviour_logp",) if s.corrected else ())}
-    if s.sampler_anchor:  # the sampling policy's own (T = 1) log-probs; no replay with it
+    algo = s.algorithm
+    batch = {k: fresh[k] for k in keys + (("behaviour_logp",) if algo.correction else ())}
+    if algo.anchor == "sampler":  # the sampling policy's own (T = 1) log-probs; no replay
         batch["sampler_logp"] = fresh["rollout_logp"]
     if n_replay:
         batch = rollout.concat_batches([batch, replay.sample(n_replay)])
@@ -185,7 +179,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
     #    consistency and entropy metrics then come from the update (rows sampled this step).
     single_update = s.num_epochs * s.num_minibatches == 1
     bucketed = run.buckets  # None: every pass spans all max_new_tokens response slots
-    reference = ref_params is not None or s.reference_adapters_off
+    reference = s.reference.present
     if bucketed is None and (not single_update or reference):
         dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
 
@@ -204,18 +198,23 @@ def rl_step(run, state, loop: LoopState, ref_params):
         batch["old_logp"] = logprobs(state.params)
     if ref_params is not None:
         batch["ref_logp"] = logprobs(ref_params)
-    elif s.reference_adapters_off:  # LoRA: the base, i.e. the same parameters without adapters
+    elif s.reference.kind == "adapters_off":  # LoRA: the base, the parameters without adapters
         batch["ref_logp"] = logprobs(state.params, adapters_off=True)
     whole = single_update and s.micro_batches == 1 and bucketed is None  # one loss call, all rows
-    if s.batch_advantages is not None and not whole:
+    if algo.batch_statistics and not whole:
         # Whole-batch statistics (REINFORCE++'s global normalisation) from every row, once,
         # before the batch is cut into minibatches and micro-batches. A KL in the reward needs
         # pi_old, which a single update otherwise takes from its own forward.
         old = batch.get("old_logp")
-        if old is None and s.advantages_need_old:
+        if old is None and algo.advantages_need_old:
             old = logprobs(state.params)
-        adv = s.batch_advantages(rewards=batch["rewards"], mask=batch["resp_mask"],
-                                 old_logp=old, ref_logp=batch.get("ref_logp"))  # fmt: skip
+        adv = algo.advantages(
+            rewards=batch["rewards"],
+            mask=batch["resp_mask"],
+            group_size=G,
+            old_logp=old,
+            ref_logp=batch.get("ref_logp"),
+        )
         batch["advantages"] = np.asarray(jax.device_get(adv), np.float32)
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
     # Response slots computed per real response token (1.0: no padding) of a log-prob pass and
@@ -329,7 +328,7 @@ def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: in
     model = run.model(params)
     kept, info_acc, completions_all, examples_all = [], {}, [], []
     num_kept, rounds_run = 0, 0
-    for r in range(1 + (s.max_extra_rounds if s.dynamic_sampling else 0)):
+    for r in range(1 + (s.max_extra_rounds if s.algorithm.dynamic_sampling else 0)):
         rounds_run += 1
         examples = next_examples(run.task, run.mesh, loop, num_prompts)
         batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r),
@@ -343,8 +342,8 @@ def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: in
         )  # fmt: skip
         info["decode_tokens"] = float(np.sum(batch["lengths"]))
         batch["task_rewards"] = batch["rewards"].copy()
-        if s.overlong is not None:  # DAPO's soft overlong penalty on the response lengths
-            max_len, cache_len, factor = s.overlong
+        if s.algorithm.overlong is not None:  # DAPO's soft overlong penalty on the lengths
+            max_len, cache_len, factor = s.algorithm.overlong
             batch["rewards"] = batch["rewards"] + rewards.overlong_penalty(
                 batch["lengths"], max_len=max_len, cache_len=cache_len, factor=factor
             )
@@ -352,7 +351,7 @@ def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: in
             info_acc.setdefault(k, []).append(v)
         if r == 0:
             completions_all, examples_all, first_round = completions, examples, batch
-        if not s.dynamic_sampling:
+        if not s.algorithm.dynamic_sampling:
             kept.append(batch)
             num_kept = num_prompts
             break

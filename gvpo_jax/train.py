@@ -75,7 +75,7 @@ def _run_mode(run_: assemble.Run, handover: list, loop: LoopState, on_step=None)
         _record_eval(summary, "eval_before_sft", run_, state.params, step=0)
         state = run_sft(run_, state, loop, steps=c.sft.steps)
         state = fresh_moments(run_, state)
-    if run_.needs_reference and not resumed:
+    if run_.reference.kind == "copy" and not resumed:
         ref = reference_copy(run_, state.params)
     if c.mode == "sft":
         _record_eval(summary, "eval_after_sft", run_, state.params, step=0)
@@ -293,7 +293,7 @@ def restore(run_: assemble.Run, state, loop: LoopState):
     if not assemble.trains(run_.config):
         state = state.replace(opt_state=checkpoint.skipped(state.opt_state))
         ref_layout = checkpoint.skipped(ref_layout)
-    layouts = [ref_layout, None] if run_.needs_reference else [None, ref_layout]
+    layouts = [ref_layout, None] if run_.reference.kind == "copy" else [None, ref_layout]
 
     def attempt(directory, step):
         first_error = None
@@ -322,7 +322,7 @@ def restore(run_: assemble.Run, state, loop: LoopState):
         adapted = lora.join(restored["state"].params, base)
         restored = {**restored, "state": restored["state"].replace(params=adapted)}
     ref = None
-    if run_.needs_reference:  # start of RL from a checkpoint without reference: freeze now
+    if run_.reference.kind == "copy":  # start of RL from a checkpoint without reference: freeze now
         ref = (
             restored["ref"]
             if restored["ref"] is not None

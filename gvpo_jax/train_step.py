@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -241,31 +242,45 @@ def jit_logprobs(
                    static_argnums=3)  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """Where a run's reference log-probs (`ref_logp`) come from, fixed at assembly: "copy" (a
+    frozen copy of the start policy's parameters), "adapters_off" (LoRA: the policy's own
+    parameters with the adapters off, no copy) or "none"."""
+
+    kind: str = "none"
+
+    def __post_init__(self):
+        if self.kind not in ("none", "copy", "adapters_off"):
+            raise ValueError(f"Reference kind {self.kind!r}; use none, copy or adapters_off.")
+
+    @property
+    def present(self) -> bool:
+        return self.kind != "none"
+
+
 def rl_loss(
     params,
     batch,
     *,
     graphdef,
-    algo: str,
+    algorithm: losses.Algorithm,
     group_size: int,
     prompt_len: int,
     chunk_size: int,
-    anchor: str,
-    loss_kwargs: dict,
-    correction: tuple[str, float] | None = None,
 ):
-    """The configured preset loss on one micro-batch of whole groups -> (loss, aux).
+    """The run's algorithm's loss on one micro-batch of whole groups -> (loss, aux).
 
-    `correction` = (mode, cap) of `losses.rollout_correction` against `batch["behaviour_logp"]`
-    (what the sampler drew from): token_tis scales the token advantages by the truncated
-    weights, seq_mis masks responses out of the loss; None: no correction.
+    `algorithm.correction` = (mode, cap) of `losses.rollout_correction` against
+    `batch["behaviour_logp"]` (what the sampler drew from): token_tis scales the token
+    advantages by the truncated weights, seq_mis masks responses out of the loss.
 
     The G rows of a group share their prompt, which is run once per group
     (`response_logprobs` with group_size = G). With `entropy_coef` in loss_kwargs (non-zero) the
     same pass gives the per-token entropy for the bonus; `batch["advantages"]`, when present, was
     computed on the whole rollout batch (`losses.uses_batch_statistics`) and is used as it is.
     """
-    with_entropy = loss_kwargs.get("entropy_coef", 0.0) != 0.0
+    with_entropy = algorithm.entropy_coef != 0.0
     if "pack_tokens" in batch:  # a packed micro-batch (`gvpo_jax.buckets`): same log-probs
         out = packed_logprobs(graphdef, params, batch, prompt_len=prompt_len,
                               chunk_size=chunk_size, with_entropy=with_entropy)  # fmt: skip
@@ -285,29 +300,28 @@ def rl_loss(
     # GVPO's pi_theta': "old" is old_logp (below); "ref" the frozen start; "sampler" the
     # sampling policy's own log-probs (at T = 1) from the sampler: rollout.staleness updates
     # before "old".
-    anchor_logp = {"ref": batch.get("ref_logp"), "sampler": batch.get("sampler_logp")}.get(anchor)
+    anchor_logp = {"ref": batch.get("ref_logp"), "sampler": batch.get("sampler_logp")}.get(
+        algorithm.anchor
+    )
     # Without old_logp the update is the first one from the rollout's parameters (one update
     # per step): pi_old is this forward's value, held constant.
     old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp_BxN)
     advantages, loss_mask, is_aux = batch.get("advantages"), mask_BxN, {}
-    if correction is not None:
-        mode, cap = correction
+    if algorithm.correction is not None:
+        mode, cap = algorithm.correction
         weights_BxN, loss_mask, is_aux = losses.rollout_correction(
             old_logp, batch["behaviour_logp"], mask_BxN, mode=mode, cap=cap
         )
         if weights_BxN is not None:  # token_tis: the advantages of this batch, weighted
             if advantages is None:
-                overrides = {k: v for k, v in loss_kwargs.items()
-                             if k not in ("entropy_coef", "max_tokens")}  # fmt: skip
-                advantages = losses.preset_advantages(
-                    algo, rewards=batch["rewards"], mask=mask_BxN, group_size=group_size,
-                    old_logp=old_logp, ref_logp=batch.get("ref_logp"), **overrides,
+                advantages = algorithm.advantages(
+                    rewards=batch["rewards"], mask=mask_BxN, group_size=group_size,
+                    old_logp=old_logp, ref_logp=batch.get("ref_logp"),
                 )  # fmt: skip
             if advantages.ndim == 1:
                 advantages = advantages[:, None]
             advantages = advantages * weights_BxN
-    loss, aux = losses.preset_loss(
-        algo,
+    loss, aux = algorithm.loss(
         logp=logp_BxN,
         old_logp=old_logp,
         rewards=batch["rewards"],
@@ -317,7 +331,6 @@ def rl_loss(
         anchor_logp=anchor_logp,
         advantages=advantages,
         entropy=entropy_BxN,
-        **loss_kwargs,
     )
     aux = dict(aux) | is_aux
     # The tokens the loss counted (the mask it was given, after seq_mis): length buckets weight

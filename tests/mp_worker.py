@@ -66,18 +66,16 @@ def gvpo_pieces(graphdef, *, group_size: int = GROUP, prompt_len: int = PROMPT_L
     """
     import optax
 
-    from gvpo_jax import train_step
+    from gvpo_jax import losses, train_step
 
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
     loss_fn = functools.partial(
         train_step.rl_loss,
         graphdef=graphdef,
-        algo="gvpo",
+        algorithm=losses.resolve("gvpo", beta=0.1),
         group_size=group_size,
         prompt_len=prompt_len,
         chunk_size=4,
-        anchor="old",
-        loss_kwargs={"beta": 0.1},
     )
     return tx, loss_fn
 

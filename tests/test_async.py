@@ -2,6 +2,7 @@
 (`mesh.rollout_devices`), a resume with rollouts in the queue, and the rollout correction of the
 clipped losses (`algo.rollout_correction`)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -302,7 +303,7 @@ def test_token_tis_truncates_and_seq_mis_masks_on_a_hand_built_batch():
 def test_token_tis_is_grpo_with_the_token_advantages_weighted():
     """In the trainer's loss, token_tis equals grpo_loss on advantages x min(w, cap): values and
     gradients; seq_mis equals grpo_loss with the out-of-band responses masked."""
-    from gvpo_jax import assemble, train_step
+    from gvpo_jax import train_step
 
     run, state, loop, _ = make_run(toy_config("grpo", **{"algo.kl_coef": 0.0}))
     batch, *_ = rl_step.collect_groups(run, state.params, loop, jax.random.key_data(
@@ -314,11 +315,11 @@ def test_token_tis_is_grpo_with_the_token_advantages_weighted():
     # A behaviour distribution off by a known amount per token.
     shift = 0.6 * np.sin(np.arange(batch["resp_mask"].size)).reshape(batch["resp_mask"].shape)
     dev["behaviour_logp"] = logp - jnp.asarray(shift, jnp.float32)
-    kwargs = assemble.loss_kwargs(run.config)
     for mode in ("token_tis", "seq_mis"):
-        loss = lambda p, mode=mode: train_step.rl_loss(  # noqa: E731
-            p, dev, graphdef=run.graphdef, algo="grpo", group_size=4, prompt_len=6,
-            chunk_size=8, anchor="old", loss_kwargs=kwargs, correction=(mode, 1.5))[0]  # fmt: skip
+        algorithm = dataclasses.replace(run.algorithm, correction=(mode, 1.5))
+        loss = lambda p, algorithm=algorithm: train_step.rl_loss(  # noqa: E731
+            p, dev, graphdef=run.graphdef, algorithm=algorithm, group_size=4, prompt_len=6,
+            chunk_size=8)[0]  # fmt: skip
         weights, mask, _ = losses.rollout_correction(
             logp, dev["behaviour_logp"], dev["resp_mask"], mode=mode, cap=1.5
         )
@@ -365,7 +366,7 @@ def test_the_sampler_anchor_is_gvpo_against_the_policy_that_sampled():
     (step 1: the anchor is the policy's own log-probs, not the T = 0.7 distribution drawn from)
     and acts on the first minibatch once it is an update behind (steps 2-3); anchor "old" keeps
     it at zero."""
-    from gvpo_jax import assemble, train_step
+    from gvpo_jax import train_step
 
     run, state, loop, _ = make_run(toy_config("gvpo", **{"algo.anchor": "sampler"}))
     batch, *_ = rl_step.collect_groups(run, state.params, loop, jax.random.key_data(
@@ -376,12 +377,11 @@ def test_the_sampler_anchor_is_gvpo_against_the_policy_that_sampled():
         group_size=4)  # fmt: skip
     shift = 0.3 * np.cos(np.arange(batch["resp_mask"].size)).reshape(batch["resp_mask"].shape)
     dev["sampler_logp"] = lp(state.params) - jnp.asarray(shift, jnp.float32)
-    kwargs = assemble.loss_kwargs(run.config)
 
     def ours(p, anchor):
-        return train_step.rl_loss(p, dev, graphdef=run.graphdef, algo="gvpo", group_size=4,
-                                  prompt_len=6, chunk_size=8, anchor=anchor,
-                                  loss_kwargs=kwargs)[0]  # fmt: skip
+        algorithm = dataclasses.replace(run.algorithm, anchor=anchor)
+        return train_step.rl_loss(p, dev, graphdef=run.graphdef, algorithm=algorithm,
+                                  group_size=4, prompt_len=6, chunk_size=8)[0]  # fmt: skip
 
     def reference(p):
         return losses.gvpo_loss(lp(p), dev["sampler_logp"], dev["rewards"], dev["resp_mask"],
@@ -418,7 +418,7 @@ def test_the_sampler_anchor_is_gvpo_against_the_policy_that_sampled():
         ({"algo.name": "gvpo", "algo.rollout_correction": "token_tis"},
          "GVPO's optimum holds for any sampling distribution"),
         ({"algo.name": "gspo", "algo.rollout_correction": "token_tis"},
-         "use rollout_correction=seq_mis."),
+         "use algo.rollout_correction=seq_mis."),
         ({"algo.rollout_correction": "tis"}, "use none, token_tis or seq_mis."),
         ({"algo.rollout_is_cap": 1.0}, "config.algo.rollout_is_cap is 1.0; use a cap > 1"),
         ({"algo.name": "gvpo", "rollout.staleness": 2, "algo.replay_fraction": 0.25},

@@ -77,7 +77,8 @@ SEQ_MIS = {"algo.rollout_correction": "seq_mis", "algo.rollout_is_cap": 2.0}
     "algo, changes",
     [("gvpo", {}), ("grpo", {}), ("dr_grpo", {}), ("dapo", {}), ("dapo", SEQ_MIS),
      ("cispo", SEQ_MIS), ("reinforce_pp", SEQ_MIS)],
-    ids=["gvpo", "grpo", "dr_grpo", "dapo", "dapo-seq_mis", "cispo-seq_mis", "reinforce_pp-seq_mis"],
+    ids=["gvpo", "grpo", "dr_grpo", "dapo", "dapo-seq_mis", "cispo-seq_mis",
+         "reinforce_pp-seq_mis"],
 )  # fmt: skip
 def test_bucketed_update_has_the_full_width_single_batch_gradient(algo, changes):
     """Every loss is a mean over whole groups / sequences (a token mean: micro-batches weighted
@@ -93,9 +94,9 @@ def test_bucketed_update_has_the_full_width_single_batch_gradient(algo, changes)
         shift[1::4] = 0.0  # some long rows stay
         batch["behaviour_logp"] = (logp - shift[:, None]) * batch["resp_mask"]
         if algo == "reinforce_pp":  # its whole-batch advantages, as the trainer gives them
-            adv = assemble.batch_advantages_fn(c)(rewards=batch["rewards"],
-                                                  mask=batch["resp_mask"], old_logp=logp,
-                                                  ref_logp=batch.get("ref_logp"))  # fmt: skip
+            adv = run.algorithm.advantages(rewards=batch["rewards"], mask=batch["resp_mask"],
+                                           group_size=c.rollout.group_size, old_logp=logp,
+                                           ref_logp=batch.get("ref_logp"))  # fmt: skip
             batch["advantages"] = np.asarray(adv, np.float32)
     acc, slot_frac = run.buckets.accumulated(state.params, batch)
     assert slot_frac < 0.9  # the short groups' micro-batch was cut to 8 of 16 slots

@@ -118,7 +118,7 @@ def test_trainer_reference_is_the_base_not_a_copy():
     log-probs stay the base's."""
     c = toy_config("grpo", **{"lora.enabled": True, "lora.rank": 4, "optim.lr": 3e-2})
     run, state, loop, ref = make_run(c)
-    assert ref is None and not run.needs_reference and run.step.reference_adapters_off
+    assert ref is None and run.reference.kind == "adapters_off"
     calls = []
     real = run.logprobs
 
@@ -366,7 +366,7 @@ def test_packed_groups_take_the_reference_with_the_adapters_off():
         c = toy_config("grpo", **{"lora.enabled": True, "lora.rank": 2, "optim.length_buckets": 2,
                                   "optim.pack_groups": pack})  # fmt: skip
         run, state, loop, ref = make_run(c)
-        assert ref is None and run.step.reference_adapters_off
+        assert ref is None and run.reference.kind == "adapters_off"
         metrics = []
         for t in (1, 2):
             state, m, _, _ = rl_step(run, state, loop, ref)

@@ -81,7 +81,7 @@ def make_run(config):
     run, state = assemble.assemble(config, tempfile.mkdtemp(prefix="gvpo_test_"))
     run.task.close()
     run = dataclasses.replace(run, task=ToyTask(run.tokenizer), writer=NullWriter())
-    ref = train.reference_copy(run, state.params) if run.needs_reference else None
+    ref = train.reference_copy(run, state.params) if run.reference.kind == "copy" else None
     return run, state, assemble.start_loop(run), ref
 
 
@@ -214,8 +214,8 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
     ub = {k: jnp.asarray(batch[k]) for k in ("tokens", "attn_mask", "resp_mask", "rewards",
                                              "old_logp")}  # fmt: skip
     loss_fn = functools.partial(
-        train_step.rl_loss, graphdef=run.graphdef, algo="gvpo", group_size=G,
-        anchor="old", loss_kwargs={"beta": beta}, **kw,
+        train_step.rl_loss, graphdef=run.graphdef, algorithm=losses.resolve("gvpo", beta=beta),
+        group_size=G, **kw,
     )  # fmt: skip
     g_loss = jax.jit(jax.grad(lambda p: loss_fn(p, ub)[0]))(state.params)
     r = batch["rewards"].reshape(P, G)
@@ -286,7 +286,7 @@ def test_single_update_takes_pi_old_from_its_own_forward(algo):
     real = run.logprobs
     spy = lambda params, tokens, attn: calls.append(1) or real(params, tokens, attn)  # noqa: E731
     _, metrics, _, _ = rl_step(dataclasses.replace(run, logprobs=spy), state, loop, ref)
-    assert len(calls) == (1 if run.needs_reference else 0)  # the reference's pass only
+    assert len(calls) == (1 if run.reference.kind == "copy" else 0)  # the reference's pass only
     assert metrics["sampler_logp_gap_max"] < 1e-4 and metrics["entropy_mc"] > 0
 
     # One batch, updated without and with old_logp from the separate pass: the same update.
