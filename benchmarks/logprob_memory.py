@@ -32,7 +32,7 @@ def peak_bytes(logprob_fn, hidden, unembed, targets) -> tuple[int, int, jax.stag
     return mem.temp_size_in_bytes, total, compiled
 
 
-def main():
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=1024)
@@ -41,7 +41,7 @@ def main():
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--run", action="store_true", help="also execute both and compare")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     b, t, d, v = args.batch, args.length, args.hidden, args.vocab
     hidden = jax.ShapeDtypeStruct((b, t, d), jnp.dtype(args.dtype))
@@ -58,6 +58,7 @@ def main():
         print(f"{name:>14}: temp {gib(temp)}   peak (temp+args+out) {gib(total)}")
     (naive_total, naive_c), (chunk_total, chunk_c) = results.values()
     print(f"reduction: {naive_total / chunk_total:.1f}x lower peak memory")
+    summary = {"naive": naive_total, "chunked": chunk_total, "logits_bytes": logits_bytes}
     if args.run:
         keys = jax.random.split(jax.random.key(0), 3)
         h = jax.random.normal(keys[0], hidden.shape, hidden.dtype)
@@ -66,6 +67,8 @@ def main():
         (va, ga), (vb, gb) = naive_c(h, w, y), chunk_c(h, w, y)
         diff = max(float(jnp.max(jnp.abs(x - z))) for x, z in zip(ga, gb, strict=True))
         print(f"value naive {float(va):.4f} chunked {float(vb):.4f}; max grad diff {diff:.2e}")
+        summary.update(values=(float(va), float(vb)), grad_diff=diff)
+    return summary
 
 
 if __name__ == "__main__":

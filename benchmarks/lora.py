@@ -1,13 +1,16 @@
 """LoRA (rank 16) against full fine-tuning on `configs/smollm2_arith.py` (BENCHMARKS.md "LoRA").
 
     python -m benchmarks.lora --seeds=0,1,2 --workdir=runs/lora_bench     # the comparison
+    python -m benchmarks.lora --report --workdir=runs/lora_bench          # its table
     python -m benchmarks.lora --sampler                                   # adapters vs merged
+    python -m benchmarks.lora --quick --workdir=/tmp/lora                 # tiny model, 2 steps
 
 The comparison runs the config as it is (20 GVPO steps) and its LoRA variant (the command-line
 override documented in the config) for each seed, each run in its own process, interleaved
-(full s0, lora s0, full s1, ...), and records per run: the mean update time of steps 2.. (step
-1 compiles), the process's peak RSS, XLA's compiled memory of the update (arguments +
-temporaries + outputs of the jitted step), and held-out greedy accuracy at the start and the
+(full s0, lora s0, full s1, ...), each through `train.run`, and records per run: the mean update
+time of steps 2.. (step 1 compiles), the process's peak RSS, XLA's compiled memory of the update
+(arguments + temporaries + outputs of the jitted step, compiled from shapes by
+`plan.compile_train_step` after the run), and held-out greedy accuracy at the start and the
 end. Records go to `<workdir>/records/<arm>_s<seed>.json` as each run ends; a recorded run is
 skipped, so the script continues where it stopped.
 
@@ -20,6 +23,7 @@ against the same adapters merged into the weights once before the rollout (the m
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -28,6 +32,8 @@ import sys
 import tempfile
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # The LoRA variant documented in configs/smollm2_arith.py (--config.lora.enabled=True
 # --config.optim.lr=2e-4): rank 16, alpha 32, every projection, 40x full fine-tuning's rate.
 LORA_OVERRIDES = {"lora.enabled": True, "optim.lr": 2e-4}
@@ -35,74 +41,75 @@ ARMS = {"full": {}, "lora": LORA_OVERRIDES}
 # Not in the default run (--arms=...): the same LoRA at 10x full fine-tuning's rate.
 EXTRA_ARMS = {"lora_lr5e-5": {"lora.enabled": True, "optim.lr": 5e-5}}
 CONFIG = "configs/smollm2_arith.py"
+# --quick: the same code paths on a tiny random model with the character tokenizer, 2 steps.
+QUICK = {
+    "model.gguf": "", "model.preset": "tiny", "tokenizer.kind": "char",
+    "data.use_chat_template": False, "data.arith.style": "symbolic", "data.max_prompt_len": 16,
+    "data.rewards": "exact_match:1", "data.eval_size": 8, "rollout.max_new_tokens": 4,
+    "algo.overlong_cache": 2, "train.steps": 2, "train.eval_every": 0, "lora.rank": 4,
+}  # fmt: skip
 
 
-def load_config(overrides: dict):
+def load_config(overrides: dict, quick: bool = False):
     import importlib.util
 
     from gvpo_jax import config as config_lib
 
-    spec = importlib.util.spec_from_file_location("smollm2_arith", CONFIG)
+    spec = importlib.util.spec_from_file_location("smollm2_arith", os.path.join(REPO, CONFIG))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    c = config_lib.set_fields(module.get_config(), overrides)
+    c = config_lib.set_fields(module.get_config(), {**(QUICK if quick else {}), **overrides})
     config_lib.validate(c)
     return c
 
 
-def child(arm: str, seed: int, workdir: str) -> None:
-    """One run in this process: assemble, wrap the update to record its compiled memory, train."""
-    import dataclasses
-
+def child(arm: str, seed: int, workdir: str, quick: bool = False) -> None:
+    """One run in this process (`train.run`, each step's update time taken by its `on_step`),
+    then XLA's memory analysis of the same update compiled from shapes (`plan`)."""
+    import jax
     import numpy as np
 
-    from gvpo_jax import assemble, metrics, train
+    from gvpo_jax import plan, sharding, train
 
     extra = {"seed": seed, "train.plot": False, "train.export": False}
-    c = load_config({**{**ARMS, **EXTRA_ARMS}[arm], **extra})
-    run_, state = assemble.assemble(c, workdir)
-    compiled, jitted = {}, run_.update
+    c = load_config({**{**ARMS, **EXTRA_ARMS}[arm], **extra}, quick)
+    update_times = {}
 
-    def update(state, batch):
-        if not compiled:
-            mem = jitted.lower(state, batch).compile().memory_analysis()
-            compiled.update(
-                argument_bytes=mem.argument_size_in_bytes,
-                temp_bytes=mem.temp_size_in_bytes,
-                output_bytes=mem.output_size_in_bytes,
-            )
-        return jitted(state, batch)
+    def on_step(step, state, m) -> bool:
+        update_times[step] = float(m["update_time_s"])
+        return False
 
-    run_ = dataclasses.replace(run_, update=update)
     t0 = time.time()
-    try:
-        summary = train._run_mode(run_, state, assemble.start_loop(run_))
-    finally:
-        run_.writer.close()
-        run_.task.close()
-        run_.ckpt.close()
-    rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    updates = [r["update_time_s"] for r in rows if "update_time_s" in r and r["step"] > 1]
+    summary = train.run(c, workdir, on_step=on_step)
+    wall = time.time() - t0
+    mesh = sharding.make_mesh(*plan.resolve_mesh(c, jax.device_count()))
+    mem = plan.compile_train_step(c, mesh).memory_analysis()
+    compiled = dict(
+        argument_bytes=mem.argument_size_in_bytes,
+        temp_bytes=mem.temp_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes,
+    )
+    updates = [t for step, t in update_times.items() if step > 1]  # step 1 compiles
     record = {
         "arm": arm,
         "seed": seed,
         "overrides": {**ARMS, **EXTRA_ARMS}[arm],
-        "steps": c.train.steps,
+        "steps": len(update_times),
         "update_time_s": float(np.mean(updates)),
         "update_time_median_s": float(np.median(updates)),
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "compiled_update_gib": {k: v / 2**30 for k, v in compiled.items()},
         "greedy_start": summary.get("eval_start"),
         "greedy_end": summary.get("eval_end"),
-        "wall_s": time.time() - t0,
+        "wall_s": wall,
         "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
         ).stdout.strip(),  # fmt: skip
     }
     print("RECORD " + json.dumps(record), flush=True)
 
 
-def sampler_timing() -> None:
+def sampler_timing(quick: bool = False) -> dict:
     """One rollout of the LoRA config: adapters applied in every step vs merged once."""
     import statistics
 
@@ -112,7 +119,7 @@ def sampler_timing() -> None:
     from gvpo_jax import assemble, rl_step, sampler
     from gvpo_jax.models import lora
 
-    c = load_config(LORA_OVERRIDES)
+    c = load_config(LORA_OVERRIDES, quick)
     run_, state = assemble.assemble(c, tempfile.mkdtemp(prefix="lora_sampler_"))
     loop = assemble.start_loop(run_)
     examples = rl_step.next_examples(run_.task, run_.mesh, loop, c.rollout.prompts_per_step)
@@ -126,7 +133,7 @@ def sampler_timing() -> None:
         return jax.block_until_ready(out.tokens_BxN)
 
     times = {"applied": [], "merged": [], "merge_only": []}
-    for i in range(11):  # the first of each compiles; alternated so load drifts hit both
+    for i in range(3 if quick else 11):  # the first of each compiles; alternated (load drifts)
         t0 = time.perf_counter()
         rollout(run_.model(state.params), i)
         times["applied"].append(time.perf_counter() - t0)
@@ -136,25 +143,29 @@ def sampler_timing() -> None:
         times["merge_only"].append(time.perf_counter() - t0)
         rollout(merged, i)
         times["merged"].append(time.perf_counter() - t0)
+    run_.writer.close()
+    run_.task.close()
+    run_.ckpt.close()
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
-    print(json.dumps({"median_s": med, "all_s": {k: [round(t, 3) for t in v] for k, v in
-                                                  times.items()}}))  # fmt: skip
+    result = {"median_s": med, "all_s": {k: [round(t, 3) for t in v] for k, v in times.items()}}
+    print(json.dumps(result))
+    return result
 
 
-def report(root: str) -> None:
+def report(root: str) -> str:
     """The markdown table of the recorded runs (update time: each run's median over its steps,
-    read from its metrics, then mean +- std over seeds)."""
+    read from its metrics, then mean +- std over seeds); printed and returned."""
     import glob
     import statistics as st
 
     from gvpo_jax import metrics
 
     records = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(root, "records", "*")))]
-    print(
+    lines = [
         "| arm | lr | seeds | update (s, median per run) | peak RSS (GiB) | compiled update: "
-        "arguments + temporaries (GiB) | greedy start -> end (each seed) | mean end |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+        "arguments + temporaries (GiB) | greedy start -> end (each seed) | mean end |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for arm in sorted({r["arm"] for r in records}, key=lambda a: (a != "full", a)):
         rs = sorted((r for r in records if r["arm"] == arm), key=lambda r: r["seed"])
         med = []
@@ -166,39 +177,45 @@ def report(root: str) -> None:
         mem = rs[0]["compiled_update_gib"]
         ends = [r["greedy_end"] for r in rs]
         lr = rs[0]["overrides"].get("optim.lr", 5e-6)
-        print(f"| {arm} | {lr:g} | {len(rs)} | {st.mean(med):.2f}{sd(med)} | "
-              f"{st.mean(r['peak_rss_gib'] for r in rs):.2f} | "
-              f"{mem['argument_bytes']:.3f} + {mem['temp_bytes']:.3f} | "
-              + ", ".join(f"{r['greedy_start']:.3f} -> {r['greedy_end']:.3f}" for r in rs)
-              + f" | {st.mean(ends):.3f}{sd(ends)} |")  # fmt: skip
+        lines.append(f"| {arm} | {lr:g} | {len(rs)} | {st.mean(med):.2f}{sd(med)} | "
+                     f"{st.mean(r['peak_rss_gib'] for r in rs):.2f} | "
+                     f"{mem['argument_bytes']:.3f} + {mem['temp_bytes']:.3f} | "
+                     + ", ".join(f"{r['greedy_start']:.3f} -> {r['greedy_end']:.3f}" for r in rs)
+                     + f" | {st.mean(ends):.3f}{sd(ends)} |")  # fmt: skip
+    print("\n".join(lines))
+    return "\n".join(lines)
 
 
-def main() -> None:
-    args = dict(a.lstrip("-").split("=", 1) if "=" in a else (a.lstrip("-"), "1")
-                for a in sys.argv[1:])  # fmt: skip
-    if "child" in args:
-        arm, seed, workdir = args["child"].split(",")
-        sys.argv = sys.argv[:1]
-        child(arm, int(seed), workdir)
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default="runs/lora_bench", help="records and each run's workdir")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join({**ARMS, **EXTRA_ARMS})}")
+    p.add_argument("--report", action="store_true", help="the table of the recorded runs")
+    p.add_argument("--sampler", action="store_true", help="adapters applied vs merged")
+    p.add_argument("--quick", action="store_true", help="a tiny random model, 2 steps (tests)")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)  # arm,seed,workdir
+    args = p.parse_args(argv)
+    if args.child:
+        arm, seed, workdir = args.child.split(",")
+        child(arm, int(seed), workdir, args.quick)
         return
-    if "report" in args:
-        report(args.get("workdir", "runs/lora_bench"))
+    if args.report:
+        report(args.workdir)
         return
-    if "sampler" in args:
-        sys.argv = sys.argv[:1]
-        sampler_timing()
+    if args.sampler:
+        sampler_timing(args.quick)
         return
-    root = args.get("workdir", "runs/lora_bench")
-    os.makedirs(os.path.join(root, "records"), exist_ok=True)
-    arms = args["arms"].split(",") if "arms" in args else list(ARMS)
-    for seed in [int(s) for s in args.get("seeds", "0").split(",")]:
-        for arm in arms:
-            path = os.path.join(root, "records", f"{arm}_s{seed}.json")
+    os.makedirs(os.path.join(args.workdir, "records"), exist_ok=True)
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for arm in args.arms.split(","):
+            path = os.path.join(args.workdir, "records", f"{arm}_s{seed}.json")
             if os.path.exists(path):
                 continue
-            workdir = os.path.join(root, f"{arm}_s{seed}")
+            workdir = os.path.join(args.workdir, f"{arm}_s{seed}")
             cmd = [sys.executable, "-m", "benchmarks.lora", f"--child={arm},{seed},{workdir}"]
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            out = subprocess.run(cmd + ["--quick"] * args.quick, capture_output=True, text=True,
+                                 cwd=REPO)  # fmt: skip
             lines = [x for x in out.stdout.splitlines() if x.startswith("RECORD ")]
             if out.returncode or not lines:
                 print(out.stdout[-2000:], out.stderr[-4000:], flush=True)

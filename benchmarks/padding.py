@@ -148,7 +148,7 @@ def slot_ratios(batches: list[dict], shape: dict) -> list[list[str]]:
     return rows
 
 
-def main(argv=None):
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds")
     parser.add_argument("--seeds", type=int, default=2, help="batches (length draws) cycled")
@@ -185,6 +185,7 @@ def main(argv=None):
     print(common.md_table(["call", "best s", "median s", "max s", "best CPU s", "recompiles",
                            "load"], table))  # fmt: skip
     timing = {k: common.Timing.from_dict(r["timing"]) for k, r in rows.items()}
+    summary = {"rows": rows, "slot_ratios": slot_ratios(batches, shape)}
     for prefix in [f"{a} update" for a in args.algos.split(",")] + ["log-prob pass"]:
         base = timing.get(f"{prefix}, full")
         for layout in ("buckets", "packed"):
@@ -197,6 +198,7 @@ def main(argv=None):
             per_round = [x / y for x, y in zip(b.times_s, p.times_s, strict=True)]
             print(f"{prefix}: packed {b.median / p.median:.2f}x per-group buckets (medians; "
                   f"per round {min(per_round):.2f}-{max(per_round):.2f}x)")  # fmt: skip
+    return summary
 
 
 if __name__ == "__main__":

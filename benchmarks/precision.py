@@ -2,7 +2,7 @@
 
 Run from the repo root:
     .venv/bin/python -m benchmarks.precision speed [--repeats 5] [--quick]
-    .venv/bin/python -m benchmarks.precision memory [--layers 2] [--devices 8]
+    .venv/bin/python -m benchmarks.precision memory [--layers 2] [--devices 8] [--quick]
 
 speed: the bench-45m update step (the trainer's jitted GVPO update, one-device mesh, 8 prompts x 4
 responses of 64 + 128 tokens, as benchmarks/update_step.py) and the rollout (sampler.generate,
@@ -12,7 +12,8 @@ variants share the same fp32 parameters; only `ModelConfig.compute_dtype` differ
 
 memory: XLA's memory analysis of the compiled RL update (`plan.compile_train_step`) for
 configs/qwen_math.py cut to `--layers` layers (full width, 1024 + 1024 tokens) on `--devices` fake
-CPU devices (FSDP), fp32 vs bf16 compute, next to the planner's estimate of the same step.
+CPU devices (FSDP), fp32 vs bf16 compute, next to the planner's estimate of the same step
+(`--quick`: the tiny preset, 1 layer, 16 + 16 tokens: the same code path in seconds).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def rollout_bench(model, prompts, group, prompt_len, new_tokens) -> common.Local
     return common.LocalBench(call)
 
 
-def speed(args) -> None:
+def speed(args) -> dict:
     shape = QUICK if args.quick else FULL
     base = common.bench_model(quick=args.quick)
     chunk = 128
@@ -109,9 +110,10 @@ def speed(args) -> None:
         print(f"{kind}: bf16 / fp32 time per round: median {np.median(per_round):.2f} "
               f"(min {min(per_round):.2f}, max {max(per_round):.2f})")  # fmt: skip
     common.emit_json("precision_speed", results)
+    return results
 
 
-def memory(args) -> None:
+def memory(args) -> list:
     from configs import qwen_math
 
     rows = []
@@ -119,6 +121,10 @@ def memory(args) -> None:
         c = qwen_math.get_config()
         c.model.hf_dir = ""  # shapes from the preset
         c.model.overrides.num_layers = args.layers  # on top of the preset, full width
+        if args.quick:
+            c.model.preset, c.model.overrides.num_layers = "tiny", 1
+            c.data.max_prompt_len = c.rollout.max_new_tokens = 16
+            c.model.logprob_chunk = 16
         c.model.compute_dtype = dtype
         c.mesh.fsdp = -1
         c.rollout.prompts_per_step = args.prompts
@@ -139,7 +145,8 @@ def memory(args) -> None:
         ])  # fmt: skip
         print(rows[-1], flush=True)
     print(
-        f"configs/qwen_math.py, {args.layers} layers at full width, {args.prompts} prompts x 4 "
+        ("the tiny preset, 1 layer, 16 + 16 tokens: " if args.quick else "")
+        + f"configs/qwen_math.py, {args.layers} layers at full width, {args.prompts} prompts x 4 "
         f"responses of 1024 + 1024 tokens in one minibatch of {args.micro_batches} "
         f"micro-batches, {args.devices} fake CPU devices (FSDP), attention={args.attention}; "
         "GiB per device"
@@ -163,20 +170,21 @@ def memory(args) -> None:
             rows,
         )
     )
+    return rows
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["speed", "memory"])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="speed: a one-layer tiny model")
+    parser.add_argument("--quick", action="store_true", help="a one-layer tiny model")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--micro_batches", type=int, default=1)
     parser.add_argument("--attention", default="auto", help="memory: model.attention")
-    args = parser.parse_args()
-    speed(args) if args.what == "speed" else memory(args)
+    args = parser.parse_args(argv)
+    return speed(args) if args.what == "speed" else memory(args)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,7 @@ export PYTHONWARNINGS=ignore TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
 
 run() { echo; echo "## \$ $*"; "$@"; }
 # 1. Rollout: ours vs transformers (benchmarks/rollout.py), ours vs tunix.
-if [ ${#QUICK[@]} -eq 0 ]; then
-  run "$PY" benchmarks/rollout.py --repeats 3 --hf-repeats 2
-fi
+run "$PY" -m benchmarks.rollout --repeats 3 --hf-repeats 2 "${QUICK[@]}"
 run "$PY" -m benchmarks.tunix_rollout --repeats 3 "${QUICK[@]}"
 # 2 + 3. Update step vs PyTorch and tunix, MFU against the measured matmul peak, recompiles.
 run "$PY" -m benchmarks.update_step --repeats 3 "${QUICK[@]}" "${SKIP_TUNIX[@]}"

@@ -14,7 +14,7 @@ temperature 1 (the headline, as the GVPO paper's avg@32) and greedy accuracy; th
 before SFT (0 / 0), after SFT = the RL start and at the end, and writes metrics.jsonl,
 curves.png, checkpoints and the exported Hugging Face directory. What a run printed, with its
 commit, time and numbers, is the README's demo block (generated from docs/demo/record.json by
-`python -m benchmarks.readme_demo`). RL sharpens the sampled distribution: avg@16 rose by
+`python -m tools.readme_demo`). RL sharpens the sampled distribution: avg@16 rose by
 +0.12 +- 0.05 over 3 seeds (every seed >= +0.063) at `d0253f0`, an earlier version of the model
 code; greedy accuracy, already high after SFT, by +0.08 +- 0.055 (STUDY.md, "The demo recipe").
 """

@@ -176,3 +176,113 @@ def test_decode_roofline_quick_splits_the_step_against_both_floors(capsys):
         assert r["compute_floor"] == pytest.approx(2 * n_w * rows / result["peak_flops"])
         assert r["bandwidth_floor"] == pytest.approx(4 * n_w / result["read_bandwidth"])
         assert r["weights_only"] > 0 and r["tokens"] == rows * 16
+
+
+def test_rollout_quick_times_ours_and_transformers_on_the_same_weights(capsys):
+    from benchmarks import rollout
+
+    summary = rollout.main(["--quick", "--repeats", "1", "--hf-repeats", "1"])
+    out = capsys.readouterr().out
+    assert "| gvpo_jax generate |" in out and "| transformers generate |" in out
+    q = rollout.QUICK
+    assert summary["tokens"] == q["prompts"] * q["samples"] * q["new_tokens"]
+    cfg = models.PRESETS["tiny"].replace(num_layers=1)
+    flops = rollout.generation_flops(cfg, q["prompts"] * q["samples"], q["prompt_len"], 8)
+    assert summary["flops"] == flops and summary["speedup"] > 0
+    assert all(0 < r["best"] <= r["median"] for r in summary["rows"].values())
+
+
+def test_padding_quick_times_every_layout_and_counts_the_slots_each_computes(capsys):
+    from benchmarks import padding
+
+    summary = padding.main(["--quick", "--repeats", "1", "--seeds", "1", "--algos", "gvpo"])
+    out = capsys.readouterr().out
+    assert "| gvpo update, packed |" in out and "| log-prob pass, buckets |" in out
+    assert {f"gvpo update, {lay}" for lay in padding.LAYOUTS} <= set(summary["rows"])
+    assert all(r["recompiles"] == 0 for r in summary["rows"].values())
+    ratios = {row[0]: float(row[1]) for row in summary["slot_ratios"]}
+    # buckets never compute more slots than full width, per real token (>= 1: nothing lost)
+    assert 1.0 <= ratios["per-group buckets"] <= ratios["full"]
+    assert 1.0 <= ratios["packed groups"] <= ratios["full"]
+
+
+def test_precision_quick_times_both_dtypes_and_compiles_the_update_against_the_planner(capsys):
+    from benchmarks import precision
+
+    speed = precision.main(["speed", "--quick", "--repeats", "1"])
+    assert set(speed) == {f"{k} {d}" for k in ("update", "rollout") for d in precision.DTYPES}
+    rows = precision.main(["memory", "--quick", "--layers", "1", "--devices", "8"])
+    assert [r[0] for r in rows] == list(precision.DTYPES)
+    for r in rows:  # XLA's arguments + temporaries, and the planner's peak over it, both > 0
+        assert float(r[-2]) > 0 and float(r[-1]) > 0
+    assert "the tiny preset, 1 layer" in capsys.readouterr().out
+
+
+def test_logprob_memory_chunked_peak_is_lower_and_the_same_gradient():
+    from benchmarks import logprob_memory
+
+    small = ["--batch", "1", "--length", "64", "--hidden", "16", "--vocab", "512", "--chunk", "16"]
+    r = logprob_memory.main([*small, "--dtype", "float32", "--run"])
+    assert r["chunked"] < r["naive"]  # naive holds the [B, T, V] logits, chunked a block
+    assert r["values"][0] == pytest.approx(r["values"][1], rel=1e-5) and r["grad_diff"] < 1e-5
+
+
+def test_async_timeline_quick_overlaps_sampling_with_the_update():
+    from benchmarks import async_timeline
+
+    r = async_timeline.main(["--quick"])
+    assert r["steps"] == 3 and r["async"]["lag"] == [1.0, 1.0, 1.0]
+    assert all(r[mode][k] > 0 for mode in ("sync", "async") for k in ("R", "U", "step"))
+    assert r["async"]["W"] > 0 and r["async"]["overlap"] >= 0
+
+
+def test_lora_quick_runs_both_arms_through_train_run_and_reports_them(tmp_path, monkeypatch):
+    """Each arm in its own process (one CPU device, as the benchmark runs), through
+    `train.run(..., on_step=...)`; records, then the report's table from them."""
+    from benchmarks import lora
+    from tests.conftest import child_env
+
+    monkeypatch.setenv("XLA_FLAGS", child_env()["XLA_FLAGS"])
+    lora.main(["--quick", "--workdir", str(tmp_path)])
+    records = {p.stem: __import__("json").loads(p.read_text())
+               for p in (tmp_path / "records").glob("*.json")}  # fmt: skip
+    assert set(records) == {"full_s0", "lora_s0"}
+    for r in records.values():
+        assert r["steps"] == lora.QUICK["train.steps"] and r["update_time_s"] > 0
+        assert r["compiled_update_gib"]["argument_bytes"] > 0
+    # the adapters and their moments are a fraction of the whole model's state
+    full, ada = (records[k]["compiled_update_gib"] for k in ("full_s0", "lora_s0"))
+    assert ada["argument_bytes"] < full["argument_bytes"]
+    table = lora.report(str(tmp_path))
+    assert table.splitlines()[2].startswith("| full | 5e-06 | 1 |")
+    assert table.splitlines()[3].startswith("| lora | 0.0002 | 1 |")
+
+
+def test_train_run_hands_each_rl_step_to_on_step_and_ends_where_it_says(tmp_path):
+    """The lab's entry point: `train.run(config, workdir, on_step=...)` calls the hook after each
+    RL step with that step's metrics; True ends the RL phase there, and the run ends as after
+    its last step (the end's evaluation at that step, the summary)."""
+    from configs import arith_tiny
+    from gvpo_jax import config as config_lib
+    from gvpo_jax import metrics, train
+
+    c = config_lib.set_fields(arith_tiny.get_config(), {
+        "sft.steps": 0, "data.eval_size": 8, "train.eval_every": 0, "train.steps": 4,
+        "rollout.prompts_per_step": 8, "rollout.group_size": 4, "train.plot": False,
+        "train.export": False, "train.eval_samples": 1, "model.overrides.num_layers": 1,
+        "mesh.num_devices": 1,
+    })  # fmt: skip
+    seen = []
+
+    def on_step(step, state, m):
+        seen.append((step, float(m["reward_mean"])))
+        return step == 2
+
+    summary = train.run(c, str(tmp_path), on_step=on_step)
+    assert [s for s, _ in seen] == [1, 2]
+    rows = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["reward_mean"] for r in rows if "reward_mean" in r] == [r for _, r in seen]
+    assert (
+        "eval_end" in summary
+        and (tmp_path / "eval_outcomes" / "step_000002_eval_end.json").exists()
+    )

@@ -161,9 +161,69 @@ def test_one_mesh_divisibility_check():
             assert pattern not in text, f"{path}: {pattern}"
 
 
+# The lab: scripts that drive the library from outside it (benchmarks, learning studies, the
+# generators of the docs); they use the package's public names only.
+LAB = ("benchmarks", "studies", "tools")
+
+
+def _private_uses(source: str) -> list[str]:
+    """Private names of the package a script reaches: `from gvpo_jax.x import _name`, and
+    `m._name` (at any depth: `m.Class._name`) where `m` is bound to gvpo_jax or one of its
+    modules (`import gvpo_jax.x as m`, `from gvpo_jax import x as m`)."""
+    tree = ast.parse(source)
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "gvpo_jax" or a.name.startswith("gvpo_jax."):
+                    bound.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "gvpo_jax" or node.module.startswith("gvpo_jax."):
+                for a in node.names:
+                    if a.name.startswith("_"):
+                        found.append(f"from {node.module} import {a.name}")
+                    bound.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        chain, base = [node.attr], node.value
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if isinstance(base, ast.Name) and base.id in bound:
+            found.append(".".join([base.id, *reversed(chain)]))
+    return found
+
+
+def test_the_lab_uses_public_names_of_the_package_only():
+    """Benchmarks and studies drive the library through its public names (`train.run(...,
+    on_step=...)`, `train.rl_loop`, `assemble.assemble`, ...), never a private one, so a refactor
+    of the library's insides cannot silently break them."""
+    scripts = [f for d in LAB for f in sorted((ROOT.parent / d).rglob("*.py"))]
+    assert any(f.parent.name == "studies" for f in scripts), "no study script found"
+    uses = {str(f.relative_to(ROOT.parent)): _private_uses(f.read_text()) for f in scripts}
+    assert not {f: u for f, u in uses.items() if u}
+
+
+def test_the_private_name_reader_sees_each_way_in():
+    source = (
+        "import gvpo_jax.models.lora as lora\nfrom gvpo_jax import train, config as cfg\n"
+        "from gvpo_jax.sampler import _loop, generate\nimport numpy as np\n"
+        "train._run_mode(1)\ncfg.base_config()\nlora.LoRASpec._fields\nnp._private\n"
+        "train.__file__\nx = generate._cache_size\n"
+    )
+    assert sorted(_private_uses(source)) == sorted([
+        "from gvpo_jax.sampler import _loop", "train._run_mode", "lora.LoRASpec._fields",
+        "generate._cache_size",
+    ])  # fmt: skip
+
+
 def _module_imports() -> list[str]:
     """`module -> imports` lines of docs/architecture.md: the package's top-level modules with
-    its subpackages as one (data/, models/, rewards/), then the modules inside models/."""
+    its subpackages as one (data/, models/, rewards/), then the modules inside models/, then
+    what each folder of the lab (benchmarks/, studies/, tools/) imports from the package."""
 
     packages = {f.name for f in ROOT.iterdir() if (f / "__init__.py").exists()}
 
@@ -182,6 +242,17 @@ def _module_imports() -> list[str]:
     for name, deps in sorted(inner.items()):
         within = sorted(short(d) for d in deps if d.startswith("gvpo_jax.models."))
         lines.append(f"{short(name)} -> {', '.join(within)}".rstrip())
+    names = {n for n in graph} | {"gvpo_jax." + p for p in packages}
+    for lab in LAB:  # what the lab's scripts take from the package (public names only)
+        deps = set()
+        for f in (ROOT.parent / lab).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    deps.update({node.module} | {f"{node.module}.{a.name}" for a in node.names})
+                elif isinstance(node, ast.Import):
+                    deps.update(a.name for a in node.names)
+        rooms_used = sorted({room(d) for d in deps if d in names})
+        lines.append(f"{lab}/ (lab) -> {', '.join(rooms_used)}".rstrip())
     return lines
 
 

@@ -9,10 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import learning_study as ls
-from benchmarks import study_report as report
-from benchmarks import study_runs as runs
-from benchmarks import study_smollm2 as smol
+from studies import report, runs
+from studies.smollm2 import study as smol
+from studies.toy import study as ls
 from tests.conftest import child_env
 
 
@@ -58,23 +57,50 @@ def test_divergence_rule():
 
 
 def test_identical_configurations_share_runs():
-    base = ls.base_config(quick=False)
-    by_name = {c.name: c for c in ls.cells(base.optim.lr)}
+    base = ls.base.get_config()
+    by_name = {c.name: c for c in ls.cells()}
+    key = lambda name: runs.config_key(by_name[name], by_name[name].load(), base)  # noqa: E731
     same = [("gvpo", "gvpo replay 0.0"), ("gvpo", "gvpo beta 0.1"),
             ("gvpo 4mbx2ep", "gvpo lr x1 4mbx2ep"), ("gvpo", "gvpo anchor old"),
             ("gvpo 4mbx2ep", "gvpo beta 0.1 4mbx2ep")]  # fmt: skip
     for a, b in same:
-        assert runs.config_key(by_name[a], base) == runs.config_key(by_name[b], base)
-    assert runs.config_key(by_name["gvpo"], base) != runs.config_key(by_name["grpo"], base)
-    noisy = by_name["gvpo from noisy SFT"]
-    assert runs.config_key(noisy, base) != runs.config_key(by_name["gvpo"], base)
+        assert key(a) == key(b)
+    assert key("gvpo") != key("grpo")
+    assert key("gvpo from noisy SFT") != key("gvpo")
+    # the key is what the arm's config changes on the base: the fields, not the arm's argument
+    assert json.loads(key("grpo lr x3 4mbx2ep")) == [
+        "clean", [["algo.name", "grpo"], ["algo.num_epochs", 2], ["algo.num_minibatches", 4],
+                  ["optim.lr", base.optim.lr * 3]],
+    ]  # fmt: skip
+
+
+def test_arm_configs_take_their_argument_and_refuse_an_unknown_one():
+    c = runs.Cell("x", "x", "studies/toy/configs/grpo.py:regime=4mbx2ep,lr=3,nokl").load(seed=2)
+    assert (c.algo.name, c.algo.num_minibatches, c.algo.num_epochs) == ("grpo", 4, 2)
+    assert c.algo.kl_coef == 0.0 and c.seed == 2
+    assert c.optim.lr == pytest.approx(3 * ls.base.get_config().optim.lr)
+    quick = runs.Cell("x", "x", "studies/toy/configs/grpo.py").load(quick=True)
+    assert quick.model.overrides.num_layers == 1 and quick.algo.kl_coef is None
+    with pytest.raises(ValueError, match="unknown config argument 'nkl'"):
+        runs.Cell("x", "x", "studies/toy/configs/grpo.py:nkl").load()
+
+
+def test_smollm2_records_are_the_cells_records():
+    """Every committed part 2b record is one (cell, seed) of the study's arms (its name hashes
+    the fields the arm's config changes), and every cell has its three seeds recorded."""
+    config = smol.smol_config(False)
+    budget = smol.SMOL_STEPS * config.rollout.prompts_per_step * config.rollout.group_size
+    tags = {runs.record_tag(runs.config_key(c, c.load(), config), budget, seed)
+            for c in smol.smol_cells() for seed in (0, 1, 2)}  # fmt: skip
+    recorded = {p[: -len(".json")] for p in os.listdir(os.path.join(smol.OUT, "records"))}
+    assert recorded == tags
 
 
 def test_with_overrides_sets_nested_fields_and_leaves_the_base_alone():
-    base = ls.base_config(quick=False)
+    base = ls.base.demo_recipe()
     c = runs.with_overrides(base, (("data.arith.max_operand", 99), ("optim.lr", 1e-4)), seed=3)
     assert (c.data.arith.max_operand, c.optim.lr, c.seed) == (99, 1e-4, 3)
-    assert base.to_dict() == ls.base_config(quick=False).to_dict()  # a copy was changed
+    assert base.to_dict() == ls.base.demo_recipe().to_dict()  # a copy was changed
 
 
 def test_demo_gain_stats_and_table():
@@ -113,7 +139,7 @@ def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
     # A subprocess without the suite's 8 fake devices: the study runs on one CPU device.
     out, work = tmp_path / "out", tmp_path / "work"
     env = child_env()
-    cmd = [sys.executable, "-m", "benchmarks.learning_study", "--quick"]
+    cmd = [sys.executable, "-m", "studies.toy.study", "--quick"]
     cmd += ["--out", str(out), "--workdir", str(work)]
     proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -274,7 +300,7 @@ def test_smollm2_study_quick_records_greedy_and_sampled_curves(tmp_path):
     second invocation that reruns nothing."""
     out, work = tmp_path / "out", tmp_path / "work"
     env = child_env()
-    cmd = [sys.executable, "-m", "benchmarks.learning_study", "--smollm2", "--quick"]
+    cmd = [sys.executable, "-m", "studies.smollm2.study", "--quick"]
     cmd += ["--out", str(out), "--workdir", str(work)]
     proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

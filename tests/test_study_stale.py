@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import study_report, study_stale
-from benchmarks import study_runs as runs
-from benchmarks import study_stale_smollm2 as smol
 from gvpo_jax import compare
+from studies import report as study_report
+from studies import runs
+from studies.stale import study as study_stale
+from studies.stale_smollm2 import study as smol
 from tests.test_learning_study import child_env
 
 
@@ -22,7 +23,7 @@ def test_quick_stale_study_records_every_run_and_reports_the_records_numbers(tmp
     (recomputed here by hand); the figure is written; each run's record is kept under
     records/, where a rerun finds and skips it."""
     out, work = tmp_path / "out", tmp_path / "work"
-    cmd = [sys.executable, "-m", "benchmarks.study_stale", "--quick", "--out", str(out),
+    cmd = [sys.executable, "-m", "studies.stale.study", "--quick", "--out", str(out),
            "--workdir", str(work)]  # fmt: skip
     env = child_env()
     proc = subprocess.run(cmd, cwd=runs.REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -58,6 +59,32 @@ def test_quick_stale_study_records_every_run_and_reports_the_records_numbers(tmp
             assert (f"| {share:.4f} |" if np.isfinite(share) else "| - |") in row, name
     assert (out / "stale.png").stat().st_size > 1000
     assert len(list((work / "records").glob("*_s0.json"))) == 2  # what a rerun skips
+
+
+def test_smollm2_stale_study_quick_records_runs_and_pairs_them_on_the_problems(tmp_path):
+    """Part 3 on SmolLM2's code path on a tiny random Llama (no GGUF): the start evaluated once
+    with its per-problem outcomes, one record per (cell, seed) under out/records named by the
+    cell's config, and the paired comparison of the two methods at k = 4 in results.json."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [sys.executable, "-m", "studies.stale_smollm2.study", "--quick", "--only", "k=4",
+           "--out", str(out), "--workdir", str(work)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=runs.REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    assert set(summary["cells"]) == {"gvpo k=4", "grpo + token_tis k=4"}
+    (diff,) = summary["diffs"]
+    assert (diff["a"], diff["b"]) == ("grpo + token_tis k=4", "gvpo k=4")
+    assert set(diff) == {"a", "b", "greedy", "avg@2"}
+    config = smol.study_config(True)
+    budget = summary["budget_responses"]
+    todo = [c for c in smol.cells(True) if "k=4" in c.name]
+    records, _ = smol.load_records(str(out), config, todo, [0], budget, quick=True)
+    assert set(records) == set(summary["cells"])
+    for name, (rec,) in records.items():
+        assert rec["outcomes"]["ids"] == summary["start"]["outcomes"]["ids"], name
+        assert [s["rollout_lag"] for s in rec["step_metrics"]] == [0.0, 1.0], name  # k > steps
+    assert (out / "stale_smollm2.png").stat().st_size > 1000
 
 
 def _record(greedy, correct, n, truncated, curve_sampled, kl=0.1):
@@ -147,8 +174,8 @@ def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problem
 
 
 def test_study_md_part_3_tables_are_the_recorded_runs():
-    """STUDY.md part 3's tables are `report_block` of the records in docs/study/stale (not typed
-    by hand): the cell table and the differences recomputed from every recorded run."""
+    """STUDY.md part 3's tables are `report_block` of the records in studies/stale/results (not
+    typed by hand): the cell table and the differences recomputed from every recorded run."""
     import os
 
     results = json.loads(open(os.path.join(study_stale.OUT, "results.json")).read())

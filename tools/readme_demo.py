@@ -1,9 +1,9 @@
 """The README's demo output, generated from a recorded run of the demo config, never typed by hand.
 
-    python -m benchmarks.readme_demo --run        # run the demo in a fresh workdir, record it
-    python -m benchmarks.readme_demo --from-log LOG --workdir DIR --commit C   # a finished run
-    python -m benchmarks.readme_demo              # re-render README.md from the record
-    python -m benchmarks.readme_demo --check      # exit 1 if README.md differs from the record
+    python -m tools.readme_demo --run        # run the demo in a fresh workdir, record it
+    python -m tools.readme_demo --from-log LOG --workdir DIR --commit C   # a finished run
+    python -m tools.readme_demo              # re-render README.md from the record
+    python -m tools.readme_demo --check      # exit 1 if README.md differs from the record
 
 `--run` runs `python -m gvpo_jax.main --config=configs/arith_tiny.py` (what `make demo` runs) and
 times it. `--from-log` reads the stdout of such a run followed by a `/usr/bin/time -v` report.

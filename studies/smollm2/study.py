@@ -1,18 +1,28 @@
-"""Learning study part 2: SmolLM2-135M-Instruct as shipped, the official regime (STUDY.md
-"Part 2b"). Run through `python -m benchmarks.learning_study --smollm2`; every run is recorded
-beside the results (docs/study/smollm2/records) and skipped when recorded.
+"""Learning study part 2b: SmolLM2-135M-Instruct as shipped, the official regime (STUDY.md
+"Part 2b"); every run is recorded beside the results (studies/smollm2/results/records) and
+skipped when recorded.
+
+    .venv/bin/python -m studies.smollm2.study --workdir runs/study_smollm2
+    .venv/bin/python -m studies.smollm2.study --report-only
+    .venv/bin/python -m studies.smollm2.study --quick --out /tmp/s --workdir /tmp/s/w
+
+Each cell is an arm's config in studies/smollm2/configs (`gvpo.py:regime=4mbx1ep,beta=0.2`) on
+the study's base (`configs/base.py`: configs/smollm2_arith.py at the study's sizes).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import shutil
 import time
-import zlib
 
-from benchmarks.study_report import (
+import jax
+
+from gvpo_jax import assemble
+from studies.report import (
     cell_summary,
     chance_note,
     diff_lines,
@@ -24,31 +34,11 @@ from benchmarks.study_report import (
     table,
     write_results,
 )
-from benchmarks.study_runs import (
-    OFFICIAL,
-    Cell,
-    config_key,
-    held_out_both,
-    make_cell,
-    quiet_config,
-    repo_config,
-    rl_run,
-    save_record,
-    with_overrides,
-)
-from gvpo_jax import assemble
-from gvpo_jax import config as config_lib
+from studies.runs import REPO, Cell, arm, config_key, held_out_both, record_tag, rl_run, save_record
+from studies.smollm2.configs import base
+from studies.smollm2.configs.base import SMOL
 
-SMOL = {  # dotted config fields on configs/smollm2_arith.py (sized in STUDY.md "Part 2")
-    "rollout.prompts_per_step": 16,
-    "rollout.group_size": 4,
-    "rollout.max_new_tokens": 32,
-    "data.eval_size": 200,
-    "train.eval_chunk": 40,
-    # On this CPU an update over 16 rows at a time runs ~2x faster than over 64 at once (the
-    # same gradient: accumulation is exact); the official regime's minibatches hold 16 rows.
-    "optim.micro_batches": 4,
-}
+OUT = os.path.join(REPO, "studies", "smollm2", "results")
 
 SMOL_STEPS = 15  # rollouts per run: budget = 15 x 16 x 4 = 960 sampled responses
 SMOL_EVAL_N = 8  # avg@8 at the rollout temperature (with greedy) at the start and the end
@@ -63,16 +53,15 @@ SMOL_PAIRS = [
 
 
 def smol_cells() -> list[Cell]:
-    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
+    """The part 2b cells: each method in the official regime and on-policy, GVPO's beta."""
     out = []
-    official["optim__micro_batches"] = 1  # a minibatch is 4 groups = 16 rows already
     for algo in ("gvpo", "grpo", "dr_grpo"):
-        out.append(make_cell("smollm2", f"{algo} 4mbx1ep", algo__name=algo, **official))
+        out.append(Cell("smollm2", f"{algo} 4mbx1ep", arm("smollm2", algo, regime="4mbx1ep")))
     for beta in (0.05, 0.2):
-        out.append(make_cell("smollm2", f"gvpo beta {beta} 4mbx1ep", algo__name="gvpo",
-                             algo__beta=beta, **official))  # fmt: skip
+        out.append(Cell("smollm2", f"gvpo beta {beta} 4mbx1ep",
+                        arm("smollm2", "gvpo", regime="4mbx1ep", beta=beta)))  # fmt: skip
     for algo in ("gvpo", "grpo", "dr_grpo"):
-        out.append(make_cell("smollm2", f"{algo} on-policy", algo__name=algo))
+        out.append(Cell("smollm2", f"{algo} on-policy", arm("smollm2", algo)))
     return out
 
 
@@ -97,21 +86,8 @@ def smol_panels(records: dict[str, list[dict]]) -> list[tuple[str, list]]:
 
 
 def smol_config(quick: bool):
-    """configs/smollm2_arith.py with the study's sizes (quick: a tiny random Llama instead)."""
-    c = quiet_config(config_lib.set_fields(repo_config("smollm2_arith"), tuple(SMOL.items())))
-    if quick:  # the same code path on a model the test can afford (no GGUF file needed)
-        c.model.gguf = ""
-        c.model.preset = "tiny"
-        c.tokenizer.kind = "char"
-        c.data.use_chat_template = False
-        c.data.rewards = "exact_match:1"
-        c.data.arith.style = "symbolic"
-        c.data.max_prompt_len = 16
-        c.rollout.prompts_per_step, c.rollout.max_new_tokens = 8, 4
-        c.algo.overlong_cache = 2
-        c.data.eval_size = 16
-        c.train.eval_chunk = 8
-    return c
+    """The study's base: configs/smollm2_arith.py at its sizes (quick: a tiny random Llama)."""
+    return base.get_config("quick" if quick else None)
 
 
 def smol_study(args) -> dict:
@@ -159,10 +135,10 @@ def smol_study(args) -> dict:
     records: dict[str, list[dict]] = {}
     runs: list[tuple[str, int, dict]] = []  # (cell, seed, record) for the per-run table
     for cell in todo:
-        key = config_key(cell, config)
+        key = config_key(cell, cell.load(quick), config)
         recs = []
         for seed in seeds:
-            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
+            tag = record_tag(key, budget, seed)
             cached = os.path.join(args.out, "records", f"{tag}.json")
             if os.path.exists(cached):
                 with open(cached) as fh:
@@ -174,7 +150,7 @@ def smol_study(args) -> dict:
             wd = os.path.join(args.workdir, "runs", tag)
             shutil.rmtree(wd, ignore_errors=True)
             print(f"== smollm2 / {cell.name} / seed {seed}", flush=True)
-            rec = rl_run(with_overrides(config, cell.overrides, seed), wd, None, budget=budget,
+            rec = rl_run(cell.load(quick, seed), wd, None, budget=budget,
                          eval_points=eval_points, start_acc=start["greedy"], eval_n=eval_n,
                          sampled_at_ends_only=True, start_sampled=start["sampled"])  # fmt: skip
             recs.append(save_record(rec, cell, cached))
@@ -260,3 +236,27 @@ def smol_study(args) -> dict:
     write_results(args.out, summary, "\n".join(md))
     print("\n".join(md))
     return summary
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (one seed, two cells)")
+    p.add_argument("--out", default=OUT, help="records, results.json, results.md and the PNG")
+    p.add_argument("--workdir", default="runs/study_smollm2", help="scratch: checkpoints, cache")
+    p.add_argument("--only", default="", help="comma-separated substrings of cell names")
+    p.add_argument("--seeds", default="", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--jax-cache", default="",
+                   help="compile cache (default $JAX_COMPILATION_CACHE_DIR, else "
+                   "<workdir>/jax_cache)")  # fmt: skip
+    p.add_argument("--report-only", action="store_true",
+                   help="tables and plots from the recorded runs; runs nothing")  # fmt: skip
+    args = p.parse_args(argv)
+    cache = (args.jax_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+             or os.path.join(args.workdir, "jax_cache"))  # fmt: skip
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return smol_study(args)
+
+
+if __name__ == "__main__":
+    main()

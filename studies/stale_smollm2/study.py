@@ -2,21 +2,22 @@
 sampled k updates before they are trained on (STUDY.md "Part 3", the real model).
 
 Run (16 runs, each recorded beside the results and skipped when recorded, so it resumes where
-it stopped; writes docs/study/stale/smollm2/{results.json,results.md,stale_smollm2.png}):
-    .venv/bin/python -m benchmarks.study_stale_smollm2 --calibrate   # replies that finish
-    .venv/bin/python -m benchmarks.study_stale_smollm2               # the study
-    .venv/bin/python -m benchmarks.study_stale_smollm2 --report-only
-    .venv/bin/python -m benchmarks.study_stale_smollm2 --quick --out /tmp/s --workdir /tmp/s/w
+it stopped; writes studies/stale_smollm2/results/{results.json,results.md,stale_smollm2.png}):
+    .venv/bin/python -m studies.stale_smollm2.study --calibrate   # replies that finish
+    .venv/bin/python -m studies.stale_smollm2.study               # the study
+    .venv/bin/python -m studies.stale_smollm2.study --report-only
+    .venv/bin/python -m studies.stale_smollm2.study --quick --out /tmp/s --workdir /tmp/s/w
 
 Set-up: part 2b's (configs/smollm2_arith.py as shipped, P = 16 x G = 4, 15 rollouts = 960
 sampled responses per run, lr 5e-6, the official regime of 4 minibatches x 1 epoch) with
 replies that end: the `brief_boxed` prompt (one short sentence, the number in \\boxed{}) and a
 cap of CAP new tokens in training and evaluation, chosen by `--calibrate` on the start policy
 (part 2b's 32-token cap cut 50-98% of replies). Cells: k in {0, 4} x {GVPO, GRPO + token_tis},
-4 seeds. Measured on 200 held-out problems: greedy every 1/5 of the budget, avg@8 at T = 1 and
-greedy at the start and the end with per-problem outcomes, so every method difference is given
-twice: over seeds (Welch) and paired on the same problems (bootstrap over problems of the
-seeds' mean score, `gvpo_jax.compare.paired_difference`).
+4 seeds; each an arm's config in studies/stale_smollm2/configs (`grpo.py:k=4,tis`). Measured
+on 200 held-out problems: greedy every 1/5 of the budget, avg@8 at T = 1 and greedy at the
+start and the end with per-problem outcomes, so every method difference is given twice: over
+seeds (Welch) and paired on the same problems (bootstrap over problems of the seeds' mean
+score, `gvpo_jax.compare.paired_difference`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import json
 import os
 import shutil
 import time
-import zlib
 
 import numpy as np
 from scipy import stats
 
-from benchmarks.study_report import (
+from gvpo_jax import assemble, compare
+from studies.report import (
     chance_note,
     ci95,
     diff_ci95,
@@ -41,42 +42,27 @@ from benchmarks.study_report import (
     runs_table,
     write_results,
 )
-from benchmarks.study_runs import (
-    OFFICIAL,
+from studies.runs import (
     REPO,
+    Cell,
+    arm,
     config_key,
     held_out_both,
-    make_cell,
     problem_outcomes,
+    record_tag,
     rl_run,
     save_record,
-    with_overrides,
 )
-from benchmarks.study_smollm2 import SMOL_EVAL_N, SMOL_EVAL_POINTS, SMOL_STEPS, smol_config
-from benchmarks.study_stale import plot_by_staleness, write_block
-from gvpo_jax import assemble, compare
-from gvpo_jax import config as config_lib
+from studies.smollm2.study import SMOL_EVAL_N, SMOL_EVAL_POINTS, SMOL_STEPS
+from studies.stale.study import plot_by_staleness, write_block
+from studies.stale_smollm2.configs import base
+from studies.stale_smollm2.configs.base import CAP, SETTINGS  # noqa: F401  (the study's settings)
 
-OUT = os.path.join(REPO, "docs", "study", "stale", "smollm2")
-# New tokens in training and evaluation: `--calibrate` measured 7.3% of the start's sampled
-# replies reaching 128 with `brief_boxed` (9.8% at 96, a margin too thin; 90% at part 2b's 32).
-CAP = 128
-SETTINGS = {  # dotted config fields on top of part 2b's sizes (`smol_config`)
-    "data.template": "brief_boxed",
-    "data.max_prompt_len": 96,
-    "rollout.max_new_tokens": CAP,
-    "algo.overlong_cache": 8,
-    # Speed only (the same samples and gradients): a decode that sheds ended rows, updates cut
-    # to their replies' lengths, evaluation with refilled decode slots.
-    "rollout.shed": 2,
-    "optim.length_buckets": 4,
-    "optim.pack_groups": True,
-    "train.eval_num_slots": 80,
-}
+OUT = os.path.join(REPO, "studies", "stale_smollm2", "results")
 STALENESS = (0, 4)
-METHODS = {
-    "gvpo": {"algo__name": "gvpo"},
-    "grpo + token_tis": {"algo__name": "grpo", "algo__rollout_correction": "token_tis"},
+METHODS = {  # name -> (arm, its arguments besides k): studies/stale_smollm2/configs
+    "gvpo": ("gvpo", {}),
+    "grpo + token_tis": ("grpo", {"tis": True}),
 }
 SEEDS = (0, 1, 2, 3)
 # (template, cap) candidates `--calibrate` measures on the start policy.
@@ -85,25 +71,17 @@ CANDIDATES = (("plain", 32), ("plain", 96), ("brief_boxed", 64), ("brief_boxed",
 
 
 def study_config(quick: bool, template: str | None = None, cap: int | None = None):
-    c = smol_config(quick)
-    if quick:  # the tiny random model's shapes (smol_config(quick)); the same code path
-        settings = {k: v for k, v in SETTINGS.items() if k.startswith(("rollout.shed", "optim."))}
-        settings["train.eval_num_slots"] = 8
-    else:
-        settings = dict(SETTINGS)
-        if template is not None:
-            settings["data.template"], settings["rollout.max_new_tokens"] = template, cap
-    config_lib.set_fields(c, tuple(settings.items()))
-    config_lib.validate(c)
-    return c
+    """The study's base (studies/stale_smollm2/configs/base.py), or a calibration candidate's."""
+    args = ["quick"] if quick else []
+    if template is not None:
+        args.append(f"template={template},cap={cap}")
+    return base.get_config(",".join(args) or None)
 
 
 def cells(quick: bool) -> list:
-    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
-    official["optim__micro_batches"] = 1  # a minibatch is 4 groups = 16 rows
-    return [make_cell("stale_smollm2", f"{name} k={k}", rollout__staleness=k, **over,
-                      **official)  # fmt: skip
-            for k in STALENESS for name, over in METHODS.items()]  # fmt: skip
+    """Each cell an arm of studies/stale_smollm2/configs at staleness k (official regime)."""
+    return [Cell("stale_smollm2", f"{name} k={k}", arm("stale_smollm2", algo, k=k, **args))
+            for k in STALENESS for name, (algo, args) in METHODS.items()]  # fmt: skip
 
 
 def _evaluate_start(config, workdir: str, n: int) -> dict:
@@ -334,20 +312,22 @@ def needs_lines(diffs: list[dict]) -> list[str]:
     return out
 
 
-def record_path(out: str, cell, config, budget: int, seed: int) -> str:
+def record_path(out: str, cell, config, budget: int, seed: int, quick: bool = False) -> str:
     """Where a (cell, seed) run's record lives: its tag hashes the cell's resolved config and
     the budget, so a record from other settings is never mistaken for this study's."""
-    tag = f"{zlib.crc32((config_key(cell, config) + str(budget)).encode()):08x}_s{seed}"
+    tag = record_tag(config_key(cell, cell.load(quick), config), budget, seed)
     return os.path.join(out, "records", f"{tag}.json")
 
 
-def load_records(out: str, config, todo, seeds, budget: int) -> tuple[dict, list]:
+def load_records(
+    out: str, config, todo, seeds, budget: int, quick: bool = False
+) -> tuple[dict, list]:
     """The recorded runs of `todo` x `seeds` under out/records: ({cell: [record per seed]},
     [(cell, seed, record)])."""
     records, runs = {}, []
     for cell in todo:
         for seed in seeds:
-            path = record_path(out, cell, config, budget, seed)
+            path = record_path(out, cell, config, budget, seed, quick)
             if os.path.exists(path):
                 with open(path) as fh:
                     rec = json.load(fh)
@@ -420,13 +400,13 @@ def main(argv=None) -> dict:
     start = json.load(open(meta)) if os.path.exists(meta) else None
     for cell in todo:
         for seed in seeds:
-            cached = record_path(args.out, cell, config, budget, seed)
+            cached = record_path(args.out, cell, config, budget, seed, args.quick)
             if os.path.exists(cached) or args.report_only:
                 continue
             wd = os.path.join(args.workdir, "runs", os.path.basename(cached)[:-5])
             shutil.rmtree(wd, ignore_errors=True)
             print(f"== smollm2 / {cell.name} / seed {seed}", flush=True)
-            rec = rl_run(with_overrides(config, cell.overrides, seed), wd, None,
+            rec = rl_run(cell.load(args.quick, seed), wd, None,
                          budget=budget, eval_points=eval_points, start_acc=start["greedy"],
                          eval_n=n, sampled_at_ends_only=True,
                          start_sampled=start["sampled"], keep_outcomes=True)  # fmt: skip
@@ -434,7 +414,7 @@ def main(argv=None) -> dict:
             shutil.rmtree(wd, ignore_errors=True)
             end = f"greedy {rec['curve'][-1][1]:.3f}  avg@{n} {rec['curve_sampled'][-1][1]:.3f}"
             print(f"   {end}  {rec['time_s']:.0f}s", flush=True)
-    records, runs = load_records(args.out, config, todo, seeds, budget)
+    records, runs = load_records(args.out, config, todo, seeds, budget, args.quick)
     if start is None or not records:
         print("nothing recorded yet")
         return {}

@@ -1,12 +1,12 @@
 """Learning study, part 3: GVPO against the clipped methods on stale rollouts (rollout.staleness).
 
 Run (110 runs of the demo recipe, about 80 minutes on a quiet 2-core CPU; resumable: each
-finished run is a record under <workdir>/records; writes docs/study/stale/{results.json,
+finished run is a record under <workdir>/records; writes studies/stale/results/{results.json,
 results.md,records.json.gz,stale.png}, and with --study-md the tables into STUDY.md):
-    .venv/bin/python -m benchmarks.study_stale --study-md STUDY.md
-    .venv/bin/python -m benchmarks.study_stale --only "gvpo,grpo" --seeds 0,1
-    .venv/bin/python -m benchmarks.study_stale --report-only --study-md STUDY.md
-    .venv/bin/python -m benchmarks.study_stale --quick --out /tmp/st --workdir /tmp/st/runs
+    .venv/bin/python -m studies.stale.study --study-md STUDY.md
+    .venv/bin/python -m studies.stale.study --only "gvpo,grpo" --seeds 0,1
+    .venv/bin/python -m studies.stale.study --report-only --study-md STUDY.md
+    .venv/bin/python -m studies.stale.study --quick --out /tmp/st --workdir /tmp/st/runs
 
 Set-up (STUDY.md, "Part 3"): configs/arith_tiny.py (the demo recipe: addition 0-99, 600 SFT
 steps, P = 128 x G = 4, lr 1e-4) from one shared cold start, in the official regime (4
@@ -14,7 +14,8 @@ minibatches x 1 epoch per rollout), each run training on the same number of roll
 config's 200 steps; a stale run samples k more, which stay in its queue). Cells: staleness k in
 {0, 2, 4, 8} x {GVPO, GRPO without correction, GRPO + token_tis, Dr. GRPO + token_tis}, plus
 GVPO with the norm clip off at k = 0 and 4, GVPO anchored at the sampling policy
-(algo.anchor = "sampler") at k = 2, 4, 8, and Dr. GRPO without the correction at k = 4.
+(algo.anchor = "sampler") at k = 2, 4, 8, and Dr. GRPO without the correction at k = 4; each an
+arm's config in studies/stale/configs (`grpo.py:k=4,tis`).
 Measured: held-out greedy accuracy and avg@16 at T = 1 on the 200 held-out problems at 5 points
 of the run, the area under the greedy curve, divergences, KL to the start, and per step GVPO's
 variance term over its advantage term (the restoring term's share), corr(rc, a), the lag and
@@ -30,13 +31,11 @@ import json
 import os
 import shutil
 import time
-import zlib
 
 import jax
 import numpy as np
 
-from benchmarks.learning_study import base_config
-from benchmarks.study_report import (
+from studies.report import (
     auc,
     chance_note,
     ci95,
@@ -45,43 +44,38 @@ from benchmarks.study_report import (
     logp_gap,
     write_results,
 )
-from benchmarks.study_runs import OFFICIAL, REPO, config_key, make_cell, rl_run, save_record, sft
-from gvpo_jax import config as config_lib
+from studies.runs import REPO, Cell, arm, config_key, record_tag, rl_run, save_record, sft
+from studies.stale.configs import base
 
-OUT = os.path.join(REPO, "docs", "study", "stale")
+OUT = os.path.join(REPO, "studies", "stale", "results")
 STALENESS = (0, 2, 4, 8)
-METHODS = {  # name -> overrides
-    "gvpo": {"algo__name": "gvpo"},
-    "grpo": {"algo__name": "grpo"},
-    "grpo + token_tis": {"algo__name": "grpo", "algo__rollout_correction": "token_tis"},
-    "dr_grpo + token_tis": {"algo__name": "dr_grpo", "algo__rollout_correction": "token_tis"},
+METHODS = {  # name -> (arm, its arguments besides k): studies/stale/configs
+    "gvpo": ("gvpo", {}),
+    "grpo": ("grpo", {}),
+    "grpo + token_tis": ("grpo", {"tis": True}),
+    "dr_grpo + token_tis": ("dr_grpo", {"tis": True}),
 }
 QUICK_CELLS = ("gvpo k=0", "grpo + token_tis k=2")  # --quick: 2 methods, 2 values of k, 1 seed
-NOCLIP = {"algo__name": "gvpo", "optim__grad_clip": 0.0}
 # GVPO anchored at the policy that sampled (k updates behind "old"): its restoring term acts
 # from a stale rollout's first minibatch on, where anchor "old" makes it zero there.
-SAMPLER = {"algo__name": "gvpo", "algo__anchor": "sampler"}
 SAMPLER_K = (2, 4, 8)
 
 
 def cells(quick: bool) -> list:
-    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
+    """Each cell an arm of studies/stale/configs at staleness k, in the official regime."""
     out = []
     for k in (0, 2) if quick else STALENESS:
-        for name, over in METHODS.items():
+        for name, (algo, args) in METHODS.items():
             if quick and f"{name} k={k}" not in QUICK_CELLS:
                 continue
-            out.append(make_cell("stale", f"{name} k={k}", rollout__staleness=k, **over,
-                                 **official))  # fmt: skip
+            out.append(Cell("stale", f"{name} k={k}", arm("stale", algo, k=k, **args)))
     for k in () if quick else (0, 4):
-        out.append(make_cell("noclip", f"gvpo no clip k={k}", rollout__staleness=k, **NOCLIP,
-                             **official))  # fmt: skip
+        out.append(Cell("noclip", f"gvpo no clip k={k}", arm("stale", "gvpo", k=k, noclip=True)))
     for k in () if quick else SAMPLER_K:
-        out.append(make_cell("sampler", f"gvpo anchor sampler k={k}", rollout__staleness=k,
-                             **SAMPLER, **official))  # fmt: skip
+        out.append(Cell("sampler", f"gvpo anchor sampler k={k}",
+                        arm("stale", "gvpo", k=k, anchor="sampler")))  # fmt: skip
     for k in () if quick else (4,):  # GVPO's nearest clipped method, without the correction
-        out.append(make_cell("stale", f"dr_grpo k={k}", rollout__staleness=k,
-                             algo__name="dr_grpo", **official))  # fmt: skip
+        out.append(Cell("stale", f"dr_grpo k={k}", arm("stale", "dr_grpo", k=k)))
     return out
 
 
@@ -181,7 +175,7 @@ def report_block(summary: dict, records: dict, problems: int) -> str:
         report(summary), "",
         f"Differences of final accuracy (first - second cell; avg@n is avg@{summary['eval_n']} "
         "at T = 1), 95% Welch intervals over seeds and the interval the "
-        f"{problems} held-out problems add (`study_report.diff_lines`):", "",
+        f"{problems} held-out problems add (`studies.report.diff_lines`):", "",
         *diffs, "", chance_note(sum(1 + line.count("; ") for line in diffs)),
     ])  # fmt: skip
 
@@ -244,7 +238,7 @@ def main(argv=None) -> dict:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--study-md", default="", help="also write the tables into this STUDY.md")
     args = p.parse_args(argv)
-    config = base_config(args.quick)
+    config = base.get_config("quick" if args.quick else None)
     P, G = config.rollout.prompts_per_step, config.rollout.group_size
     steps = 2 if args.quick else config.train.steps
     budget, eval_points, eval_n = steps * P * G, (1 if args.quick else 5), (2 if args.quick else 16)
@@ -268,18 +262,16 @@ def main(argv=None) -> dict:
     # rebuilds from a fresh clone, whose workdir has none.
     kept = load_records(args.out) if args.report_only else {}
     for cell in todo:
-        key = config_key(cell, config)
+        key = config_key(cell, cell.load(args.quick), config)
         for i, seed in enumerate(seeds):
-            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
+            tag = record_tag(key, budget, seed)
             cached = os.path.join(args.workdir, "records", f"{tag}.json")
             if not os.path.exists(cached):
                 if args.report_only:
                     if i < len(kept.get(cell.name, [])):
                         records.setdefault(cell.name, []).append(kept[cell.name][i])
                     continue
-                cfg = config_lib.set_fields(config.copy_and_resolve_references(),
-                                            dict(cell.overrides))  # fmt: skip
-                cfg.seed = seed
+                cfg = cell.load(args.quick, seed)
                 wd = os.path.join(args.workdir, "runs", tag)
                 shutil.rmtree(wd, ignore_errors=True)
                 print(f"== {cell.name} / seed {seed}", flush=True)
@@ -294,7 +286,7 @@ def main(argv=None) -> dict:
             with open(cached) as fh:
                 records.setdefault(cell.name, []).append(json.load(fh))
     summary = {
-        "command": "python -m benchmarks.study_stale " + " ".join(argv or []),
+        "command": "python -m studies.stale.study " + " ".join(argv or []),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "budget_rollouts": steps, "prompts_per_step": P, "group_size": G, "eval_n": eval_n,
         "start": start and {"curve": start["curve"]},

@@ -1,9 +1,13 @@
 """Learning study: GVPO vs the GRPO family where the claims bite (off-policy, replay, lr, beta).
 
-Run (66 runs, about an hour on a 2-core CPU; writes docs/study/{results.json,results.md,*.png}):
-    .venv/bin/python -m benchmarks.learning_study
-    .venv/bin/python -m benchmarks.learning_study --quick --out /tmp/s --workdir /tmp/s/runs
-    .venv/bin/python -m benchmarks.learning_study --only offpolicy,replay --seeds 0,1
+Run (66 runs, about an hour on a 2-core CPU; writes studies/toy/results/{results.json,results.md,
+*.png}):
+    .venv/bin/python -m studies.toy.study
+    .venv/bin/python -m studies.toy.study --quick --out /tmp/s --workdir /tmp/s/runs
+    .venv/bin/python -m studies.toy.study --only offpolicy,replay --seeds 0,1
+
+Each cell is an arm's config in studies/toy/configs (one per method, the swept setting its
+argument, e.g. `grpo.py:regime=4mbx2ep,lr=3`) on the study's base (`configs/base.py`).
 
 Every RL run starts from one shared cold-start checkpoint (SFT on the arithmetic task, made once
 in <workdir>/start and reused) and runs until it has sampled the same number of responses (the
@@ -27,129 +31,70 @@ import zlib
 
 import jax
 
-from benchmarks.study_report import (
-    cell_summary,
-    demo_table,
-    plot,
-    table,
-)
-from benchmarks.study_runs import (
-    OFFICIAL,
+from studies.report import cell_summary, demo_table, plot, table
+from studies.runs import (
     REPO,
     Cell,
+    arm,
     config_key,
-    make_cell,
-    quiet_config,
-    repo_config,
+    record_tag,
     rl_run,
     save_record,
     sft,
     with_overrides,
 )
-from benchmarks.study_smollm2 import smol_study
-from gvpo_jax import config as config_lib
+from studies.toy.configs import base
 
-STUDY_DIR = os.path.join(REPO, "docs", "study")
+STUDY_DIR = os.path.join(REPO, "studies", "toy", "results")
 NOISE_FRAC = 0.3  # share of SFT demonstrations with a wrong answer (experiment "noisy")
 NOISY_SFT_MULT = 2.5  # the noisy start gets 2.5x the clean start's SFT steps (its plateau)
-OFF_POLICY = {"algo.num_minibatches": 4, "algo.num_epochs": 2}
 
 
-def cells(lr: float) -> list[Cell]:
-    """The study's cells; identical configurations in several experiments run once."""
-    off = {k.replace(".", "__"): v for k, v in OFF_POLICY.items()}
-    official = {k.replace(".", "__"): v for k, v in OFFICIAL.items()}
+def cells() -> list[Cell]:
+    """The study's cells, each an arm's config (studies/toy/configs); identical configurations in
+    several experiments run once."""
+
+    def cell(exp, name, algo, start="clean", **args):
+        return Cell(exp, name, arm("toy", algo, **args), start)
+
     out = []
     for algo in ("gvpo", "grpo", "dr_grpo", "gspo"):
-        out.append(make_cell("offpolicy", f"{algo} 4mbx2ep", algo__name=algo, **off))
+        out.append(cell("offpolicy", f"{algo} 4mbx2ep", algo, regime="4mbx2ep"))
     for f in (0.0, 0.5, 0.75):
-        out.append(
-            make_cell("replay", f"gvpo replay {f}", algo__name="gvpo", algo__replay_fraction=f)
-        )
+        out.append(cell("replay", f"gvpo replay {f}", "gvpo", replay=f))
     for algo in ("gvpo", "grpo"):
         for mult in (1, 3, 10):
-            out.append(
-                make_cell(
-                    "stability",
-                    f"{algo} lr x{mult} 4mbx2ep",
-                    algo__name=algo,
-                    optim__lr=lr * mult,
-                    **off,
-                )
-            )
+            out.append(cell("stability", f"{algo} lr x{mult} 4mbx2ep", algo, regime="4mbx2ep",
+                            lr=mult))  # fmt: skip
     # On-policy with anchor "old", beta only scales the gradient (Adam undoes it): a control.
     # Off-policy (later minibatches see logp != anchor) is where beta shapes the update.
     for beta in (0.05, 0.1, 0.2):
-        out.append(make_cell("beta", f"gvpo beta {beta}", algo__name="gvpo", algo__beta=beta))
+        out.append(cell("beta", f"gvpo beta {beta}", "gvpo", beta=beta))
     for beta in (0.05, 0.1, 0.2):
-        out.append(make_cell("beta", f"gvpo beta {beta} 4mbx2ep", algo__name="gvpo",
-                             algo__beta=beta, **off))  # fmt: skip
-    out.append(make_cell("noisy", "gvpo from noisy SFT", start="noisy", algo__name="gvpo"))
-    out.append(make_cell("noisy", "gvpo from noisy SFT lr x3", start="noisy", algo__name="gvpo",
-                         optim__lr=lr * 3))  # fmt: skip
+        out.append(cell("beta", f"gvpo beta {beta} 4mbx2ep", "gvpo", regime="4mbx2ep", beta=beta))
+    out.append(cell("noisy", "gvpo from noisy SFT", "gvpo", start="noisy"))
+    out.append(cell("noisy", "gvpo from noisy SFT lr x3", "gvpo", start="noisy", lr=3))
     for anchor in ("old", "ref"):
-        out.append(
-            make_cell("anchor", f"gvpo anchor {anchor}", algo__name="gvpo", algo__anchor=anchor)
-        )
+        out.append(cell("anchor", f"gvpo anchor {anchor}", "gvpo", anchor=anchor))
     for algo in ("gvpo", "grpo", "dr_grpo", "dapo", "gspo"):  # one update per rollout
-        out.append(make_cell("baselines", algo, algo__name=algo))
+        out.append(cell("baselines", algo, algo))
     # Part 2's controls (STUDY.md "Part 2"): the official regime, GVPO's restoring term made
     # active by a large beta, Dr. GRPO without its trust region, GRPO without its KL penalty.
     for algo in ("gvpo", "grpo", "dr_grpo"):
-        out.append(make_cell("official", f"{algo} 4mbx1ep", algo__name=algo, **official))
+        out.append(cell("official", f"{algo} 4mbx1ep", algo, regime="4mbx1ep"))
     for beta in (1.0, 10.0):
-        out.append(make_cell("bigbeta", f"gvpo beta {beta:g} 4mbx2ep", algo__name="gvpo",
-                             algo__beta=beta, **off))  # fmt: skip
-    out.append(make_cell("bigbeta", "gvpo 4mbx2ep", algo__name="gvpo", **off))
-    out.append(make_cell("noclip", "dr_grpo eps 1e3 4mbx2ep", algo__name="dr_grpo",
-                         algo__eps_low=1e3, algo__eps_high=1e3, **off))  # fmt: skip
+        out.append(cell("bigbeta", f"gvpo beta {beta:g} 4mbx2ep", "gvpo", regime="4mbx2ep",
+                        beta=beta))  # fmt: skip
+    out.append(cell("bigbeta", "gvpo 4mbx2ep", "gvpo", regime="4mbx2ep"))
+    out.append(cell("noclip", "dr_grpo eps 1e3 4mbx2ep", "dr_grpo", regime="4mbx2ep", eps=1e3))
     for algo in ("gvpo", "dr_grpo"):
-        out.append(make_cell("noclip", f"{algo} 4mbx2ep", algo__name=algo, **off))
+        out.append(cell("noclip", f"{algo} 4mbx2ep", algo, regime="4mbx2ep"))
     for mult in (1, 3, 10):
-        out.append(make_cell("nokl", f"grpo no KL lr x{mult} 4mbx2ep", algo__name="grpo",
-                             algo__kl_coef=0.0, optim__lr=lr * mult, **off))  # fmt: skip
-        out.append(make_cell("nokl", f"grpo lr x{mult} 4mbx2ep", algo__name="grpo",
-                             optim__lr=lr * mult, **off))  # fmt: skip
-        out.append(make_cell("nokl", f"gvpo lr x{mult} 4mbx2ep", algo__name="gvpo",
-                             optim__lr=lr * mult, **off))  # fmt: skip
+        out.append(cell("nokl", f"grpo no KL lr x{mult} 4mbx2ep", "grpo", regime="4mbx2ep",
+                        lr=mult, nokl=True))  # fmt: skip
+        out.append(cell("nokl", f"grpo lr x{mult} 4mbx2ep", "grpo", regime="4mbx2ep", lr=mult))
+        out.append(cell("nokl", f"gvpo lr x{mult} 4mbx2ep", "gvpo", regime="4mbx2ep", lr=mult))
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Configs
-
-
-def base_config(quick: bool):
-    """configs/arith_tiny.py with study settings (no export / plot / periodic checkpoints)."""
-    c = quiet_config(repo_config("arith_tiny"))
-    return config_lib.set_fields(c, QUICK) if quick else c
-
-
-QUICK = (
-    ("model.overrides.num_layers", 1),  # the code paths, not the model: compile time is per layer
-    ("rollout.prompts_per_step", 8),
-    ("rollout.group_size", 4),
-    ("data.eval_size", 16),
-    ("sft.steps", 20),
-    ("sft.batch_size", 16),
-)
-
-# The study's task and RL settings (STUDY.md "Set-up"): configs/arith_tiny.py as it was when the
-# study ran; the config has since become the demo recipe (addition 0-99, P = 128 x G = 4, lr 1e-4).
-FIRST_SETUP = (
-    ("data.arith.max_operand", 30),
-    ("data.arith.ops", "+-"),
-    ("rollout.prompts_per_step", 32),
-    ("rollout.group_size", 8),
-    ("optim.lr", 1e-5),
-    ("optim.warmup_steps", 5),
-)
-
-
-def study_config(quick: bool):
-    """base_config with the study's own set-up (FIRST_SETUP)."""
-    c = config_lib.set_fields(base_config(quick=False), FIRST_SETUP)
-    return config_lib.set_fields(c, QUICK) if quick else c
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,11 +129,11 @@ DEMO_TRIALS = (
 def demo_search(trials, seeds, *, workdir: str, out: str, eval_n: int, eval_points: int = 6):
     """Each trial x seed: SFT from scratch with that seed (cached per start + seed), then RL from
     it with the same seed; greedy and avg@eval_n held-out accuracy along the RL run."""
-    base = base_config(quick=False)
+    recipe = base.demo_recipe()
     records = {}
     for trial in trials:
         for seed in seeds:
-            start_cfg = with_overrides(base, trial.start, seed)
+            start_cfg = with_overrides(recipe, trial.start, seed)
             key = json.dumps([sorted(trial.start), seed, start_cfg.sft.steps])
             start_dir = os.path.join(workdir, "starts", f"{zlib.crc32(key.encode()):08x}")
             meta = os.path.join(start_dir, "start.json")
@@ -255,20 +200,7 @@ def main(argv=None) -> dict:
     p.add_argument("--demo", action="store_true",
                    help="the demo recipe search (DEMO_TRIALS) instead of the study")  # fmt: skip
     p.add_argument("--eval-n", type=int, default=16, help="--demo: samples for avg@n")
-    p.add_argument("--smollm2", action="store_true",
-                   help="part 2: SmolLM2-135M-Instruct cells (out docs/study/smollm2, workdir "
-                   "runs/study_smollm2 unless given)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.smollm2:
-        if args.out == STUDY_DIR:
-            args.out = os.path.join(STUDY_DIR, "smollm2")
-        if args.workdir == "runs/study":
-            args.workdir = "runs/study_smollm2"
-        cache = (args.jax_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-                 or os.path.join(args.workdir, "jax_cache"))  # fmt: skip
-        jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        return smol_study(args)
 
     quick = args.quick
     if args.demo:
@@ -279,13 +211,13 @@ def main(argv=None) -> dict:
         trials = [t for t in DEMO_TRIALS if not only or any(w in t.name for w in only)]
         return demo_search(trials, seeds, workdir=args.workdir, out=args.out,
                            eval_n=args.eval_n)  # fmt: skip
-    config = study_config(quick)
+    config = base.get_config("quick" if quick else None)
     P, G = config.rollout.prompts_per_step, config.rollout.group_size
     budget = args.budget or (2 * P * G if quick else 30 * P * G)
     eval_points = args.eval_points or (1 if quick else 6)
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else ([0] if quick else [0, 1, 2])
     only = set(filter(None, args.only.split(",")))
-    todo = [c for c in cells(config.optim.lr) if not only or c.exp in only]
+    todo = [c for c in cells() if not only or c.exp in only]
     if quick and not only:  # one cell per experiment kind that exercises a distinct code path
         keep = {"grpo 4mbx2ep", "gvpo replay 0.5", "gvpo anchor ref", "gvpo from noisy SFT",
                 "dr_grpo eps 1e3 4mbx2ep"}  # fmt: skip
@@ -326,14 +258,14 @@ def main(argv=None) -> dict:
     records: dict[str, list[dict]] = {}
     done = {}
     for cell in todo:
-        key = config_key(cell, config)
+        key = config_key(cell, cell.load(quick), config)
         if key in done:
             records[cell.name] = done[key]
             continue
         recs = []
         for seed in seeds:
-            cfg = with_overrides(config, cell.overrides, seed)
-            tag = f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
+            cfg = cell.load(quick, seed)
+            tag = record_tag(key, budget, seed)
             cached = os.path.join(args.workdir, "records", f"{tag}.json")
             if os.path.exists(cached):  # an interrupted study resumes at the first missing run
                 with open(cached) as fh:
@@ -365,7 +297,7 @@ def main(argv=None) -> dict:
             records[cell.name] = recs
 
     summary = {
-        "command": "python -m benchmarks.learning_study " + " ".join(argv or []),
+        "command": "python -m studies.toy.study " + " ".join(argv or []),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"jax {jax.__version__} on {jax.devices()[0].platform}",

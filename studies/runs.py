@@ -1,8 +1,9 @@
 """One learning-study run: the study's cells, a config's cold start (SFT) and an RL run at a
 fixed rollout budget, measured by held-out accuracy and KL to the start, and written as a record.
 
-`benchmarks.learning_study` (the toy-task study) and `benchmarks.study_smollm2` (part 2) build
-their cells from these pieces; `benchmarks.study_report` turns the records into tables and plots.
+Each study (`studies.toy.study`, `studies.smollm2.study`, `studies.stale.study`,
+`studies.stale_smollm2.study`) builds its cells from its arms' configs (`studies/arms.py`) and
+runs them with these pieces; `studies.report` turns the records into tables and plots.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.study_report import diverged
 from gvpo_jax import assemble, train
 from gvpo_jax import config as config_lib
 from gvpo_jax.rl_step import TrainingError, collect_groups
+from studies import arms
+from studies.report import diverged
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The official GVPO recipe's regime: 4 minibatches x 1 epoch per rollout (1024 prompts per
-# rollout, minibatches of 256 in the paper's verl script).
-OFFICIAL = {"algo.num_minibatches": 4, "algo.num_epochs": 1}
+REPO = arms.REPO
 # Step metrics a record keeps per step (besides losses, rewards and the gradient norms).
 STEP_KEYS = (
     "adv_term", "var_term", "cov_term", "reward_corr", "rollout_lag", "is_weight_mean",
@@ -35,52 +34,42 @@ STEP_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One configuration of one experiment; `overrides` are dotted config fields."""
+    """One configuration of one experiment: `config` is its arm's config file and argument as
+    `--config` takes them ("studies/stale/configs/grpo.py:k=4,tis"; studies/arms.py)."""
 
     exp: str
     name: str
-    overrides: tuple = ()
+    config: str
     start: str = "clean"  # which cold-start checkpoint: clean | noisy
 
-
-def make_cell(exp, name, start="clean", **kw):
-    return Cell(exp, name, tuple(sorted((k.replace("__", "."), v) for k, v in kw.items())), start)
-
-
-def config_key(cell: Cell, base) -> str:
-    """Cells with the same effective config share runs (e.g. gvpo lr x1 and the offpolicy gvpo)."""
-    fields = dict(cell.overrides)
-    for k, v in list(fields.items()):
-        node = base
-        for part in k.split("."):
-            node = node[part]
-        if node == v:
-            del fields[k]
-    return json.dumps([cell.start, sorted(fields.items())])
+    def load(self, quick: bool = False, seed: int | None = None):
+        """The cell's config (with the arm's "quick" sizes), its seed set when given."""
+        spec = self.config
+        if quick:
+            spec += ("," if ":" in spec else ":") + "quick"
+        c = arms.load(spec)
+        if seed is not None:
+            c.seed = seed
+        return c
 
 
-def repo_config(name: str):
-    """`get_config()` of the repository's configs/<name>.py (the file the CLI's --config runs)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+def arm(study: str, name: str, **args) -> str:
+    """ "studies/<study>/configs/<name>.py:k=v,..." (a True flag as its bare name)."""
+    parts = [k if v is True else f"{k}={v}" for k, v in args.items() if v is not False]
+    path = f"studies/{study}/configs/{name}.py"
+    return path + (":" + ",".join(parts) if parts else "")
 
 
-def quiet_config(c):
-    """A config's run without export, plots, periodic checkpoints, sample logs or evaluations
-    of its own (the study evaluates), on all devices."""
-    c.train.export = False
-    c.train.plot = False
-    c.train.checkpoint_every = 10**9
-    c.train.sample_log_every = 0
-    c.train.eval_every = 0
-    if "kl_ref_metric" in c.train:  # the study measures KL to the start itself, at the end
-        c.train.kl_ref_metric = False
-    c.mesh.data = -1  # all devices: one on a plain CPU (the test runs the script without fakes)
-    return c
+def config_key(cell: Cell, config, base) -> str:
+    """Cells with the same effective config share runs (e.g. gvpo lr x1 and the offpolicy gvpo):
+    the cell's start and the fields its config (seed unset) changes from the study's base. A
+    record is named by this key and the budget (`record_tag`)."""
+    return json.dumps([cell.start, arms.overrides(config, base)])
+
+
+def record_tag(key: str, budget: int, seed: int) -> str:
+    """A run's record name: its config key and budget hashed, and its seed."""
+    return f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
 
 
 def with_overrides(c, overrides, seed: int):
@@ -232,7 +221,8 @@ def rl_run(
         if start_dir is not None:
             state, ref, _ = train.restore(run_, state, assemble.start_loop(run_))
         else:
-            ref = train.reference_copy(run_, state.params) if run_.needs_reference else None
+            copy = run_.reference.kind == "copy"
+            ref = train.reference_copy(run_, state.params) if copy else None
         # The checkpoint carries the SFT run's rng and loop state (data position, shuffle
         # stream): the RL run starts its own from its seed, so that seeds differ.
         state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))

@@ -1,7 +1,7 @@
 """Learning-study statistics, tables and plots: per-cell summaries over seeds (final accuracy,
 AUC, divergence, KL, gradient clipping), 95% intervals over seeds and over the held-out problem
 set, the data a difference would need to be resolved, and accuracy-vs-budget curves.
-Pure functions of run records (`benchmarks.study_runs`)."""
+Pure functions of run records (`studies.runs`)."""
 
 from __future__ import annotations
 

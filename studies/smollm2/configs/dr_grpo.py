@@ -1,0 +1,18 @@
+"""Part 2b arm: Dr. GRPO on SmolLM2-135M-Instruct (`:regime=4mbx1ep`; optional).
+
+python -m studies.smollm2.study --only dr_grpo
+python -m gvpo_jax.main --config=studies/smollm2/configs/dr_grpo.py:regime=4mbx1ep --workdir=DIR
+"""
+
+from studies import arms
+from studies.smollm2.configs import base
+
+
+def get_config(arg=None):
+    a = arms.parse(arg, quick=False, regime="on")
+    c = base.get_config("quick" if a.quick else None)
+    c.algo.name = "dr_grpo"
+    arms.set_regime(c, a.regime)
+    if a.regime != "on":
+        c.optim.micro_batches = 1  # a minibatch is 4 groups = 16 rows
+    return c

@@ -1,0 +1,1 @@
+"""Generators of docs from the code and its records (docs/config.md, the README's demo block)."""
