@@ -43,6 +43,7 @@ The machine may be shared: the load average is printed with the numbers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import heapq
 import os
 import time
@@ -55,7 +56,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from gvpo_jax import sampler  # noqa: E402
+from gvpo_jax import decode, sampler  # noqa: E402
 
 PROMPTS, SAMPLES = 8, 4
 MiB = 2**20
@@ -130,7 +131,7 @@ class Variant:
     def __init__(self, model, prompt_ids, caps_KxB, *, slots, chunk_rows, settings, key, shed=0):
         graphdef, self.state = nnx.split(model)
         self.slots, self.chunk_rows, self.shed = slots, chunk_rows, shed
-        g = settings["group_size"]
+        g = settings.group_size
         self.parts = []
         for caps_B in caps_KxB:
             for start in range(0, len(caps_B), chunk_rows):
@@ -138,10 +139,12 @@ class Variant:
                 lens = np.full((len(ids),), ids.shape[1], np.int32)
                 self.parts.append((ids, lens, caps_B[start : start + chunk_rows]))
         self.calls = len(self.parts) // len(caps_KxB)
-        kw = dict(settings, num_slots=slots, with_iterations=True, shed=shed)
+        settings = dataclasses.replace(settings, num_slots=slots, shed=shed)
         ids, lens, caps = self.parts[0]
         t0 = time.perf_counter()
-        lowered = sampler.generate_split.lower(graphdef, self.state, ids, lens, key, caps, **kw)
+        lowered = sampler.generate_split.lower(
+            graphdef, self.state, ids, lens, key, caps, settings=settings, with_iterations=True
+        )
         self.compiled = lowered.compile()
         self.compile_s = time.perf_counter() - t0
         self.temp_bytes = self.compiled.memory_analysis().temp_size_in_bytes
@@ -203,7 +206,7 @@ def main(argv=None) -> dict:
     prompt_ids = common.random_prompts(cfg.vocab_size, PROMPTS, prompt_len)
     caps_KxB = np.stack([length_mix(rows, n, seed, args.mix) for seed in range(args.orders)])
     eos = cfg.vocab_size - 1
-    settings = sampler.canonical_settings(
+    settings = sampler.SamplingSettings(
         max_new_tokens=n, temperature=1.0, group_size=SAMPLES, eos_ids=(eos,)
     )
     key = jax.random.key(0)
@@ -227,7 +230,7 @@ def main(argv=None) -> dict:
             model, prompt_ids, caps_KxB, slots=slots, chunk_rows=chunk, settings=settings, key=key
         )
     for level in sheds:  # the static batch halving up to `level` times as rows end
-        sizes = " -> ".join(map(str, sampler.shed_levels(rows, level)))
+        sizes = " -> ".join(map(str, decode.shed_levels(rows, level)))
         variants[f"static, shed {sizes}"] = Variant(
             model, prompt_ids, caps_KxB, slots=0, chunk_rows=rows, settings=settings, key=key,
             shed=level,

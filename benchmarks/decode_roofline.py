@@ -105,11 +105,10 @@ def decode_step(model, rows: int, repeats: int, short: int, long: int) -> tuple[
     ids, lens = _prompts(model, rows)
     best = {}
     for n in (short, long):
-        settings = sampler.canonical_settings(max_new_tokens=n, temperature=1.0,
-                                              group_size=GROUP)  # fmt: skip
+        settings = sampler.SamplingSettings(max_new_tokens=n, temperature=1.0, group_size=GROUP)
 
         def call(seed, settings=settings):
-            out = sampler.generate(model, ids, lens, rng=jax.random.key(seed), **settings)
+            out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(seed))
             return jax.block_until_ready(out)
 
         out = call(0)
@@ -131,7 +130,7 @@ PARTS = (
                                            "block_forward", "Transformer.hidden")),
     ("sampling", ("candidate_logprobs", "select_tokens", "draw", "_inverse_cdf",
                   "token_keys", "_uniforms", "log_softmax")),
-    ("loop bookkeeping", ("_decode_static", "generate_split", "_output")),
+    ("loop bookkeeping", ("static_batch", "generate_split", "_output")),
 )  # fmt: skip
 
 
@@ -213,11 +212,12 @@ def profile_decode(model, rows: int, new_tokens: int) -> dict:
     """Milliseconds per decode step of each part of the step (PARTS), the time between the
     loop's ops, and the loop's wall time, from one profiled generate of `rows` rows."""
     ids, lens = _prompts(model, rows)
-    settings = sampler.canonical_settings(max_new_tokens=new_tokens, temperature=1.0,
-                                          group_size=GROUP)  # fmt: skip
+    settings = sampler.SamplingSettings(
+        max_new_tokens=new_tokens, temperature=1.0, group_size=GROUP
+    )
     graphdef, state = nnx.split(model)
     args = (jnp.asarray(ids), jnp.asarray(lens), jax.random.key(2))
-    compiled = sampler.generate_split.lower(graphdef, state, *args, **settings).compile()
+    compiled = sampler.generate_split.lower(graphdef, state, *args, settings=settings).compile()
     instrs, comps, in_loop = _hlo_index(compiled.as_text())
     jax.block_until_ready(compiled(state, *args))  # warm
     with tempfile.TemporaryDirectory() as tmp:

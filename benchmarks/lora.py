@@ -116,13 +116,13 @@ def sampler_timing(quick: bool = False) -> dict:
     import jax
     from flax import nnx
 
-    from gvpo_jax import assemble, rl_step, sampler
+    from gvpo_jax import assemble, rollout, sampler
     from gvpo_jax.models import lora
 
     c = load_config(LORA_OVERRIDES, quick)
     run_, state = assemble.assemble(c, tempfile.mkdtemp(prefix="lora_sampler_"))
     loop = assemble.start_loop(run_)
-    examples = rl_step.next_examples(run_.task, run_.mesh, loop, c.rollout.prompts_per_step)
+    examples = rollout.next_examples(run_.task, run_.mesh, loop, c.rollout.prompts_per_step)
     prompts = [ex["prompt_ids"] for ex in examples]
 
     def rollout(model, seed):

@@ -65,10 +65,10 @@ def ours_rollout(model, prompt_ids: np.ndarray) -> common.LocalBench:
 
     def call():
         calls[0] += 1
-        out = sampler.generate(
-            model, ids, lens, max_new_tokens=NEW_TOKENS, rng=jax.random.key(calls[0]),
-            temperature=1.0, group_size=SAMPLES,
-        )  # fmt: skip
+        settings = sampler.SamplingSettings(
+            max_new_tokens=NEW_TOKENS, temperature=1.0, group_size=SAMPLES
+        )
+        out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(calls[0]))
         jax.block_until_ready(out.tokens_BxN)
 
     return common.LocalBench(call)

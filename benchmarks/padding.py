@@ -4,7 +4,7 @@ Run from the repo root: `.venv/bin/python -m benchmarks.padding [--repeats 3] [-
 (bench-45m, 8 prompts x 4 responses, prompt 64, up to 256 response tokens with the long-tailed
 length mix of `benchmarks.continuous` (mean ~120 tokens, ~15% of the rows at the cap: the SmolLM2
 whole step's), 4 micro-batches; about 15 minutes on 2 cores). Each layout is the trainer's own
-(`assemble.step_functions` / `assemble.bucketed_steps`):
+(`assemble.step_functions`: the `buckets.Updater` of each layout):
 - `full`: every micro-batch spans all 256 response slots (`optim.length_buckets = 0`);
 - `buckets`: groups sorted by their longest response, micro-batches cut to 64/128/192/256 slots;
 - `packed`: one row per group, its responses back to back behind one prompt copy
@@ -29,8 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks import common, continuous  # noqa: E402
-from gvpo_jax import assemble, buckets, rollout, sharding, train_step  # noqa: E402
+from benchmarks import common, continuous, update_step  # noqa: E402
+from gvpo_jax import assemble, buckets, sharding, train_step  # noqa: E402
+from gvpo_jax import batch as batch_lib  # noqa: E402
 from gvpo_jax import config as config_lib  # noqa: E402
 
 FULL = dict(prompts=8, group=4, prompt_len=64, new_tokens=256, micro_batches=4, buckets=4)
@@ -50,7 +51,7 @@ def make_batches(model, shape: dict, seeds) -> list[dict]:
         mask = (np.arange(n)[None] < lengths[:, None]).astype(np.float32)
         prompts = common.random_prompts(vocab, p, tp, seed=seed).tolist()
         responses = rng.integers(1, vocab, (b, n)).astype(np.int32)
-        batch = rollout.layout_batch(prompts, responses, mask, group_size=g, prompt_len=tp,
+        batch = batch_lib.layout_batch(prompts, responses, mask, group_size=g, prompt_len=tp,
                                      pad_id=0)  # fmt: skip
         batch["rewards"] = rng.random(b).astype(np.float32)
         noise = rng.standard_normal((b, n)).astype(np.float32)
@@ -85,34 +86,21 @@ class Layout:
         mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
         rules = sharding.logical_rules(mesh, model.config)
         rng = jax.random.key_data(jax.random.key(0))
-        tx, shardings, self.update, self.logprobs = assemble.step_functions(
-            c, graphdef, params, rng, mesh, rules
-        )
-        self.buckets = assemble.bucketed_steps(c, graphdef, self.logprobs, mesh, shardings, rules)
+        tx, _, self.updater = assemble.step_functions(c, graphdef, params, rng, mesh, rules)
         self.state = train_step.init_state_sharded(params, tx, rng, mesh, rules)[0]
-        keys = ["tokens", "attn_mask", "resp_mask", "rewards", "old_logp"]
-        keys += ["ref_logp"] if algo != "gvpo" else []
-        self.batches = [{k: b[k] for k in keys} for b in batches]
+        self.batches = [update_step.update_batch(b, self.updater.spec) for b in batches]
         self.mesh, self.i, self.j = mesh, 0, 0
 
     def update_call(self):
         batch = self.batches[self.i % len(self.batches)]
         self.i += 1
-        if self.buckets is not None:
-            self.state, m = self.buckets.update(self.state, batch)
-        else:
-            dev = sharding.device_batch(batch, self.mesh, group_size=self.config.rollout.group_size,
-                                        micro_batches=self.config.optim.micro_batches)  # fmt: skip
-            self.state, m = self.update(self.state, dev)
+        self.state, m = self.updater.update(self.state, batch)
         jax.block_until_ready((self.state, m))
 
     def logprob_call(self):
         batch = self.batches[self.j % len(self.batches)]
         self.j += 1
-        if self.buckets is not None:
-            return self.buckets.logprobs(self.state.params, batch)
-        dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, self.mesh)
-        return np.asarray(self.logprobs(self.state.params, dev["tokens"], dev["attn_mask"]))
+        return self.updater.logprobs(self.state.params, batch.tokens, batch.valid)
 
     def warm(self):
         for _ in self.batches:  # every batch's widths compile here, not while timed

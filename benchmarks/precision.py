@@ -41,14 +41,14 @@ DTYPES = ("float32", "bfloat16")
 def rollout_bench(model, prompts, group, prompt_len, new_tokens) -> common.LocalBench:
     prompt_ids = common.random_prompts(model.config.vocab_size, prompts, prompt_len)
     lens = np.full((prompts,), prompt_len, np.int32)
-    settings = sampler.canonical_settings(
+    settings = sampler.SamplingSettings(
         max_new_tokens=new_tokens, temperature=1.0, group_size=group
     )
     seed = [0]
 
     def call():
         seed[0] += 1
-        out = sampler.generate(model, prompt_ids, lens, rng=jax.random.key(seed[0]), **settings)
+        out = sampler.generate(model, prompt_ids, lens, settings, rng=jax.random.key(seed[0]))
         jax.block_until_ready(out)
         assert int(out.lengths_B.min()) == new_tokens  # EOS off: every row runs to the end
 

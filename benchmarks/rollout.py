@@ -76,19 +76,22 @@ def bench_jax(model, prompt_ids, repeats: int, shape: dict) -> dict:
     """Trace and XLA-compile times (ahead of time), then best/median of timed generate calls."""
     lens = np.full((shape["prompts"],), shape["prompt_len"], np.int32)
     settings = sampler.canonical_settings(
-        max_new_tokens=shape["new_tokens"], temperature=1.0, group_size=shape["samples"]
+        sampler.SamplingSettings(
+            max_new_tokens=shape["new_tokens"], temperature=1.0, group_size=shape["samples"]
+        ),
+        rows=shape["prompts"] * shape["samples"],
     )
     graphdef, state = nnx.split(model)
     start = time.perf_counter()
     lowered = sampler.generate_split.lower(
-        graphdef, state, prompt_ids, lens, jax.random.key(0), **settings
+        graphdef, state, prompt_ids, lens, jax.random.key(0), settings=settings
     )
     traced = time.perf_counter()
     lowered.compile()
     compiled = time.perf_counter()
 
     def call(seed):
-        out = sampler.generate(model, prompt_ids, lens, rng=jax.random.key(seed), **settings)
+        out = sampler.generate(model, prompt_ids, lens, settings, rng=jax.random.key(seed))
         return jax.block_until_ready(out)
 
     first = _timed(lambda: call(0))  # the jit cache may or may not reuse the AOT compile

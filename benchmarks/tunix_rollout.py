@@ -111,7 +111,7 @@ def ours_bench(model, prompt_ids, *, samples: int, new_tokens: int) -> common.Lo
 
     from gvpo_jax import sampler
 
-    settings = sampler.canonical_settings(
+    settings = sampler.SamplingSettings(
         max_new_tokens=new_tokens, temperature=1.0, group_size=samples
     )
     graphdef, state = nnx.split(model)
@@ -120,7 +120,7 @@ def ours_bench(model, prompt_ids, *, samples: int, new_tokens: int) -> common.Lo
 
     def call():
         out = sampler.generate_split(
-            graphdef, state, prompt_ids, lens, jax.random.key(next(seed)), **settings
+            graphdef, state, prompt_ids, lens, jax.random.key(next(seed)), settings=settings
         )
         out = jax.device_get(out)
         assert int(out.lengths_B.min()) == new_tokens  # no EOS: every row ran to the end

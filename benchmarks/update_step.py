@@ -35,8 +35,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import common, tunix_rollout  # noqa: E402
-from gvpo_jax import assemble, losses, rollout, sharding, train_step  # noqa: E402
+from gvpo_jax import assemble, losses, plan, sharding, train_step  # noqa: E402
+from gvpo_jax import batch as batch_lib  # noqa: E402
 from gvpo_jax import config as config_lib  # noqa: E402
+from gvpo_jax.batch import UpdateBatch  # noqa: E402
 
 LR, BETA, KL_COEF = 1e-6, 0.1, 0.04  # GVPO beta (official script); GRPO preset's k3 KL coef
 QUICK = dict(prompts=2, group=2, prompt_len=8, new_tokens=8)
@@ -49,7 +51,7 @@ FULL = dict(
 
 
 def make_batch(model, *, prompts, group, prompt_len, new_tokens, chunk, seed=0) -> dict:
-    """A rollout batch in the trainer's layout (`rollout.layout_batch`), as numpy arrays.
+    """A rollout batch in the trainer's layout (`batch.layout_batch`), as numpy arrays.
 
     Random full-length prompts and responses (EOS disabled), uniform rewards; old_logp and
     ref_logp = the model's own log-probs plus noise (0.1 and 0.01 nats), so ratios move off 1
@@ -63,7 +65,7 @@ def make_batch(model, *, prompts, group, prompt_len, new_tokens, chunk, seed=0) 
     b = prompts * group
     responses = rng.integers(1, vocab, (b, new_tokens)).astype(np.int32)
     mask = np.ones((b, new_tokens), np.float32)
-    batch = rollout.layout_batch(
+    batch = batch_lib.layout_batch(
         prompt_ids.tolist(), responses, mask, group_size=group, prompt_len=prompt_len, pad_id=0
     )
     batch["rewards"] = rng.random(b).astype(np.float32)
@@ -127,24 +129,39 @@ def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> c
     one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     rules = sharding.logical_rules(one, model.config)
     rng = jax.random.key_data(jax.random.key(0))
-    tx, _, update, _ = assemble.step_functions(config, graphdef, params, rng, one, rules)
-    keys = ["tokens", "attn_mask", "resp_mask", "rewards", "old_logp"]
-    data = {k: batch[k] for k in keys + (["ref_logp"] if algo != "gvpo" else [])}
-    data = sharding.device_batch(data, one)
+    tx, _, updater = assemble.step_functions(config, graphdef, params, rng, one, rules)
+    data = update_batch(batch, updater.spec)
     state = [train_step.init_state_sharded(params, tx, rng, one, rules)[0]]
     first_loss = []
 
     def call():
-        state[0], metrics = update(state[0], data)
+        state[0], metrics = updater.update(state[0], data)
         jax.block_until_ready((state[0], metrics))
         first_loss.append(float(metrics["loss"]))
 
-    bench = common.LocalBench(
-        call, lambda: dict(cache_size=update._cache_size(), first_loss=first_loss[0])
-    )
+    def info():
+        return dict(cache_size=updater.compiled_programs(), first_loss=first_loss[0])
+
+    bench = common.LocalBench(call, info)
     # XLA's compiled memory analysis of this update (arguments + temporaries), before timing it.
-    bench.memory = lambda: update.lower(state[0], data).compile().memory_analysis()
+    bench.memory = lambda: plan.compile_train_step(config, one).memory_analysis()
     return bench
+
+
+def update_batch(batch: dict, spec) -> UpdateBatch:
+    """The benchmark's rows as the trainer's update batch carries them under `spec` (one update
+    per step: pi_old from the update's own forward, the sampler's log-probs beside it)."""
+    rows = len(batch["rewards"])
+    return UpdateBatch(
+        tokens=batch["tokens"],
+        valid=batch["attn_mask"],
+        loss_mask=batch["resp_mask"],
+        rewards=batch["rewards"],
+        old_logp=batch["old_logp"] if spec.old_logp else None,
+        ref_logp=batch["ref_logp"] if spec.ref_logp else None,
+        sampler_logp=batch["old_logp"] if spec.sampler_logp else None,
+        drawn=np.ones(rows, np.float32) if spec.sampler_logp else None,
+    )
 
 
 # ----------------------------------------------------------------------------- plain PyTorch

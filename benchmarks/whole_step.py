@@ -212,7 +212,7 @@ def ours_worker(args) -> None:
     import jax
     import numpy as np
 
-    from gvpo_jax import assemble, train
+    from gvpo_jax import assemble, resume, train
 
     settings = json.loads(args.settings)
     c = our_config(settings, args.algo, args.quick, args.length_buckets, args.pack, args.shed)
@@ -231,7 +231,7 @@ def ours_worker(args) -> None:
     workdir = tempfile.mkdtemp(prefix=f"whole_step_{args.algo}_")
     run, state = assemble.assemble(c, workdir)
     loop = assemble.start_loop(run)
-    ref = train.reference_copy(run, state.params) if run.reference.kind == "copy" else None
+    ref = resume.reference_copy(run, state.params) if run.reference.kind == "copy" else None
     info = dict(impl=f"gvpo_jax {args.algo}", jax=jax.__version__,
                 length_buckets=c.optim.length_buckets, pack_groups=c.optim.pack_groups,
                 shed=c.rollout.shed)  # fmt: skip

@@ -4,7 +4,7 @@ checkpoints, writer) and its first `TrainState`; `start_loop` gives the run's fi
     run, state = assemble.assemble(config, workdir)
     loop = assemble.start_loop(run)  # data position, shuffle stream, replay buffer
 
-The trainer, `plan --compile` (through `step_functions`), the learning study, the benchmarks and
+The trainer, `plan --compile` (through `step_functions`), the learning studies, the benchmarks and
 the tests all build their runs here; nothing assigns fields on a `Run` afterwards (use
 `dataclasses.replace` for a variant). The config is read here and in the trainer's loop only:
 the step (`rl_step.StepSettings`), the sampler (`sampler.SamplingSettings`) and the task take
@@ -37,7 +37,8 @@ from gvpo_jax import (
     train_step,
 )
 from gvpo_jax import config as config_lib
-from gvpo_jax.buckets import BucketedSteps
+from gvpo_jax.batch import BatchSpec
+from gvpo_jax.buckets import Updater
 from gvpo_jax.models import lora
 from gvpo_jax.replay import ReplayBuffer
 from gvpo_jax.rl_step import LoopState, StepSettings
@@ -56,16 +57,12 @@ class Run:
     tokenizer: object
     task: tasks.Task
     sampling: sampler.SamplingSettings  # the rollout's sampler settings
-    step: StepSettings  # what one RL step does
+    settings: StepSettings  # what one RL step does (the algorithm, the reference, the layout)
     writer: metrics.MetricWriter
     ckpt: checkpoint.Checkpointer
     tx: optax.GradientTransformation  # the RL optimizer
     state_shardings: train_step.TrainState  # NamedShardings of the train state
-    update: object  # jitted (state, batch) -> (state, metrics), state donated
-    # jitted (params, tokens, attn_mask) -> response log-probs [B, N]; a 4th argument True:
-    # the LoRA policy's with its adapters off
-    logprobs: object
-    buckets: BucketedSteps | None  # optim.length_buckets > 0: the bucketed update / log-probs
+    updater: Updater  # the RL update and log-prob passes (full width, buckets or packed)
     # mesh.rollout_devices > 0: the devices that only sample (rollout_queue.SamplingMesh)
     sampling_mesh: rollout_queue.SamplingMesh | None = None
     lora: lora.LoRASpec | None = None  # config.lora.enabled: the adapters on a frozen base
@@ -73,12 +70,12 @@ class Run:
     @property
     def algorithm(self) -> losses.Algorithm:
         """The run's algorithm, resolved once from the config (`config.algorithm`)."""
-        return self.step.algorithm
+        return self.settings.algorithm
 
     @property
     def reference(self) -> train_step.Reference:
         """Where the reference log-probs come from (a frozen copy, the adapters off, none)."""
-        return self.step.reference
+        return self.settings.reference
 
     def model(self, params) -> models.Transformer:
         return nnx.merge(self.graphdef, params)
@@ -168,12 +165,13 @@ def optimizer(config: ml_collections.ConfigDict, total_updates: int):
 
 
 def rl_loss_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
-    """`train_step.rl_loss` with the run's algorithm, layout and reference bound."""
+    """`train_step.rl_loss` with the run's algorithm, batch spec and layout bound."""
     c = config
     return functools.partial(
         train_step.rl_loss,
         graphdef=graphdef,
         algorithm=config_lib.algorithm(c),
+        spec=batch_spec(c),
         group_size=c.rollout.group_size,
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
@@ -185,6 +183,7 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
     return StepSettings(
         algorithm=config_lib.algorithm(c),
         reference=reference(c),
+        spec=batch_spec(c),
         prompts_per_step=c.rollout.prompts_per_step,
         group_size=c.rollout.group_size,
         prompt_len=c.data.max_prompt_len,
@@ -247,7 +246,8 @@ def start_loop(run: Run) -> LoopState:
 
 
 def make_replay(config: ml_collections.ConfigDict) -> ReplayBuffer | None:
-    if config.algo.name == "gvpo" and config.algo.replay_fraction > 0:
+    """GVPO's replay buffer (an off-policy loss and algo.replay_fraction > 0), else None."""
+    if config_lib.algorithm(config).off_policy and config.algo.replay_fraction > 0:
         return ReplayBuffer(
             config.algo.replay_capacity, mode=config.algo.replay_mode, seed=config.seed
         )
@@ -291,11 +291,12 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     c = config.model
     param_dtype = base_dtype(config)
     if c.hf_dir:
-        cfg = sharding.hf_model_config(c.hf_dir, param_dtype, c.compute_dtype)
+        cfg = models.hf_model_config(c.hf_dir, param_dtype, c.compute_dtype)
         config_lib.check_vocab(config, cfg.vocab_size, tokenizer)  # before the weights load
         rules = sharding.logical_rules(mesh, cfg.replace(remat=c.remat))
-        model = sharding.load_pretrained_sharded(
-            c.hf_dir, mesh, param_dtype, c.compute_dtype, remat=c.remat, rules=rules
+        shardings = sharding.param_shardings(models.abstract_model(cfg), mesh, rules)
+        model = models.from_pretrained(
+            c.hf_dir, param_dtype, c.compute_dtype, remat=c.remat, shardings=shardings
         )
         return models.with_config(model, attention=c.attention), tokenizer, rules
     if c.gguf:
@@ -352,54 +353,56 @@ def attach_lora(config: ml_collections.ConfigDict, model, mesh, rules):
     return sharding.shard_model(lora.attach(model, spec, seed=config.seed), mesh, rules)
 
 
-def step_functions(config: ml_collections.ConfigDict, graphdef, params, rng, mesh, rules):
-    """The jitted RL update and log-prob forward for `mesh`, with the state's shardings.
+def batch_spec(config: ml_collections.ConfigDict) -> BatchSpec:
+    """The optional fields every update batch of the run carries, from its algorithm, its
+    reference and the step's layout (`batch.BatchSpec`)."""
+    c, algo = config, config_lib.algorithm(config)
+    single_update = c.algo.num_epochs * c.algo.num_minibatches == 1
+    # one loss call over all rows: the loss computes whole-batch statistics itself
+    whole = single_update and c.optim.micro_batches == 1 and not c.optim.length_buckets
+    return BatchSpec(
+        old_logp=not single_update,
+        ref_logp=reference(c).present,
+        behaviour_logp=algo.correction is not None,
+        sampler_logp=algo.anchor == "sampler" or single_update,
+        advantages=algo.batch_statistics and not whole,
+        packed=bool(c.optim.pack_groups),
+    )
+
+
+def step_functions(
+    config: ml_collections.ConfigDict, graphdef, params, rng, mesh, rules
+) -> tuple[optax.GradientTransformation, train_step.TrainState, Updater]:
+    """The RL update and log-prob passes for `mesh` (`buckets.Updater`: full width, length
+    buckets or packed groups), with the state's shardings.
 
     `params` and `rng` may be concrete or abstract (the planner compiles full-size configs from
-    shapes). With LoRA the log-prob forward also runs with the adapters off (`reference=True`).
-    Returns (tx, state_shardings, update, logprobs).
+    shapes). With LoRA the log-prob passes also run with the adapters off (`reference=True`).
+    Returns (tx, state_shardings, updater).
     """
+    c = config
     tx, lr_fn = optimizer(config, rl_updates(config))
     shardings = train_step.train_state_shardings(params, tx, rng, mesh, rules)
-    update = train_step.jit_update(
-        rl_loss_fn(config, graphdef), tx, config.optim.micro_batches, lr_fn,
-        mesh=mesh, state_shardings=shardings, rules=rules,
-    )  # fmt: skip
-    logprobs = train_step.jit_logprobs(
-        graphdef, prompt_len=config.data.max_prompt_len, chunk_size=config.model.logprob_chunk,
-        group_size=config.rollout.group_size, mesh=mesh, param_shardings=shardings.params,
-        rules=rules, reference_graphdef=lora.with_adapters(graphdef, params, False),
-    )  # fmt: skip
-    return tx, shardings, update, logprobs
-
-
-def bucketed_steps(config: ml_collections.ConfigDict, graphdef, logprobs, mesh, state_shardings,
-                   rules, params=None) -> BucketedSteps | None:  # fmt: skip
-    """The length-bucketed update and log-prob passes (`gvpo_jax.buckets`); None when
-    optim.length_buckets is 0. `logprobs` is `step_functions`' jitted log-prob forward;
-    `params` (with LoRA) gives packed passes their adapters-off graph."""
-    c = config
-    if not c.optim.length_buckets:
-        return None
-    tx, lr_fn = optimizer(config, rl_updates(config))
     n, G, K = c.rollout.max_new_tokens, c.rollout.group_size, c.optim.length_buckets
-    widths = buckets.bucket_widths(n, K)
+    off = lora.with_adapters(graphdef, params, False)  # LoRA's base: the adapters off
+    kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk, mesh=mesh,
+              param_shardings=shardings.params, rules=rules, reference_graphdef=off)  # fmt: skip
     if c.optim.pack_groups:  # one row per group: its prompt, then its G responses back to back
         widths = buckets.pack_widths(n, G, K)
-        off = None if params is None else lora.with_adapters(graphdef, params, False)
-        logprobs = train_step.jit_packed_logprobs(
-            graphdef, prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk,
-            mesh=mesh, param_shardings=state_shardings.params, rules=rules,
-            reference_graphdef=off,
-        )  # fmt: skip
-    return BucketedSteps(
+        logprobs = train_step.jit_packed_logprobs(graphdef, **kw)
+    else:
+        widths = buckets.bucket_widths(n, K) if K else (n,)  # no buckets: full width
+        logprobs = train_step.jit_logprobs(graphdef, group_size=G, **kw)
+    spec = batch_spec(c)
+    updater = Updater(
         rl_loss_fn(config, graphdef), tx, lr_fn, logprobs,
         micro_batches=c.optim.micro_batches,
         chunks=c.algo.num_minibatches * c.optim.micro_batches,
         widths=widths, prompt_len=c.data.max_prompt_len, group_size=G,
         token_weighted=config_lib.algorithm(c).token_weighted,
-        mesh=mesh, state_shardings=state_shardings, rules=rules, packed=c.optim.pack_groups,
+        mesh=mesh, state_shardings=shardings, spec=spec, rules=rules,
     )  # fmt: skip
+    return tx, shardings, updater
 
 
 def split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[list, list]:
@@ -486,7 +489,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
     model = attach_lora(config, model, mesh, rules)
     graphdef, params = nnx.split(model, nnx.Param)
     rng = jax.random.key_data(jax.random.key(config.seed))
-    tx, shardings, update, logprobs = step_functions(config, graphdef, params, rng, mesh, rules)
+    tx, shardings, updater = step_functions(config, graphdef, params, rng, mesh, rules)
     if trains(config):
         state, _ = train_step.init_state_sharded(params, tx, rng, mesh, rules)
     else:
@@ -504,7 +507,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         tokenizer=tokenizer,
         task=task,
         sampling=sampling_settings(config, tokenizer),
-        step=step_settings(config),
+        settings=step_settings(config),
         writer=metrics.MetricWriter(
             workdir,
             wandb_project=config.train.wandb_project,
@@ -518,9 +521,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         ),
         tx=tx,
         state_shardings=shardings,
-        update=update,
-        logprobs=logprobs,
-        buckets=bucketed_steps(config, graphdef, logprobs, mesh, shardings, rules, state.params),
+        updater=updater,
         sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),
         lora=lora_spec(config),
     )

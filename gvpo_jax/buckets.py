@@ -1,4 +1,5 @@
-"""Length-bucketed update and log-prob passes: each micro-batch cut to its own longest response.
+"""The RL update and log-prob passes (`Updater`): micro-batches of whole groups, each cut to its
+own longest response (length buckets), or all at full width (one bucket: the plain update).
 
 A rollout's responses end at very different lengths, but its update rows are laid out to
 `max_new_tokens` response slots, so a batch whose answers average 120 of 256 tokens spends about
@@ -14,13 +15,16 @@ accumulator, and one jitted call averages them and applies the optimizer (`train
 apply_gradients`, the same as the in-graph path). At most K shapes are compiled per function,
 the widest being today's; nothing else recompiles.
 
-The result is the plain update's on the same micro-batches (trimmed slots are padding: every
-loss masks them, and Dr. GRPO's divisor is the constant `max_new_tokens`), except that groups are
-assigned to micro-batches by length rather than by position. Every loss is a mean over whole
-groups or sequences of a micro-batch, which that assignment does not change, except DAPO's
-token mean: there each micro-batch is weighted by its share of the tokens the minibatch's loss
-counts (after `seq_mis` masks responses out), so the accumulated loss is the minibatch's exact
-token mean (sorting by length would otherwise weight short answers' tokens up).
+Without `optim.length_buckets` the one width is `max_new_tokens` and the groups keep their
+order: the same host-side accumulation then runs the plain full-width update, so there is one
+update path. With buckets the result is the plain update's on the same micro-batches (trimmed
+slots are padding: every loss masks them, and Dr. GRPO's divisor is the constant
+`max_new_tokens`), except that groups are assigned to micro-batches by length rather than by
+position. Every loss is a mean over whole groups or sequences of a micro-batch, which that
+assignment does not change, except a token mean (DAPO, CISPO, REINFORCE++): there each
+micro-batch is weighted by its share of the tokens the minibatch's loss counts (after `seq_mis`
+masks responses out), so the accumulated loss is the minibatch's exact token mean (sorting by
+length would otherwise weight short answers' tokens up).
 
 Packed groups (`optim.pack_groups`, with buckets): one row per group instead of G, [its prompt |
 its G responses back to back | padding] (`pack`), each response attending to the prompt and to
@@ -39,9 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gvpo_jax import sharding, train_step
+from gvpo_jax.batch import BatchSpec, PackedRows, UpdateBatch
 from gvpo_jax.models import lora
 
-SEQUENCE_KEYS = ("tokens", "attn_mask")  # [B, prompt_len + N]; every other 2-D array is [B, N]
+SEQUENCE_FIELDS = ("tokens", "valid")  # [B, prompt_len + N]; every other 2-D field is [B, N]
 
 
 def bucket_widths(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
@@ -71,14 +76,15 @@ def plan_chunks(
     """Groups sorted by their longest response (packed: by the sum of their responses' lengths)
     and cut into `chunks` equal runs of whole groups: [(row indices, width)], the width being
     the smallest of `widths` that holds every response (packed: every group) of the chunk. Ties
-    keep the batch order (a stable sort)."""
+    keep the batch order (a stable sort); with one width (no buckets) the groups keep their
+    order."""
     ends_B = response_ends(resp_mask_BxN)
     num_groups = len(ends_B) // group_size
     if num_groups % chunks:
         raise ValueError(f"{num_groups} groups cannot be cut into {chunks} equal chunks.")
     per_group = ends_B.reshape(num_groups, group_size)
     group_end = per_group.sum(1) if packed else per_group.max(1)
-    order = np.argsort(group_end, kind="stable")
+    order = np.argsort(group_end, kind="stable") if len(widths) > 1 else np.arange(num_groups)
     per = num_groups // chunks
     out = []
     for c in range(chunks):
@@ -90,87 +96,99 @@ def plan_chunks(
     return out
 
 
-def trim(batch: dict, rows: np.ndarray, width: int, prompt_len: int) -> dict:
+def trim(batch: UpdateBatch, rows: np.ndarray, width: int, prompt_len: int) -> UpdateBatch:
     """The given rows of a host batch with the response slots cut to `width`."""
     out = {}
-    for k, v in batch.items():
+    for k, v in batch.arrays().items():
         v = np.asarray(v)[rows]
-        if v.ndim == 2:
-            v = v[:, : prompt_len + width if k in SEQUENCE_KEYS else width]
+        if v.ndim >= 2:
+            v = v[:, : prompt_len + width if k in SEQUENCE_FIELDS else width]
         out[k] = v
-    return out
+    return batch.replace(**out)
 
 
-def pack(batch: dict, rows: np.ndarray, width: int, prompt_len: int, group_size: int) -> dict:
-    """The given rows (whole groups) of a host batch in the packed layout: the PACK_KEYS of
-    `train_step.packed_logprobs` (one row per group: its prompt, then its responses back to
-    back, `width` response slots; segment g + 1 is response g, padding G + 1), and every other
-    [B, ...] array of the batch as it is (full width; the loss reads those unpacked)."""
+def pack(batch: UpdateBatch, rows: np.ndarray, width: int, prompt_len: int,
+         group_size: int) -> UpdateBatch:  # fmt: skip
+    """The given rows (whole groups) of a host batch in the packed layout: `packed` holds the
+    `PackedRows` (one row per group: its prompt, then its responses back to back, `width`
+    response slots; segment g + 1 is response g, padding G + 1), every other [B, ...] field is
+    as it is (full width; the loss reads those unpacked), and tokens / valid are dropped."""
     G, J = group_size, prompt_len
-    tokens = np.asarray(batch["tokens"])[rows]
-    attn = np.asarray(batch["attn_mask"])[rows]
+    tokens = np.asarray(batch.tokens)[rows]
+    attn = np.asarray(batch.valid)[rows]
     b, n = len(rows), tokens.shape[1] - J
     r = b // G
     ends = response_ends(attn[:, J:])
-    out = {
-        "pack_tokens": np.zeros((r, J + width), np.int32),
-        "pack_mask": np.zeros((r, J + width), attn.dtype),
-        "pack_positions": np.zeros((r, J + width), np.int32),
-        "pack_segments": np.full((r, width), G + 1, np.int32),
-        "pack_pred": np.full((r, width), J - 1, np.int32),
-        "pack_index": np.full((b, n), -1, np.int32),
-    }
+    p = PackedRows(
+        tokens=np.zeros((r, J + width), np.int32),
+        valid=np.zeros((r, J + width), attn.dtype),
+        positions=np.zeros((r, J + width), np.int32),
+        segments=np.full((r, width), G + 1, np.int32),
+        pred=np.full((r, width), J - 1, np.int32),
+        index=np.full((b, n), -1, np.int32),
+    )
     for g in range(r):
         first = g * G
-        out["pack_tokens"][g, :J] = tokens[first, :J]
-        out["pack_mask"][g, :J] = attn[first, :J]
+        p.tokens[g, :J] = tokens[first, :J]
+        p.valid[g, :J] = attn[first, :J]
         real = np.cumsum(attn[first, :J] > 0)
-        out["pack_positions"][g, :J] = np.maximum(real - 1, 0)
+        p.positions[g, :J] = np.maximum(real - 1, 0)
         offset = 0
         for i in range(G):
             row, length = first + i, int(ends[first + i])
             if offset + length > width:
-                raise ValueError(f"group of {int(ends[first:first + G].sum())} response tokens "
-                                 f"does not fit a packed width of {width}.")  # fmt: skip
+                raise ValueError(
+                    f"group of {int(ends[first : first + G].sum())} response tokens does not fit "
+                    f"a packed width of {width}."
+                )
             at = np.arange(length)
             slots = J + offset + at
-            out["pack_tokens"][g, slots] = tokens[row, J : J + length]
-            out["pack_mask"][g, slots] = attn[row, J : J + length]
-            out["pack_positions"][g, slots] = real[-1] + at
-            out["pack_segments"][g, offset + at] = i + 1
-            out["pack_pred"][g, offset + at[1:]] = slots[:-1]  # token 0: the last prompt slot
-            out["pack_index"][row, :length] = g * width + offset + at
+            p.tokens[g, slots] = tokens[row, J : J + length]
+            p.valid[g, slots] = attn[row, J : J + length]
+            p.positions[g, slots] = real[-1] + at
+            p.segments[g, offset + at] = i + 1
+            p.pred[g, offset + at[1:]] = slots[:-1]  # token 0: the last prompt slot
+            p.index[row, :length] = g * width + offset + at
             offset += length
-    for k, v in batch.items():
-        if k not in SEQUENCE_KEYS:
-            out[k] = np.asarray(v)[rows]
-    return out
+    per_row = {
+        k: np.asarray(v)[rows] for k, v in batch.arrays().items() if k not in SEQUENCE_FIELDS
+    }
+    return batch.replace(tokens=None, valid=None, packed=p, **per_row)
 
 
-def device_pack(host: dict, mesh, group_size: int) -> dict:
-    """A packed host batch on the mesh: the group rows and the response rows split alike."""
-    packed = {k: v for k, v in host.items() if k in train_step.PACK_KEYS and k != "pack_index"}
-    rest = {k: v for k, v in host.items() if k not in packed}
-    return {**sharding.device_batch(packed, mesh),
-            **sharding.device_batch(rest, mesh, group_size=group_size)}  # fmt: skip
+def to_device(batch: UpdateBatch, mesh, group_size: int) -> UpdateBatch:
+    """A host micro-batch on the mesh, rows over data x fsdp (whole groups per shard); packed
+    rows split by groups alike, so each group's responses stay with its packed row."""
+    placed = batch.replace(**sharding.device_batch(batch.arrays(), mesh, group_size=group_size))
+    if batch.packed is None:
+        return placed
+    groups = sharding.device_batch(batch.packed.group_arrays(), mesh)
+    index = sharding.device_batch({"index": batch.packed.index}, mesh, group_size=group_size)
+    return placed.replace(packed=PackedRows(**groups, **index))
 
 
-class BucketedSteps:
-    """The length-bucketed update and log-prob passes of one run (built by `gvpo_jax.assemble`).
+class Updater:
+    """The RL update and log-prob passes of one run (built by `gvpo_jax.assemble`), for every
+    layout: full width (one bucket), length buckets, or packed groups.
 
-    `update(state, host_batch)` is `jit_update`'s step on a host (numpy) minibatch of whole
-    groups; `logprobs(params, host_batch)` is the [B, N] response log-probs of `jit_logprobs`
-    (`logprobs_fn`, any shape) on a host batch. Both take the global batch, identical on every
-    process (as the trainer holds it), and put each micro-batch on the mesh themselves.
+    `update(state, batch)` is one optimizer update on a host (numpy) `UpdateBatch` minibatch of
+    whole groups: one jitted call per micro-batch adds its gradients into a donated accumulator,
+    one jitted call applies them (`train_step.apply_gradients`). `logprobs(params, tokens,
+    valid)` is the [B, N] response log-probs of any host rows, chunk by chunk. Both take the
+    global batch, identical on every process (as the trainer holds it), and put each
+    micro-batch on the mesh themselves. `spec` says which optional fields every batch carries.
     """
 
     def __init__(self, loss_fn, tx, lr_fn, logprobs_fn, *, micro_batches: int, chunks: int,
                  widths, prompt_len: int, group_size: int, token_weighted: bool, mesh,
-                 state_shardings, rules=sharding.LOGICAL_RULES, packed: bool = False):  # fmt: skip
+                 state_shardings, spec: BatchSpec, rules=sharding.LOGICAL_RULES):  # fmt: skip
         self.micro_batches, self.chunks, self.widths = micro_batches, chunks, tuple(widths)
         self.prompt_len, self.group_size, self.mesh = prompt_len, group_size, mesh
-        self.token_weighted, self.packed = token_weighted, packed
-        self._loss_fn, self._logprobs, self._aux_shape = loss_fn, logprobs_fn, None
+        # One micro-batch is the minibatch: its token mean is exact as it is, so it is not
+        # multiplied by its token count and divided again (float rounding for nothing).
+        token_weighted = token_weighted and micro_batches > 1
+        self.token_weighted, self.spec = token_weighted, spec
+        self._loss_fn, self._logprobs = loss_fn, logprobs_fn
         repl = sharding.replicated(mesh)
         rows = sharding.batch_sharding(mesh)
         trained = lora.split_trainable(state_shardings.params)[0]  # LoRA: the adapters' only
@@ -218,6 +236,16 @@ class BucketedSteps:
         )
         self._zeros = None
 
+    @property
+    def packed(self) -> bool:
+        return self.spec.packed
+
+    def compiled_programs(self) -> int:
+        """Programs compiled so far: the update's (one per width met, and its optimizer step)
+        and the log-prob pass's."""
+        jitted = (self._accumulate, self._normalize, self._apply, self._logprobs)
+        return sum(f._cache_size() for f in jitted)
+
     def _zero_acc(self, params, first_batch):
         if self._zeros is None:  # the aux keys and shapes are the same for every width
             aux = jax.eval_shape(lambda p, b: self._loss_fn(p, b)[1], params, first_batch)
@@ -227,37 +255,37 @@ class BucketedSteps:
             )
         return self._zeros(params)
 
-    def _plan(self, batch: dict, chunks: int):
-        """`plan_chunks` of a host batch, on the response part of its attention mask (what the
+    def _plan(self, valid, chunks: int):
+        """`plan_chunks` of host rows, on the response part of their valid mask (what the
         passes run): [(rows, width)]."""
-        real = np.asarray(batch["attn_mask"])[:, self.prompt_len :]
+        real = np.asarray(valid)[:, self.prompt_len :]
         return plan_chunks(real, self.group_size, chunks, self.widths, packed=self.packed)
 
-    def computed_slots(self, batch: dict, chunks: int) -> int:
-        """Response slots the passes compute over a host batch cut into `chunks`: rows x width
-        per chunk, or groups x packed width when packed."""
+    def computed_slots(self, valid, chunks: int) -> int:
+        """Response slots the passes compute over host rows cut into `chunks`: rows x width per
+        chunk, or groups x packed width when packed."""
         per_row = self.group_size if self.packed else 1
-        return sum(len(rows) // per_row * width for rows, width in self._plan(batch, chunks))
+        return sum(len(rows) // per_row * width for rows, width in self._plan(valid, chunks))
 
-    def logprob_slots(self, batch: dict) -> int:
-        """`computed_slots` of one log-prob pass over a host batch."""
-        return self.computed_slots(batch, self.chunks)
+    def logprob_slots(self, valid) -> int:
+        """`computed_slots` of one log-prob pass over host rows."""
+        return self.computed_slots(valid, self.chunks)
 
-    def _device_chunks(self, batch: dict, chunks: int):
+    def _device_chunks(self, batch: UpdateBatch, chunks: int):
         """(rows, device batch) per chunk of `_plan`: the rows of whole groups of `batch`,
         trimmed to the chunk's width (or packed into it) and put on the mesh."""
         G, J = self.group_size, self.prompt_len
-        for rows, width in self._plan(batch, chunks):
+        for rows, width in self._plan(batch.valid, chunks):
             if self.packed:
-                yield rows, device_pack(pack(batch, rows, width, J, G), self.mesh, G)
+                yield rows, to_device(pack(batch, rows, width, J, G), self.mesh, G)
             else:
-                host = trim(batch, rows, width, J)
-                yield rows, sharding.device_batch(host, self.mesh, group_size=G)
+                yield rows, to_device(trim(batch, rows, width, J), self.mesh, G)
 
-    def accumulated(self, params, batch: dict) -> tuple[dict, float]:
+    def accumulated(self, params, batch: UpdateBatch) -> tuple[dict, float]:
         """Gradients, loss and aux summed over the micro-batches of a host minibatch of whole
         groups (the `train_step.accumulate` carry), and the share of its response slots that
         were computed (of B x max_new_tokens)."""
+        batch.check(self.spec)
         M = self.micro_batches
         acc = None
         for _, mb in self._device_chunks(batch, M):
@@ -266,39 +294,46 @@ class BucketedSteps:
             acc = self._accumulate(params, acc, mb)
         if self.token_weighted:  # the minibatch's exact token mean (see the module doc)
             acc = self._normalize(acc)
-        return acc, self.computed_slots(batch, M) / np.asarray(batch["resp_mask"]).size
+        return acc, self.computed_slots(batch.valid, M) / np.asarray(batch.loss_mask).size
 
-    def update(self, state, batch: dict):
+    def update(self, state, batch: UpdateBatch):
         """One optimizer update on a host minibatch of whole groups -> (state, metrics);
         metrics["update_slot_frac"] is the share of the response slots computed,
         ["update_pad_ratio"] the slots computed per real response token (1: no padding)."""
         acc, slot_frac = self.accumulated(state.params, batch)
         state, metrics = self._apply(state, acc)
-        computed = slot_frac * np.asarray(batch["resp_mask"]).size
-        ratio = computed / real_tokens(batch, self.prompt_len)
+        computed = slot_frac * np.asarray(batch.loss_mask).size
+        ratio = computed / real_tokens(batch.valid, self.prompt_len)
         return state, {**metrics, "update_slot_frac": slot_frac, "update_pad_ratio": ratio}
 
-    def logprobs(self, params, batch: dict, reference: bool = False) -> np.ndarray:
-        """[B, N] response log-probs of a host batch (tokens, attn_mask), chunk by chunk; slots
-        past a row's response are 0, as masked slots are. reference=True: with the LoRA
-        adapters off (`train_step.jit_logprobs` / `jit_packed_logprobs`)."""
-        sequences = {k: batch[k] for k in SEQUENCE_KEYS}
+    def logprobs(self, params, tokens, valid, reference: bool = False) -> np.ndarray:
+        """[B, N] response log-probs of host rows (tokens, valid: [B, prompt_len + N], whole
+        groups), chunk by chunk; slots past a row's response are 0, as masked slots are.
+        reference=True: with the LoRA adapters off (`train_step.jit_logprobs` /
+        `jit_packed_logprobs`)."""
+        n = np.asarray(tokens).shape[1] - self.prompt_len
+        rows_b = len(tokens)
+        sequences = UpdateBatch(
+            loss_mask=np.zeros((rows_b, n), np.float32),
+            rewards=np.zeros(rows_b, np.float32),
+            tokens=np.asarray(tokens),
+            valid=np.asarray(valid),
+        )
         parts = []
         off = (True,) if reference else ()  # LoRA: the adapters off
         for rows, dev in self._device_chunks(sequences, self.chunks):
             # dispatch every chunk, then wait for all of them
             if self.packed:
-                parts.append((rows, self._logprobs(params, dev, *off)))
+                parts.append((rows, self._logprobs(params, dev.packed, *off)))
             else:
-                parts.append((rows, self._logprobs(params, dev["tokens"], dev["attn_mask"], *off)))
-        n = np.asarray(batch["tokens"]).shape[1] - self.prompt_len
-        out = np.zeros((len(batch["tokens"]), n), np.float32)
+                parts.append((rows, self._logprobs(params, dev.tokens, dev.valid, *off)))
+        out = np.zeros((rows_b, n), np.float32)
         for rows, logp in parts:
             logp = sharding.gather(logp)
             out[rows, : logp.shape[1]] = logp
         return out
 
 
-def real_tokens(batch: dict, prompt_len: int) -> float:
-    """The real response tokens of a host batch (its attention mask after the prompt)."""
-    return max(float((np.asarray(batch["attn_mask"])[:, prompt_len:] > 0).sum()), 1.0)
+def real_tokens(valid, prompt_len: int) -> float:
+    """The real response tokens of host rows (their valid mask after the prompt)."""
+    return max(float((np.asarray(valid)[:, prompt_len:] > 0).sum()), 1.0)

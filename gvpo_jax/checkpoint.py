@@ -4,7 +4,6 @@ damaged steps (`restore_newest`)."""
 
 from __future__ import annotations
 
-import base64
 import errno
 import gc
 import inspect
@@ -30,7 +29,6 @@ from orbax.checkpoint import checkpoint_managers as ocm
 from gvpo_jax.errors import BadInputError, FaultError
 
 CHECKPOINT_SUBDIR = "checkpoints"  # checkpoints of a run live in <workdir>/checkpoints/<step>/
-_BYTES_TAG = "__bytes_b64__"  # JSON has no bytes; grain iterator states are bytes
 
 
 class CheckpointError(BadInputError):
@@ -66,13 +64,11 @@ def check_directory(directory: str | os.PathLike) -> None:
 
 
 def _encode_json(obj: Any, where: str = "meta") -> Any:
-    """Maps bytes to a tagged base64 dict and numpy scalars to Python; rejects the rest early.
+    """Maps numpy scalars to Python; rejects what JSON cannot hold early (bytes included).
 
     Validating here matters: an object Orbax fails to serialise in its background thread
     leaves a half-written step that blocks later saves of the same step.
     """
-    if isinstance(obj, bytes | bytearray):
-        return {_BYTES_TAG: base64.b64encode(bytes(obj)).decode("ascii")}
     if isinstance(obj, Mapping):
         out = {}
         for k, v in obj.items():
@@ -88,18 +84,8 @@ def _encode_json(obj: Any, where: str = "meta") -> Any:
         return obj
     raise CheckpointError(
         f"{where} is a {type(obj).__name__}, which JSON cannot hold; convert it to "
-        "str/int/float/bool/list/dict/bytes before saving."
+        "str/int/float/bool/list/dict before saving."
     )
-
-
-def _decode_json(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {_BYTES_TAG}:
-            return base64.b64decode(obj[_BYTES_TAG])
-        return {k: _decode_json(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_decode_json(v) for v in obj]
-    return obj
 
 
 # ---------------------------------------------------------------- state / replay checks
@@ -270,7 +256,7 @@ class Checkpointer:
 
     One step directory `<directory>/<step>/` holds the Orbax items
       state        the train-state pytree (StandardSave; sharded arrays, typed PRNG keys ok),
-      meta         a JSON dict (config, data-iterator state, ...; bytes values round-trip),
+      meta         a JSON dict (config, loop state: step, data position, shuffle stream, ...),
       replay_spec  JSON {name: {shape, dtype}} of the replay arrays (zero-size ones included),
       replay       the non-empty replay arrays (StandardSave of numpy arrays), if any.
     Orbax writes into `<step>.orbax-checkpoint-tmp*` and renames on commit, so a killed
@@ -519,7 +505,7 @@ class Checkpointer:
             replay[k] = (
                 np.asarray(stored_replay[k]) if k in stored_replay else np.zeros(shape, dtype)
             )
-        return out["state"], _decode_json(out["meta"]), replay
+        return out["state"], out["meta"], replay
 
     @staticmethod
     def _check_shapes(abstract: Any, stored_tree: Any, step_dir: Path) -> None:

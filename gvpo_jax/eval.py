@@ -4,6 +4,10 @@
 n completions for each example. `evaluate_policy` is the trainer's evaluation of a policy on a
 mesh: greedy accuracy always, and the metric set of n samples at the rollout temperature.
 A sample counts as correct when its reward is > 0.5 (rewards are 0/1 verifier scores).
+
+A run's evaluations (bottom): `evaluate_held_out` scores the task's held-out set during and
+around training; `evaluate_sets` drives mode=eval over the paper's sets (`run_sets`), each with
+its protocol, into the table.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ import math
 import os
 import subprocess
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import ml_collections
 import numpy as np
+import tqdm
 
-from gvpo_jax import metrics, rollout, sampler, sharding
+from gvpo_jax import assemble, metrics, sampler, sharding
+from gvpo_jax import batch as batch_lib
 from gvpo_jax import rewards as rewards_lib
 
 
@@ -237,7 +245,7 @@ def evaluate_policy(
                 rules=rules,
             )  # fmt: skip
             full = sharding.gather_rows({"tokens": out.tokens_BxN, "lengths": out.lengths_B}, mesh)
-            texts = rollout.decode(tokenizer, full["tokens"], full["lengths"])
+            texts = batch_lib.decode(tokenizer, full["tokens"], full["lengths"])
             outs += [texts[j * num : (j + 1) * num] for j in range(real)]
             lengths = np.asarray(full["lengths"])
             # Truncated: the cap reached without an end-of-sequence token in the last slot.
@@ -472,3 +480,139 @@ def table_markdown(table: Mapping) -> str:
         lines.append("Sets kept from earlier runs: " + ", ".join(
             f"{r['set']} at `{r['commit']}`" for r in table["rows"]))  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's evaluations: its held-out set (during and around training) and mode=eval's sets.
+
+
+def evaluate_held_out(run_: assemble.Run, params, *, step: int, tag: str = "") -> dict:
+    """Held-out accuracy (greedy, and avg@n at the rollout temperature when eval_samples > 1),
+    written to the metrics and printed, and each problem's outcome to
+    `eval_outcomes/step_<step>[_<tag>].json` (for `python -m gvpo_jax.compare`).
+    Returns {"accuracy", "greedy", "eval/...": ...}."""
+    c = run_.config
+    n = c.train.eval_samples
+    t0 = time.perf_counter()
+    outcomes: list[dict] = []
+    flat = evaluate_policy(
+        run_.model(params),
+        run_.task.eval_examples,
+        tokenizer=run_.tokenizer,
+        settings=run_.sampling,
+        mesh=run_.mesh,
+        rules=run_.rules,
+        reward_fn=run_.task.eval_reward,
+        n=n,
+        chunk=c.train.eval_chunk or c.rollout.prompts_per_step,
+        seed=step + 12345,
+        timeout_s=run_.task.timeout_s,
+        num_workers=run_.task.num_workers,
+        outcomes=outcomes,
+    )
+    flat["eval/time_s"] = time.perf_counter() - t0
+    run_.writer.write_scalars(step, flat)
+    if sharding.is_primary():
+        name = f"step_{step:06d}" + (f"_{tag}" if tag else "")
+        record = {
+            "step": step,
+            "tag": tag,
+            "policy": f"{run_.workdir} at step {step}",
+            "metrics": flat,
+            "outcomes": outcomes,
+        }
+        write_json_atomic(os.path.join(run_.workdir, "eval_outcomes", f"{name}.json"), record)
+    acc = flat[f"eval/avg@{n}"] if n > 1 else flat["eval/greedy"]
+    if sharding.is_primary():
+        what = f"avg@{n} (T={c.rollout.temperature:g}) {acc:.3f}, greedy " if n > 1 else ""
+        tqdm.tqdm.write(
+            f"[eval] step {step}: accuracy {what}{flat['eval/greedy']:.3f} "
+            f"on {len(run_.task.eval_examples)} problems"
+        )
+    return {"accuracy": acc, "greedy": flat["eval/greedy"], **flat}
+
+
+def describe_policy(c: ml_collections.ConfigDict, resumed: bool, step: int) -> str:
+    """What is evaluated, as the table names it: a checkpoint, a HF directory, a GGUF file, or
+    a random initialisation."""
+    if resumed:
+        return f"checkpoint step {step} of {c.restore_from or 'the workdir'}"
+    if c.model.hf_dir:
+        return f"Hugging Face directory {c.model.hf_dir}"
+    if c.model.gguf:
+        return f"GGUF {c.model.gguf}"
+    return f"random init ({c.model.preset or 'model.overrides'}, seed {c.seed})"
+
+
+def evaluate_sets(run_: assemble.Run, params, *, policy: str) -> dict:
+    """mode=eval over config.eval.sets: each set with its protocol (`protocol_for`), results in
+    `workdir/eval/<set>.json` as each finishes (a rerun keeps finished sets), the table printed
+    and written as `eval/table.json` and `eval/table.md`. Returns the table."""
+    from gvpo_jax import data  # lazy: the data package imports tensorflow_datasets
+
+    c, e = run_.config, run_.config.eval
+    names = data.eval_sets.parse_sets(e.sets)
+    paths = data.eval_sets.parse_paths(e.paths)
+    cap = e.max_new_tokens or c.rollout.max_new_tokens
+    protocols = {
+        name: protocol_for(
+            name, n=e.n, temperature=e.temperature, top_p=e.top_p, max_new_tokens=cap
+        )
+        for name in names
+    }
+
+    def load_set(name):
+        path = data.eval_sets.set_path(name, root=e.dir, paths=paths)
+        ev = data.load_eval_set(name, path)
+        examples, dropped = run_.task.encode(ev.examples)
+        if not examples:
+            raise data.EvalSetError(
+                f"no problem of the {name} set ({path}) fits data.max_prompt_len="
+                f"{c.data.max_prompt_len}; raise it."
+            )
+        return examples, {"files": list(ev.files), "skipped": ev.skipped, "dropped": dropped}
+
+    def score_set(name, examples, protocol):
+        settings = dataclasses.replace(
+            run_.sampling,
+            temperature=protocol.temperature,
+            top_p=protocol.top_p,
+            max_new_tokens=protocol.max_new_tokens,
+        )
+        outcomes: list[dict] = []
+        flat = evaluate_policy(
+            run_.model(params),
+            examples,
+            tokenizer=run_.tokenizer,
+            settings=settings,
+            mesh=run_.mesh,
+            rules=run_.rules,
+            reward_fn="math",
+            n=protocol.n,
+            chunk=c.train.eval_chunk or c.rollout.prompts_per_step,
+            seed=c.seed + zlib.crc32(name.encode()),
+            timeout_s=run_.task.timeout_s,
+            num_workers=run_.task.num_workers,
+            outcomes=outcomes,
+        )
+        prefix = "eval/"
+        result = {
+            k[len(prefix) :]: v
+            for k, v in flat.items()
+            if k.startswith(prefix) and "/per_dataset/" not in k
+        }
+        result["num_problems"] = int(result["num_problems"])
+        return result, outcomes
+
+    log = (lambda line: tqdm.tqdm.write(line)) if sharding.is_primary() else (lambda line: None)
+    return run_sets(
+        names,
+        protocols=protocols,
+        load_set=load_set,
+        score_set=score_set,
+        out_dir=os.path.join(run_.workdir, "eval"),
+        policy=policy,
+        commit=git_commit(),
+        write=sharding.is_primary(),
+        log=log,
+    )

@@ -19,6 +19,7 @@ XLA's own per-device memory analysis next to the estimate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -29,6 +30,8 @@ import numpy as np
 from flax import nnx
 
 from gvpo_jax import assemble, buckets, models, sampler, sharding, train_step
+from gvpo_jax import config as config_lib
+from gvpo_jax.batch import UpdateBatch
 from gvpo_jax.models import attention as attention_kernels
 from gvpo_jax.models import lora
 
@@ -127,7 +130,7 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
     c = config.model
     dtypes = {"param_dtype": assemble.base_dtype(config), "compute_dtype": c.compute_dtype}
     if c.hf_dir and os.path.isfile(os.path.join(c.hf_dir, "config.json")):
-        cfg = sharding.hf_model_config(c.hf_dir, **dtypes)
+        cfg = models.hf_model_config(c.hf_dir, **dtypes)
     elif c.preset:  # overrides apply on top of a preset, as in `assemble.build_model`
         cfg = models.PRESETS[c.preset].replace(**{**c.overrides.to_dict(), **dtypes})
     elif c.gguf in ("smollm2", "gemma3-270m"):  # the PyPI models: their presets' shapes
@@ -386,34 +389,49 @@ def plan_sampling_mesh(config: ml_collections.ConfigDict, num_devices: int) -> d
 def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
     """Lowers and compiles the config's RL update for `mesh` (shapes only, nothing allocated).
 
-    Raises whatever sharding error XLA or jax finds. Returns the `jax.stages.Compiled`; its
-    `memory_analysis()` gives per-device argument / output / temporary bytes.
+    The update at full width as one program (`train_step.jit_update`: the state, the
+    minibatch's micro-batches accumulated in-graph, the optimizer step): the same loss and
+    shardings as the trainer's `buckets.Updater`, whose per-micro-batch programs hold no more
+    at once, so its memory is an upper bound on the trainer's. Raises whatever sharding error
+    XLA or jax finds. Returns the `jax.stages.Compiled`; its `memory_analysis()` gives
+    per-device argument / output / temporary bytes.
     """
     cfg = model_config(config)
     rules = sharding.logical_rules(mesh, cfg)
     graphdef, params = nnx.split(policy_model(config, cfg), nnx.Param)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    tx, shardings, update, _ = assemble.step_functions(config, graphdef, params, rng, mesh, rules)
+    c = config
+    tx, lr_fn = assemble.optimizer(c, assemble.rl_updates(c))
+    shardings = train_step.train_state_shardings(params, tx, rng, mesh, rules)
+    spec = dataclasses.replace(assemble.batch_spec(c), packed=False)
+    loss_fn = functools.partial(assemble.rl_loss_fn(c, graphdef), spec=spec)
+    update = train_step.jit_update(
+        loss_fn, tx, c.optim.micro_batches, lr_fn, mesh=mesh, state_shardings=shardings,
+        rules=rules,
+    )  # fmt: skip
     state = jax.eval_shape(lambda p, r: train_step.init_state(p, tx, r), params, rng)
     state = sharding.abstract_with_shardings(state, shardings)
-    c = config
     rows = c.rollout.prompts_per_step * c.rollout.group_size // c.algo.num_minibatches
     sharding.check_batch(rows, c.rollout.group_size, mesh, c.optim.micro_batches)
     S, N = c.data.max_prompt_len + c.rollout.max_new_tokens, c.rollout.max_new_tokens
     rows_sharding = sharding.batch_sharding(mesh)
-    spec = {
-        "tokens": ((rows, S), jnp.int32),
-        "attn_mask": ((rows, S), jnp.float32),
-        "resp_mask": ((rows, N), jnp.float32),
-        "rewards": ((rows,), jnp.float32),
-        "old_logp": ((rows, N), jnp.float32),
-    }
-    if assemble.reference(c).present:
-        spec["ref_logp"] = ((rows, N), jnp.float32)
-    batch = {
-        k: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
-        for k, (shape, dtype) in spec.items()
-    }
+
+    def arr(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows_sharding)
+
+    per_token_adv = config_lib.algorithm(c).preset.adv_estimator == "reinforce_pp"
+    adv_shape = (rows, N) if per_token_adv else (rows,)
+    per_token = {k: arr((rows, N)) for k in ("old_logp", "ref_logp", "behaviour_logp",
+                                             "sampler_logp") if getattr(spec, k)}  # fmt: skip
+    batch = UpdateBatch(
+        tokens=arr((rows, S), jnp.int32),
+        valid=arr((rows, S)),
+        loss_mask=arr((rows, N)),
+        rewards=arr((rows,)),
+        drawn=arr((rows,)) if spec.sampler_logp else None,
+        advantages=arr(adv_shape) if spec.advantages else None,
+        **per_token,
+    )
     return update.lower(state, batch).compile()
 
 

@@ -4,7 +4,7 @@
 is the frozen object of `gvpo_jax.assemble` (jitted functions, task, sampler settings, mesh),
 `state` the `train_step.TrainState` (device arrays), `loop` the host side of what changes
 (`LoopState`: data position, shuffle stream, replay buffer), and every setting the step reads is
-in `run.step` (`StepSettings`), never in the config.
+in `run.settings` (`StepSettings`), never in the config.
 
 Multi-process runs: each process samples and scores only the rows it feeds; the small host batch
 of a round (tokens, rewards, log-probs) is then all-gathered, so dynamic sampling, the replay
@@ -20,9 +20,12 @@ import time
 import jax
 import numpy as np
 
-from gvpo_jax import losses, rewards, rollout, rollout_queue, sampler, sharding, tasks, train_step
+from gvpo_jax import batch as batch_lib
+from gvpo_jax import losses, rollout_queue, tasks, train_step
+from gvpo_jax.batch import BatchSpec, UpdateBatch
 from gvpo_jax.errors import FaultError
 from gvpo_jax.replay import ReplayBuffer
+from gvpo_jax.rollout import collect_groups
 
 
 class TrainingError(FaultError):
@@ -43,6 +46,7 @@ class StepSettings:
 
     algorithm: losses.Algorithm  # the loss, its advantages and what the step must provide
     reference: train_step.Reference  # where ref_logp comes from (a copy, adapters off, none)
+    spec: BatchSpec  # the optional fields the update batch carries (fixed by the two above)
     prompts_per_step: int  # P groups per update batch (fresh + replayed)
     group_size: int  # G responses per prompt
     prompt_len: int  # prompt slots of the update layout (data.max_prompt_len)
@@ -80,13 +84,13 @@ class LoopState:
             "np_rng": self.np_rng.bit_generator.state,
         }
         if self.queue:
-            meta["queue"] = rollout_queue.state_dict(self.queue)[0]
+            meta["queue"] = rollout_queue.state_dict(self.queue)
         return meta
 
     def arrays(self) -> dict[str, np.ndarray] | None:
         """The replay buffer's arrays and the queued rollouts' (under rollout_queue.PREFIX)."""
         out = dict(self.replay.state_dict()) if self.replay is not None else {}
-        out.update(rollout_queue.state_dict(self.queue)[1])
+        out.update(rollout_queue.arrays(self.queue))
         return out or None
 
     def load_state_dict(self, meta: dict, arrays: dict | None) -> None:
@@ -130,7 +134,8 @@ def rl_step(run, state, loop: LoopState, ref_params):
     `ref_params` is the frozen reference (None when the run needs none). Returns (state,
     metrics, completions, examples): completions and examples are this process's rows of the
     first rollout round (for sample logging)."""
-    s = run.step
+    t_step = time.perf_counter()
+    s = run.settings
     G, P = s.group_size, s.prompts_per_step
     rng, roll_rng = jax.random.split(state.rng)
     state = state.replace(rng=rng)
@@ -162,94 +167,83 @@ def rl_step(run, state, loop: LoopState, ref_params):
 
     # 3. Replay: the update batch is the fresh groups plus replayed ones; the fresh go in.
     t0 = time.perf_counter()
-    keys = ("tokens", "attn_mask", "resp_mask", "rewards")
-    algo = s.algorithm
-    batch = {k: fresh[k] for k in keys + (("behaviour_logp",) if algo.correction else ())}
-    if algo.anchor == "sampler":  # the sampling policy's own (T = 1) log-probs; no replay
-        batch["sampler_logp"] = fresh["rollout_logp"]
+    algo, spec, updater = s.algorithm, s.spec, run.updater
+    rows = {k: fresh[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
     if n_replay:
-        batch = rollout.concat_batches([batch, replay.sample(n_replay)])
+        rows = batch_lib.concat_batches([rows, replay.sample(n_replay)])
     if replay is not None:
         replay.add(fresh, G)
+    n_old = len(rows["rewards"]) - len(fresh["sampled"])  # replayed rows: not drawn this step
+    batch = UpdateBatch(
+        tokens=rows["tokens"],
+        valid=rows["attn_mask"],
+        loss_mask=rows["resp_mask"],
+        rewards=rows["rewards"],
+        behaviour_logp=fresh["behaviour_logp"] if spec.behaviour_logp else None,
+        # The sampling policy's own (T = 1) log-probs of the rows it drew: GVPO's anchor
+        # "sampler" (no replay with it), and with one update per step the consistency metrics.
+        sampler_logp=np.pad(fresh["rollout_logp"], ((0, n_old), (0, 0)))
+        if spec.sampler_logp
+        else None,
+        drawn=np.pad(fresh["sampled"], (0, n_old)) if spec.sampler_logp else None,
+    )
 
     # 4. Log-probs: pi_old (GVPO's anchor "old") and the reference for every row, replayed ones
     #    included, one forward each with the parameters the rollout used. With one update per
     #    step the update itself starts from those parameters: its own forward gives pi_old
     #    (`train_step.rl_loss` without old_logp), so that pass is skipped; the sampler
     #    consistency and entropy metrics then come from the update (rows sampled this step).
-    single_update = s.num_epochs * s.num_minibatches == 1
-    bucketed = run.buckets  # None: every pass spans all max_new_tokens response slots
-    reference = s.reference.present
-    if bucketed is None and (not single_update or reference):
-        dev = sharding.device_batch({k: batch[k] for k in ("tokens", "attn_mask")}, run.mesh)
+    single_update = not spec.old_logp
 
     def logprobs(params, adapters_off=False):  # [B, N] on the host, every row (a pass runs)
-        off = (True,) if adapters_off else ()  # LoRA's base: the same parameters, adapters off
-        if bucketed is not None:
-            return bucketed.logprobs(params, batch, *off)
-        return sharding.gather(run.logprobs(params, dev["tokens"], dev["attn_mask"], *off))
+        return updater.logprobs(params, batch.tokens, batch.valid, reference=adapters_off)
 
-    if single_update:
-        rows_total = len(batch["rewards"])
-        pad = rows_total - len(fresh["sampled"])  # replayed rows: not this step's samples
-        batch["rollout_logp"] = np.pad(fresh["rollout_logp"], ((0, pad), (0, 0)))
-        batch["sampled"] = np.pad(fresh["sampled"], (0, pad))
-    else:
-        batch["old_logp"] = logprobs(state.params)
-    if ref_params is not None:
-        batch["ref_logp"] = logprobs(ref_params)
+    if spec.old_logp:
+        batch = batch.replace(old_logp=logprobs(state.params))
+    if s.reference.kind == "copy":
+        batch = batch.replace(ref_logp=logprobs(ref_params))
     elif s.reference.kind == "adapters_off":  # LoRA: the base, the parameters without adapters
-        batch["ref_logp"] = logprobs(state.params, adapters_off=True)
-    whole = single_update and s.micro_batches == 1 and bucketed is None  # one loss call, all rows
-    if algo.batch_statistics and not whole:
+        batch = batch.replace(ref_logp=logprobs(state.params, adapters_off=True))
+    if spec.advantages:
         # Whole-batch statistics (REINFORCE++'s global normalisation) from every row, once,
         # before the batch is cut into minibatches and micro-batches. A KL in the reward needs
         # pi_old, which a single update otherwise takes from its own forward.
-        old = batch.get("old_logp")
+        old = batch.old_logp
         if old is None and algo.advantages_need_old:
             old = logprobs(state.params)
         adv = algo.advantages(
-            rewards=batch["rewards"],
-            mask=batch["resp_mask"],
+            rewards=batch.rewards,
+            mask=batch.loss_mask,
             group_size=G,
             old_logp=old,
-            ref_logp=batch.get("ref_logp"),
+            ref_logp=batch.ref_logp,
         )
-        batch["advantages"] = np.asarray(jax.device_get(adv), np.float32)
+        batch = batch.replace(advantages=np.asarray(jax.device_get(adv), np.float32))
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
-    # Response slots computed per real response token (1.0: no padding) of a log-prob pass and
-    # of the full-width update (the bucketed updates report their own).
-    real = max(float(batch["resp_mask"].sum()), 1.0)
-    computed = bucketed.logprob_slots(batch) if bucketed is not None else batch["resp_mask"].size
-    pad = {"logprob_pad_ratio": computed / real}
-    if bucketed is None:
-        pad["update_pad_ratio"] = batch["resp_mask"].size / real
+    # Response slots computed per real response token (1.0: no padding) of a log-prob pass.
+    real = max(float(batch.loss_mask.sum()), 1.0)
+    pad_ratio = {"logprob_pad_ratio": updater.logprob_slots(batch.valid) / real}
 
     # 5. num_epochs x num_minibatches updates on shuffled whole groups.
     t0 = time.perf_counter()
     update_metrics = []
     for _ in range(s.num_epochs):
-        for groups in rollout.minibatch_groups(len(batch["rewards"]) // G, s.num_minibatches,
-                                               loop.np_rng):  # fmt: skip
+        num_groups = len(batch.rewards) // G
+        for groups in batch_lib.minibatch_groups(num_groups, s.num_minibatches, loop.np_rng):
             mb = batch
             if s.num_minibatches > 1 or s.num_epochs > 1:
-                mb = rollout.select_groups(batch, groups, G)
-            if bucketed is not None:  # micro-batches cut to their own longest response
-                state, m = bucketed.update(state, mb)
-            else:
-                mb = sharding.device_batch(mb, run.mesh, group_size=G,
-                                           micro_batches=s.micro_batches)  # fmt: skip
-                state, m = run.update(state, mb)
+                mb = batch.rows(batch_lib.group_rows(groups, G))
+            state, m = updater.update(state, mb)
             update_metrics.append(m)
     update_metrics = jax.device_get(update_metrics)
     update_s = time.perf_counter() - t0
     if pending is not None:  # R_{t+k} joins the queue; this step's sampling work and timeline
         t_update_end = time.time()
-        sampled = pending.join()
+        ahead = pending.join()
         metrics.update(
-            rollout_time_s=sampled.metrics["rollout_time_s"],
-            reward_time_s=sampled.metrics["reward_time_s"],
-            **{"timeline/sample_start": sampled.times[0], "timeline/sample_end": sampled.times[1],
+            rollout_time_s=ahead.metrics["rollout_time_s"],
+            reward_time_s=ahead.metrics["reward_time_s"],
+            **{"timeline/sample_start": ahead.times[0], "timeline/sample_end": ahead.times[1],
                "timeline/update_start": t_update_end - update_s,
                "timeline/update_end": t_update_end},
         )  # fmt: skip
@@ -257,31 +251,33 @@ def rl_step(run, state, loop: LoopState, ref_params):
     # 6. Metrics of the fresh groups and of the updates.
     mask, r = fresh["resp_mask"], fresh["task_rewards"]
     ntok = float(mask.sum())
-    sampled = mask * fresh["sampled"][:, None]  # the sampler's tokens (not demonstrations)
+    drawn_BxN = mask * fresh["sampled"][:, None]  # the sampler's tokens (not demonstrations)
     is_sampled = fresh["sampled"] > 0
     if single_update:  # from the update's forward (train_step.rl_loss), summed over micro-batches
         u = update_metrics[0]
         entropy_mc = -float(u["sampled_logp_sum"]) / max(float(u["sampled_tokens"]), 1.0)
         gap_max = float(u["sampler_logp_gap_max"])
     else:
-        old = np.asarray(batch["old_logp"])[: fresh["rollout_logp"].shape[0]]
-        entropy_mc = float(-np.sum(old * sampled) / max(float(sampled.sum()), 1.0))
-        gap_max = float((np.abs(old - fresh["rollout_logp"]) * sampled).max())
+        old = np.asarray(batch.old_logp)[: fresh["rollout_logp"].shape[0]]
+        entropy_mc = float(-np.sum(old * drawn_BxN) / max(float(drawn_BxN.sum()), 1.0))
+        gap_max = float((np.abs(old - fresh["rollout_logp"]) * drawn_BxN).max())
     metrics.update(
         {
             "reward_mean": float(np.mean(fresh["rewards"])),
             "reward_std": float(np.std(fresh["rewards"])),
             "accuracy": float(np.mean(r[is_sampled] >= 1.0)),  # the policy's, not the demos'
-            "equal_reward_group_frac": float(np.mean(~rollout.informative_groups(r, G))),
+            "equal_reward_group_frac": float(np.mean(~batch_lib.informative_groups(r, G))),
             "response_len_mean": float(np.mean(fresh["lengths"][is_sampled])),
             "response_len_max": float(np.max(fresh["lengths"][is_sampled])),
             "entropy_mc": entropy_mc,
             "sampler_logp_gap_max": gap_max,
             "replayed_groups": float(n_replay),
-            **pad,
+            **pad_ratio,
             "logprob_time_s": logprob_s,
             "update_time_s": update_s,
-            "tokens_per_s": ntok / max(metrics["rollout_time_s"] + logprob_s + update_s, 1e-9),
+            # Over the step's wall time: with staleness the next rollout's sampling overlapped
+            # the update, so adding its time to the update's would understate the throughput.
+            "tokens_per_s": ntok / max(time.perf_counter() - t_step, 1e-9),
         }
     )
     if not is_sampled.all():
@@ -306,142 +302,3 @@ def rl_step(run, state, loop: LoopState, ref_params):
             metrics=metrics,
         )
     return state, metrics, completions, examples
-
-
-def next_examples(task, mesh, loop: LoopState, n: int) -> list[dict]:
-    """This process's rows of the next global batch of n training examples (advances
-    `loop.data`)."""
-    examples, loop.data = task.next_train(n, loop.data, rows=sharding.process_rows(n, mesh).rows)
-    return examples
-
-
-def collect_groups(run, params, loop: LoopState, rng: jax.Array, num_prompts: int, *,
-                   mesh=None):  # fmt: skip
-    """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones.
-    Reads the next training prompts at `loop.data` (advanced). `mesh`: a
-    `rollout_queue.SamplingMesh` to sample on (default: the run's mesh).
-
-    Returns (batch, completions, examples, metrics): `batch` is the global batch (every row, on
-    every process); completions / examples are this process's rows of the first round.
-    """
-    s, G = run.step, run.step.group_size
-    model = run.model(params)
-    kept, info_acc, completions_all, examples_all = [], {}, [], []
-    num_kept, rounds_run = 0, 0
-    for r in range(1 + (s.max_extra_rounds if s.algorithm.dynamic_sampling else 0)):
-        rounds_run += 1
-        examples = next_examples(run.task, run.mesh, loop, num_prompts)
-        batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r),
-                                                mesh=mesh)  # fmt: skip
-        batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
-        info["truncated"] = batch.pop("truncated")
-        settings = run.sampling
-        info["decode_slots"] = sampler.decode_slots(
-            batch["lengths"], max_new_tokens=settings.max_new_tokens, shed=settings.shed,
-            num_slots=sampler.resolve_slots(settings.num_slots, len(batch["lengths"])),
-        )  # fmt: skip
-        info["decode_tokens"] = float(np.sum(batch["lengths"]))
-        batch["task_rewards"] = batch["rewards"].copy()
-        if s.algorithm.overlong is not None:  # DAPO's soft overlong penalty on the lengths
-            max_len, cache_len, factor = s.algorithm.overlong
-            batch["rewards"] = batch["rewards"] + rewards.overlong_penalty(
-                batch["lengths"], max_len=max_len, cache_len=cache_len, factor=factor
-            )
-        for k, v in info.items():
-            info_acc.setdefault(k, []).append(v)
-        if r == 0:
-            completions_all, examples_all, first_round = completions, examples, batch
-        if not s.algorithm.dynamic_sampling:
-            kept.append(batch)
-            num_kept = num_prompts
-            break
-        good = np.flatnonzero(rollout.informative_groups(batch["task_rewards"], G))
-        take = good[: num_prompts - num_kept]
-        if len(take):
-            kept.append(rollout.select_groups(batch, take, G))
-            num_kept += len(take)
-        if num_kept == num_prompts:
-            break
-    if num_kept < num_prompts:  # bound reached: fill with uninformative groups (zero advantage)
-        good = rollout.informative_groups(first_round["task_rewards"], G)
-        fill = np.flatnonzero(~good)[: num_prompts - num_kept]
-        kept.append(rollout.select_groups(first_round, fill, G))
-    metrics = {
-        "rollout_time_s": float(np.sum(info_acc.pop("rollout_time_s"))),
-        "reward_time_s": float(np.sum(info_acc.pop("reward_time_s"))),
-        "truncated_frac": float(np.mean(np.concatenate(info_acc.pop("truncated")))),
-        "rollout_rounds": float(rounds_run),
-        # decode row-steps computed per generated token (1.0: no finished row computed)
-        "decode_pad_ratio": float(np.sum(info_acc.pop("decode_slots")))
-        / max(float(np.sum(info_acc.pop("decode_tokens"))), 1.0),
-    }
-    for k, v in info_acc.items():  # counts (reward timeouts, errors) of this process's rows
-        metrics[k] = sharding.sum_over_shards(np.sum(v), run.mesh)
-    return rollout.concat_batches(kept), completions_all, examples_all, metrics
-
-
-def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None):
-    """This process's rows of one round: sample G responses per prompt, optionally put the
-    demonstration in each group's last slot, score, and lay out the update rows.
-
-    Returns (batch, completions, info): `batch` holds tokens / attn_mask / resp_mask / rewards /
-    lengths / truncated, `rollout_logp` (the sampler's `logp_BxN`: the sampling policy's own
-    log-probs at T = 1, not those of the tempered / truncated distribution it drew from; only a
-    consistency metric: pi_old is recomputed in one forward) and `sampled` (0 on demonstration
-    rows).
-    """
-    settings, G = run.sampling, run.step.group_size
-    prompts = [ex["prompt_ids"] for ex in examples]
-    t0 = time.perf_counter()
-    out = sampler.sample_groups(
-        model, prompts, settings=settings, rng=rng,
-        mesh=run.mesh if mesh is None else mesh.mesh,
-        rules=run.rules if mesh is None else mesh.rules,
-    )  # fmt: skip
-    rollout_s = time.perf_counter() - t0
-    tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
-    rollout_logp = np.asarray(out.logp_BxN, np.float32)
-    sampled = np.ones(len(lengths), np.float32)  # 0: a demonstration, not the sampler's
-    if run.step.demo_slot:
-        demo_tokens, demo_mask = rollout.encode_answers(
-            run.tokenizer,
-            [ex.get("solution") or ex["answer"] for ex in examples],
-            max_new_tokens=settings.max_new_tokens,
-            eos_id=settings.eos_ids[0],
-            pad_id=settings.pad_id,
-        )
-        rows = np.arange(len(prompts)) * G + (G - 1)
-        tokens, mask, lengths = tokens.copy(), mask.copy(), lengths.copy()
-        tokens[rows], mask[rows] = demo_tokens, demo_mask
-        lengths[rows] = demo_mask.sum(-1).astype(lengths.dtype)
-        rollout_logp = rollout_logp.copy()
-        rollout_logp[rows] = 0.0
-        sampled[rows] = 0.0
-    completions = rollout.decode(run.tokenizer, tokens, lengths)
-    golds = [str(examples[b // G]["answer"]) for b in range(len(completions))]
-    t1 = time.perf_counter()
-    scores, reward_info = run.task.score(completions, golds)
-    reward_s = time.perf_counter() - t1
-    batch = rollout.layout_batch(
-        prompts, tokens, mask, group_size=G, prompt_len=run.step.prompt_len, pad_id=settings.pad_id
-    )
-    ended = np.zeros(len(lengths), bool)
-    for eos in settings.eos_ids:
-        ended |= (tokens == eos).any(-1)
-    batch.update(
-        rewards=np.asarray(scores, np.float32),
-        rollout_logp=rollout_logp,
-        # What the rows were drawn from (tempered, truncated): the rollout correction's mu.
-        behaviour_logp=np.where(sampled[:, None] > 0, np.asarray(out.sample_logp_BxN), 0.0).astype(
-            np.float32
-        ),
-        sampled=sampled,
-        lengths=np.asarray(lengths, np.int32),
-        truncated=(~ended).astype(np.float32),
-    )
-    info = {
-        "rollout_time_s": rollout_s,
-        "reward_time_s": reward_s,
-        **{f"reward/{k}": float(v) for k, v in reward_info.items()},
-    }
-    return batch, completions, info

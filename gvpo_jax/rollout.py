@@ -1,82 +1,162 @@
-"""Host-side batch helpers of an RL step: the update layout, demonstrations, group selection."""
+"""The rollout of an RL step: sample G responses per prompt, score them, and lay the groups out
+for the update (`sample_round`); dynamic sampling's extra rounds (`collect_groups`).
+
+`run` is the frozen `assemble.Run` (sampler settings, task, tokenizer, mesh), `loop` the step's
+`rl_step.LoopState` (its data position advances as prompts are read). A round's rows are sampled
+and scored on the process that feeds them, then all-gathered, so every process holds the whole
+rollout (what dynamic sampling, the replay buffer and the metrics read).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
 
+import jax
 import numpy as np
 
+from gvpo_jax import batch as batch_lib
+from gvpo_jax import rewards, sampler, sharding
 
-def layout_batch(
-    prompts: Sequence[Sequence[int]],
-    responses_BxN: np.ndarray,
-    resp_mask_BxN: np.ndarray,
-    *,
-    group_size: int,
-    prompt_len: int,
-    pad_id: int,
-) -> dict[str, np.ndarray]:
-    """The update layout: row b = [pad.., prompt[b // G], response[b], pad..], shape [B, Tp + N].
 
-    Prompts are right-aligned at slot `prompt_len` (left padding), so the token before the first
-    response slot is always the prompt's last token and `token_logprobs` needs no gathers.
+def next_examples(task, mesh, loop, n: int) -> list[dict]:
+    """This process's rows of the next global batch of n training examples (advances
+    `loop.data`)."""
+    examples, loop.data = task.next_train(n, loop.data, rows=sharding.process_rows(n, mesh).rows)
+    return examples
+
+
+def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *,
+                   mesh=None):  # fmt: skip
+    """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones.
+    Reads the next training prompts at `loop.data` (advanced). `mesh`: a
+    `rollout_queue.SamplingMesh` to sample on (default: the run's mesh).
+
+    Returns (batch, completions, examples, metrics): `batch` is the global batch (every row, on
+    every process); completions / examples are this process's rows of the first round.
     """
-    B, N = responses_BxN.shape
-    tokens = np.full((B, prompt_len + N), pad_id, np.int32)
-    attn = np.zeros((B, prompt_len + N), np.float32)
-    for b in range(B):
-        p = prompts[b // group_size]
-        tokens[b, prompt_len - len(p) : prompt_len] = p
-        attn[b, prompt_len - len(p) : prompt_len] = 1.0
-    tokens[:, prompt_len:] = np.where(resp_mask_BxN > 0, responses_BxN, pad_id)
-    attn[:, prompt_len:] = resp_mask_BxN
-    return {"tokens": tokens, "attn_mask": attn, "resp_mask": resp_mask_BxN.astype(np.float32)}
+    s, G = run.settings, run.settings.group_size
+    model = run.model(params)
+    kept, info_acc, completions_all, examples_all = [], {}, [], []
+    num_kept, rounds_run = 0, 0
+    for r in range(1 + (s.max_extra_rounds if s.algorithm.dynamic_sampling else 0)):
+        rounds_run += 1
+        examples = next_examples(run.task, run.mesh, loop, num_prompts)
+        batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r),
+                                                mesh=mesh)  # fmt: skip
+        batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
+        info["truncated"] = batch.pop("truncated")
+        settings = run.sampling
+        info["decode_slots"] = sampler.decode_slots(
+            batch["lengths"], max_new_tokens=settings.max_new_tokens, shed=settings.shed,
+            num_slots=sampler.resolve_slots(settings.num_slots, len(batch["lengths"])),
+        )  # fmt: skip
+        info["decode_tokens"] = float(np.sum(batch["lengths"]))
+        batch["task_rewards"] = batch["rewards"].copy()
+        if s.algorithm.overlong is not None:  # DAPO's soft overlong penalty on the lengths
+            max_len, cache_len, factor = s.algorithm.overlong
+            batch["rewards"] = batch["rewards"] + rewards.overlong_penalty(
+                batch["lengths"], max_len=max_len, cache_len=cache_len, factor=factor
+            )
+        for k, v in info.items():
+            info_acc.setdefault(k, []).append(v)
+        if r == 0:
+            completions_all, examples_all, first_round = completions, examples, batch
+        if not s.algorithm.dynamic_sampling:
+            kept.append(batch)
+            num_kept = num_prompts
+            break
+        good = np.flatnonzero(batch_lib.informative_groups(batch["task_rewards"], G))
+        take = good[: num_prompts - num_kept]
+        if len(take):
+            kept.append(batch_lib.select_groups(batch, take, G))
+            num_kept += len(take)
+        if num_kept == num_prompts:
+            break
+    if num_kept < num_prompts:  # bound reached: fill with uninformative groups (zero advantage)
+        good = batch_lib.informative_groups(first_round["task_rewards"], G)
+        fill = np.flatnonzero(~good)[: num_prompts - num_kept]
+        kept.append(batch_lib.select_groups(first_round, fill, G))
+    metrics = {
+        "rollout_time_s": float(np.sum(info_acc.pop("rollout_time_s"))),
+        "reward_time_s": float(np.sum(info_acc.pop("reward_time_s"))),
+        "truncated_frac": float(np.mean(np.concatenate(info_acc.pop("truncated")))),
+        "rollout_rounds": float(rounds_run),
+        # decode row-steps computed per generated token (1.0: no finished row computed)
+        "decode_pad_ratio": float(np.sum(info_acc.pop("decode_slots")))
+        / max(float(np.sum(info_acc.pop("decode_tokens"))), 1.0),
+    }
+    for k, v in info_acc.items():  # counts (reward timeouts, errors) of this process's rows
+        metrics[k] = sharding.sum_over_shards(np.sum(v), run.mesh)
+    return batch_lib.concat_batches(kept), completions_all, examples_all, metrics
 
 
-def encode_answers(
-    tokenizer, texts: Sequence[str], *, max_new_tokens: int, eos_id: int, pad_id: int
-):
-    """Demonstration / SFT targets: answer + EOS, truncated to N -> (tokens_BxN, mask_BxN)."""
-    B = len(texts)
-    tokens = np.full((B, max_new_tokens), pad_id, np.int32)
-    mask = np.zeros((B, max_new_tokens), np.float32)
-    for b, text in enumerate(texts):
-        ids = list(tokenizer.encode(text, add_special_tokens=False)) + [eos_id]
-        ids = ids[:max_new_tokens]
-        tokens[b, : len(ids)] = ids
-        mask[b, : len(ids)] = 1.0
-    return tokens, mask
+def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None):
+    """This process's rows of one round: sample G responses per prompt, optionally put the
+    demonstration in each group's last slot, score, and lay out the update rows.
 
-
-def decode(tokenizer, tokens_BxN: np.ndarray, lengths_B: np.ndarray) -> list[str]:
-    return [
-        tokenizer.decode(tokens_BxN[b, : int(lengths_B[b])].tolist(), skip_special_tokens=True)
-        for b in range(tokens_BxN.shape[0])
-    ]
-
-
-def concat_batches(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-
-
-def select_groups(batch: dict[str, np.ndarray], groups: np.ndarray, group_size: int):
-    """Rows of the given group indices (whole groups, in the given order)."""
-    rows = (np.asarray(groups)[:, None] * group_size + np.arange(group_size)[None]).reshape(-1)
-    return {k: v[rows] for k, v in batch.items()}
-
-
-def informative_groups(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
-    """DAPO dynamic sampling on the host: bool [P], True for groups whose rewards are not all
-    equal (the numpy twin of `gvpo_jax.losses.informative_groups`)."""
-    rewards_B = np.asarray(rewards_B)
-    if rewards_B.ndim != 1 or len(rewards_B) % group_size:
-        raise ValueError(f"{rewards_B.shape} rewards are not whole groups of {group_size}.")
-    r_PxG = rewards_B.reshape(-1, group_size)
-    return np.any(r_PxG != r_PxG[:, :1], axis=1)
-
-
-def minibatch_groups(num_groups: int, num_minibatches: int, rng: np.random.Generator):
-    """A shuffled partition of group indices into equal minibatches: groups are never split."""
-    if num_groups % num_minibatches:
-        raise ValueError(f"{num_minibatches} minibatches do not divide {num_groups} groups.")
-    return rng.permutation(num_groups).reshape(num_minibatches, -1)
+    Returns (batch, completions, info): `batch` holds tokens / attn_mask / resp_mask / rewards /
+    lengths / truncated, `rollout_logp` (the sampler's `logp_BxN`: the sampling policy's own
+    log-probs at T = 1, not those of the tempered / truncated distribution it drew from; only a
+    consistency metric: pi_old is recomputed in one forward) and `sampled` (0 on demonstration
+    rows).
+    """
+    settings, G = run.sampling, run.settings.group_size
+    prompts = [ex["prompt_ids"] for ex in examples]
+    t0 = time.perf_counter()
+    out = sampler.sample_groups(
+        model, prompts, settings=settings, rng=rng,
+        mesh=run.mesh if mesh is None else mesh.mesh,
+        rules=run.rules if mesh is None else mesh.rules,
+    )  # fmt: skip
+    rollout_s = time.perf_counter() - t0
+    tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
+    rollout_logp = np.asarray(out.logp_BxN, np.float32)
+    sampled = np.ones(len(lengths), np.float32)  # 0: a demonstration, not the sampler's
+    if run.settings.demo_slot:
+        demo_tokens, demo_mask = batch_lib.encode_answers(
+            run.tokenizer,
+            [ex.get("solution") or ex["answer"] for ex in examples],
+            max_new_tokens=settings.max_new_tokens,
+            eos_id=settings.eos_ids[0],
+            pad_id=settings.pad_id,
+        )
+        rows = np.arange(len(prompts)) * G + (G - 1)
+        tokens, mask, lengths = tokens.copy(), mask.copy(), lengths.copy()
+        tokens[rows], mask[rows] = demo_tokens, demo_mask
+        lengths[rows] = demo_mask.sum(-1).astype(lengths.dtype)
+        rollout_logp = rollout_logp.copy()
+        rollout_logp[rows] = 0.0
+        sampled[rows] = 0.0
+    completions = batch_lib.decode(run.tokenizer, tokens, lengths)
+    golds = [str(examples[b // G]["answer"]) for b in range(len(completions))]
+    t1 = time.perf_counter()
+    scores, reward_info = run.task.score(completions, golds)
+    reward_s = time.perf_counter() - t1
+    batch = batch_lib.layout_batch(
+        prompts,
+        tokens,
+        mask,
+        group_size=G,
+        prompt_len=run.settings.prompt_len,
+        pad_id=settings.pad_id,
+    )
+    ended = np.zeros(len(lengths), bool)
+    for eos in settings.eos_ids:
+        ended |= (tokens == eos).any(-1)
+    batch.update(
+        rewards=np.asarray(scores, np.float32),
+        rollout_logp=rollout_logp,
+        # What the rows were drawn from (tempered, truncated): the rollout correction's mu.
+        behaviour_logp=np.where(sampled[:, None] > 0, np.asarray(out.sample_logp_BxN), 0.0).astype(
+            np.float32
+        ),
+        sampled=sampled,
+        lengths=np.asarray(lengths, np.int32),
+        truncated=(~ended).astype(np.float32),
+    )
+    info = {
+        "rollout_time_s": rollout_s,
+        "reward_time_s": reward_s,
+        **{f"reward/{k}": float(v) for k, v in reward_info.items()},
+    }
+    return batch, completions, info

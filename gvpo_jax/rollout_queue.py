@@ -31,7 +31,7 @@ PREFIX = "queue/"
 class QueuedRollout:
     """One sampled and scored rollout waiting for its step."""
 
-    batch: dict[str, np.ndarray]  # `rl_step.collect_groups`' global batch (every row)
+    batch: dict[str, np.ndarray]  # `rollout.collect_groups`' global batch (every row)
     metrics: dict[str, float]  # its rollout metrics (truncation, rounds, reward counters)
     completions: list[str]  # this process's rows of the first round (sample logs)
     examples: list[dict]  # their prompts and golds: {"prompt", "answer"}
@@ -47,17 +47,22 @@ def _brief(examples: list[dict]) -> list[dict]:
     return [{"prompt": str(ex.get("prompt", "")), "answer": str(ex["answer"])} for ex in examples]
 
 
-def state_dict(queue: list[QueuedRollout]) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """(JSON-able entries for the checkpoint's meta, arrays under PREFIX for its array item)."""
-    meta, arrays = [], {}
-    for i, r in enumerate(queue):
+def state_dict(queue: list[QueuedRollout]) -> list[dict]:
+    """JSON-able entries for the checkpoint's meta (the arrays: `arrays`)."""
+    meta = []
+    for r in queue:
         meta.append({"metrics": r.metrics, "completions": r.completions, "examples": r.examples,
                      "policy_step": r.policy_step, "keys": sorted(r.batch)})  # fmt: skip
         if r.data_start is not None:
             meta[-1]["data_start"] = dict(r.data_start)
-        for k, v in r.batch.items():
-            arrays[f"{PREFIX}{i}/{k}"] = np.asarray(v)
-    return meta, arrays
+    return meta
+
+
+def arrays(queue: list[QueuedRollout]) -> dict[str, np.ndarray]:
+    """The queued rollouts' arrays under PREFIX, for the checkpoint's array item."""
+    return {
+        f"{PREFIX}{i}/{k}": np.asarray(v) for i, r in enumerate(queue) for k, v in r.batch.items()
+    }
 
 
 def load_state_dict(meta: list[dict], arrays: dict[str, np.ndarray]) -> list[QueuedRollout]:
@@ -96,7 +101,7 @@ def fit(queue: list[QueuedRollout], *, staleness: int, step: int) -> list[Queued
 class SamplingMesh:
     """The devices that only sample (`mesh.rollout_devices`): the policy is sent there in the
     compute dtype after each update (device to device), and a thread samples while the training
-    mesh updates. `collect(params, key)` is `rl_step.collect_groups` bound to this mesh."""
+    mesh updates. `collect(params, key)` is `rollout.collect_groups` bound to this mesh."""
 
     def __init__(self, mesh: jax.sharding.Mesh, rules: tuple, param_shardings, compute_dtype):
         self.mesh, self.rules = mesh, rules

@@ -1,4 +1,4 @@
-"""Device mesh, logical-axis rules, sharded init/loading, batch sharding and multi-host helpers.
+"""Device mesh, logical-axis rules, sharded init and placement, batch sharding, multi-host helpers.
 
 The distributed engine is JAX's own: one program per process (`jax.distributed`), GSPMD inside
 `jax.jit`. This module only says where arrays live:
@@ -26,7 +26,6 @@ import functools
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -188,10 +187,6 @@ def tracing_mesh(mesh, rules):
 # Parameters and state
 
 
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
 def state_shardings(tree, mesh: jax.sharding.Mesh, rules=LOGICAL_RULES):
     """NamedSharding for every leaf of `tree` (abstract or concrete).
 
@@ -238,43 +233,11 @@ def init_sharded(
     return nnx.merge(graphdef, init())
 
 
-def hf_model_config(
-    hf_dir, param_dtype: str = "float32", compute_dtype: str = "float32"
-) -> models.ModelConfig:
-    """The ModelConfig of a Hugging Face directory (reads only config.json)."""
-    path = Path(hf_dir) / "config.json"
-    return models.config_from_hf(
-        models.config.read_hf_config(hf_dir),  # CheckpointError: missing, unreadable, not JSON
-        param_dtype=param_dtype,
-        compute_dtype=compute_dtype,
-        source=str(path),
-    )
-
-
-def load_pretrained_sharded(
-    hf_dir,
-    mesh: jax.sharding.Mesh,
-    param_dtype: str = "float32",
-    compute_dtype: str = "float32",
-    *,
-    remat: bool = False,
-    rules=None,
-) -> models.Transformer:
-    """`models.from_pretrained` with every tensor placed straight into its shards.
-
-    Multi-host: every process reads the same files (shared or copied disk) and keeps only its
-    addressable shards.
-    """
-    cfg = hf_model_config(hf_dir, param_dtype, compute_dtype)
-    rules = logical_rules(mesh, cfg) if rules is None else rules
-    shardings = param_shardings(models.abstract_model(cfg), mesh, rules)
-    return models.from_pretrained(
-        hf_dir, param_dtype, compute_dtype, remat=remat, shardings=shardings
-    )
-
-
 def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules=None) -> nnx.Module:
-    """Moves an already built model (e.g. from GGUF) onto its shardings; returns a new module."""
+    """Moves an already built model (e.g. from GGUF) onto its shardings; returns a new module.
+
+    A Hugging Face directory loads straight into its shards instead: `models.from_pretrained(...,
+    shardings=param_shardings(models.abstract_model(cfg), mesh, rules))`."""
     rules = logical_rules(mesh, model.config) if rules is None else rules
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.device_put(state, state_shardings(state, mesh, rules)))

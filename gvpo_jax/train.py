@@ -1,12 +1,6 @@
-"""The trainer: `run(config, workdir)` assembles a run, resumes or cold-starts, then does the mode's
-work: cold-start SFT, the RL loop over `rl_step.rl_step`, evaluation, export.
-
-Resume order: `config.restore_from` > the latest checkpoint in the workdir > a fresh start. A
-checkpoint holds the train state, the frozen reference (when the run keeps one) and the loop
-state (`rl_step.LoopState`: step, data position, shuffle stream, replay buffer), so a resumed
-run continues bit for bit. A LoRA run's checkpoint holds the adapters and their optimizer state,
-not the frozen base: the run reloads that from its source and checks it against the
-checkpoint's fingerprint of it (`models.lora.fingerprint`).
+"""The trainer: `run(config, workdir)` assembles a run, resumes or cold-starts (`resume`), then
+does the mode's work: cold-start SFT, the RL loop over `rl_step.rl_step`, evaluation
+(`eval.evaluate_held_out`, `eval.evaluate_sets`), export (`export.export`).
 
 `rl_loop` is the one RL loop: the CLI's run (`train_rl`), the learning studies and the
 benchmarks drive their steps through it; `run(config, workdir, on_step=...)` hands its `on_step`
@@ -15,24 +9,21 @@ hook (record, evaluate or stop after each RL step) to scripts that run a whole m
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
 import time
-import zlib
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import tqdm
 
-from gvpo_jax import assemble, checkpoint, metrics, models, rollout, sharding, train_step
+from gvpo_jax import assemble, checkpoint, export, metrics, models, resume, sharding, train_step
+from gvpo_jax import batch as batch_lib
 from gvpo_jax import eval as eval_lib
-from gvpo_jax.models import lora
-from gvpo_jax.rl_step import LoopState, TrainingError, next_examples, rl_step
+from gvpo_jax.rl_step import LoopState, TrainingError, rl_step
+from gvpo_jax.rollout import next_examples
 
 __all__ = ["TrainingError", "rl_loop", "run"]
 
@@ -59,7 +50,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, on_step=None) -> dict:
 
 def _run_mode(run_: assemble.Run, handover: list, loop: LoopState, on_step=None) -> dict:
     c = run_.config
-    state, ref, resumed = restore(run_, handover.pop(), loop)
+    state, ref, resumed = resume.restore(run_, handover.pop(), loop)
     summary: dict = {}
     if c.mode == "eval":
         # Sampling casts every weight to the compute dtype anyway: cast once and drop the
@@ -67,19 +58,20 @@ def _run_mode(run_: assemble.Run, handover: list, loop: LoopState, on_step=None)
         params = models.cast_floating(state.params, c.model.compute_dtype)
         del state
         if c.eval.sets:
-            return evaluate_sets(run_, params, policy=describe_policy(c, resumed, loop.step))
-        return evaluate(run_, params, step=loop.step, tag="eval")
+            policy = eval_lib.describe_policy(c, resumed, loop.step)
+            return eval_lib.evaluate_sets(run_, params, policy=policy)
+        return eval_lib.evaluate_held_out(run_, params, step=loop.step, tag="eval")
     if c.mode == "export":
-        return export(run_, state.params)
+        return export.export(run_, state.params)
     if c.sft.steps and not resumed:
         _record_eval(summary, "eval_before_sft", run_, state.params, step=0)
         state = run_sft(run_, state, loop, steps=c.sft.steps)
         state = fresh_moments(run_, state)
     if run_.reference.kind == "copy" and not resumed:
-        ref = reference_copy(run_, state.params)
+        ref = resume.reference_copy(run_, state.params)
     if c.mode == "sft":
         _record_eval(summary, "eval_after_sft", run_, state.params, step=0)
-        save(run_, state, loop, ref)
+        resume.save(run_, state, loop, ref)
         finish(run_, state.params, summary)
         return summary
     return train_rl(run_, state, loop, ref, summary, on_step)
@@ -132,14 +124,14 @@ def rl_loop(run_: assemble.Run, state, loop: LoopState, ref, *, on_step=None):
             if done:
                 break
             if c.train.sample_log_every and step % c.train.sample_log_every == 0:
-                texts = metrics.sample_texts(examples, completions, run_.step.group_size)
+                texts = metrics.sample_texts(examples, completions, run_.settings.group_size)
                 run_.writer.write_texts(step, texts)
             if c.train.eval_every and step % c.train.eval_every == 0 and step < c.train.steps:
-                evaluate(run_, state.params, step=step)
+                eval_lib.evaluate_held_out(run_, state.params, step=step)
             last = step == c.train.steps
             stop = guard.should_stop()  # a collective in multi-process runs: every process calls
             if last or stop or run_.ckpt.should_save(step):
-                save(run_, state, loop, ref)
+                resume.save(run_, state, loop, ref)
             if stop and not last:
                 run_.ckpt.wait()
                 bar.close()
@@ -173,16 +165,6 @@ def frozen_copy(params):
     return jax.tree.map(jnp.copy, params)
 
 
-def reference_copy(run_: assemble.Run, params):
-    """The frozen reference / anchor "ref": a copy of the policy in the compute dtype.
-
-    It is never updated and only enters forward passes, which cast every weight to the compute
-    dtype anyway: storing it cast gives bit-identical log-probs at half the memory in bf16.
-    """
-    dtype = jnp.dtype(run_.config.model.compute_dtype)
-    return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else jnp.copy(x), params)
-
-
 # ----------------------------------------------------------------------------------------------
 # Cold-start SFT
 
@@ -190,14 +172,14 @@ def reference_copy(run_: assemble.Run, params):
 def sft_batch(run_: assemble.Run, examples) -> dict[str, np.ndarray]:
     """Prompt + answer rows in the update layout (groups of one), the answer tokens masked in."""
     c, settings = run_.config, run_.sampling
-    toks, mask = rollout.encode_answers(
+    toks, mask = batch_lib.encode_answers(
         run_.tokenizer,
         [ex.get("solution") or ex["answer"] for ex in examples],
         max_new_tokens=c.rollout.max_new_tokens,
         eos_id=settings.eos_ids[0],
         pad_id=settings.pad_id,
     )
-    return rollout.layout_batch(
+    return batch_lib.layout_batch(
         [ex["prompt_ids"] for ex in examples], toks, mask, group_size=1,
         prompt_len=c.data.max_prompt_len, pad_id=settings.pad_id,
     )  # fmt: skip
@@ -273,285 +255,22 @@ def run_sft(
 
 
 # ----------------------------------------------------------------------------------------------
-# Checkpoints: state + reference + loop state (step, data position, shuffle stream, replay) +
-# config.
-
-
-def restore(run_: assemble.Run, state, loop: LoopState):
-    """Resume order: config.restore_from > latest in workdir > nothing; `loop` is set to the
-    checkpoint's (untouched when there is none). A damaged newest step in the workdir is moved
-    aside and the next newest restorable one is used; a damaged explicit restore_from is an
-    error (`checkpoint.restore_newest`).
-
-    Returns (state, ref, resumed); ref is the frozen reference (None when the run keeps none,
-    or has not made it yet).
-    """
-    # A checkpoint may or may not hold a reference copy (an SFT start has none, a GRPO run has
-    # one); the run may or may not need one. Try the run's own layout first, then the other.
-    # A run that never updates reads the parameters alone: moments and reference stay on disk.
-    ref_layout = jax.eval_shape(lambda p: reference_copy(run_, p), state.params)
-    if not assemble.trains(run_.config):
-        state = state.replace(opt_state=checkpoint.skipped(state.opt_state))
-        ref_layout = checkpoint.skipped(ref_layout)
-    layouts = [ref_layout, None] if run_.reference.kind == "copy" else [None, ref_layout]
-
-    def attempt(directory, step):
-        first_error = None
-        for ref_layout in layouts:
-            try:
-                return run_.ckpt.restore(
-                    abstract_target(run_, state, ref_layout), step=step, directory=directory
-                )
-            except checkpoint.CheckpointError as e:
-                first_error = first_error or e
-        raise first_error
-
-    newest = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
-    if newest is not None:
-        check_lora_layout(run_, *newest)
-    found = checkpoint.restore_newest(
-        run_.ckpt, run_.config.restore_from or None, run_.workdir, attempt,
-        log=lambda line: print(line, flush=True),
-    )  # fmt: skip
-    if found is None:
-        return state, None, False
-    (restored, meta, replay), directory, step = found
-    if run_.lora is not None:  # the checkpoint's adapters on the base this run loaded
-        check_base(run_, state.params, meta, directory)
-        base = lora.split_trainable(state.params)[1]
-        adapted = lora.join(restored["state"].params, base)
-        restored = {**restored, "state": restored["state"].replace(params=adapted)}
-    ref = None
-    if run_.reference.kind == "copy":  # start of RL from a checkpoint without reference: freeze now
-        ref = (
-            restored["ref"]
-            if restored["ref"] is not None
-            else reference_copy(run_, restored["state"].params)
-        )
-    loop.load_state_dict(meta, replay)
-    # The queued rollouts to this run's rollout.staleness (their prompts served again if dropped).
-    note = loop.fit_queue(run_.step.staleness) if assemble.trains(run_.config) else None
-    if sharding.is_primary():
-        print(f"Resumed from {directory} at step {step}.", flush=True)
-        if note:
-            print(note, flush=True)
-    return restored["state"], ref, True
-
-
-def stored_state(run_: assemble.Run, state):
-    """What a checkpoint holds of a train state (or of its shardings): all of it, or with LoRA
-    all but the frozen base."""
-    if run_.lora is None:
-        return state
-    return state.replace(params=lora.split_trainable(state.params)[0])
-
-
-def check_lora_layout(run_: assemble.Run, directory, step: int) -> None:
-    """A LoRA checkpoint needs a LoRA run and the other way round (CheckpointError, raised before
-    any read, so a mismatch is not taken for damage). The checkpoint's meta says which it is
-    (`lora_base`)."""
-    try:
-        meta = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())
-    except (OSError, ValueError):
-        return  # unreadable: the restore itself reports it
-    if ("lora_base" in meta) == (run_.lora is not None):
-        return
-    if run_.lora is None:
-        raise checkpoint.CheckpointError(
-            f"the checkpoint {Path(directory) / str(step)} holds LoRA adapters; set "
-            "--config.lora.enabled=True with its lora settings to resume or evaluate it."
-        )
-    raise checkpoint.CheckpointError(
-        f"the checkpoint {Path(directory) / str(step)} holds a fully trained model, not LoRA "
-        "adapters; set --config.lora.enabled=False to resume or evaluate it."
-    )
-
-
-def check_base(run_: assemble.Run, params, meta: dict, directory) -> None:
-    """A LoRA checkpoint resumes only onto the base it was trained on (CheckpointError)."""
-    saved, ours = meta.get("lora_base"), lora.fingerprint(params)
-    # fp32 sums: the reduction order (the mesh) may change the last digits, another base more
-    if saved is None or abs(saved - ours) > 1e-5 * abs(ours) + 1e-6:
-        raise checkpoint.CheckpointError(
-            f"the LoRA checkpoint in {directory} was trained on another base model (fingerprint "
-            f"{saved} != {ours} of this run's); point config.model at the base it was trained "
-            "on (its config.json in the checkpoint names it) or use another workdir."
-        )
-
-
-def abstract_target(run_: assemble.Run, state, ref):
-    """Restore target: shapes, dtypes and the run's shardings."""
-    shard = run_.state_shardings
-    keep = lambda x, s: (
-        x
-        if x is checkpoint.SKIP
-        else jax.ShapeDtypeStruct(  # noqa: E731
-            np.shape(x), x.dtype, sharding=s
-        )
-    )
-    return {
-        "state": jax.tree.map(keep, stored_state(run_, state), stored_state(run_, shard)),
-        "ref": None if ref is None else jax.tree.map(keep, ref, shard.params),
-    }
-
-
-def save(run_: assemble.Run, state, loop: LoopState, ref) -> None:
-    """Checkpoint `state`, `ref` and `loop` as step `loop.step`."""
-    meta = loop.state_dict() | {"config": json.loads(run_.config.to_json_best_effort())}
-    if run_.lora is not None:
-        meta["lora_base"] = lora.fingerprint(state.params)
-    stored = {"state": stored_state(run_, state), "ref": ref}
-    run_.ckpt.save(loop.step, stored, meta=meta, replay=loop.arrays(), force=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# Evaluation, export, the end of a run.
-
-
-def evaluate(run_: assemble.Run, params, *, step: int, tag: str = "") -> dict:
-    """Held-out accuracy (greedy, and avg@n at the rollout temperature when eval_samples > 1),
-    written to the metrics and printed, and each problem's outcome to
-    `eval_outcomes/step_<step>[_<tag>].json` (for `python -m gvpo_jax.compare`).
-    Returns {"accuracy", "greedy", "eval/...": ...}."""
-    c = run_.config
-    n = c.train.eval_samples
-    t0 = time.perf_counter()
-    outcomes: list[dict] = []
-    flat = eval_lib.evaluate_policy(
-        run_.model(params),
-        run_.task.eval_examples,
-        tokenizer=run_.tokenizer,
-        settings=run_.sampling,
-        mesh=run_.mesh,
-        rules=run_.rules,
-        reward_fn=run_.task.eval_reward,
-        n=n,
-        chunk=c.train.eval_chunk or c.rollout.prompts_per_step,
-        seed=step + 12345,
-        timeout_s=run_.task.timeout_s,
-        num_workers=run_.task.num_workers,
-        outcomes=outcomes,
-    )
-    flat["eval/time_s"] = time.perf_counter() - t0
-    run_.writer.write_scalars(step, flat)
-    if sharding.is_primary():
-        name = f"step_{step:06d}" + (f"_{tag}" if tag else "")
-        eval_lib.write_json_atomic(
-            os.path.join(run_.workdir, "eval_outcomes", f"{name}.json"),
-            {"step": step, "tag": tag, "policy": f"{run_.workdir} at step {step}",
-             "metrics": flat, "outcomes": outcomes},
-        )  # fmt: skip
-    acc = flat[f"eval/avg@{n}"] if n > 1 else flat["eval/greedy"]
-    if sharding.is_primary():
-        what = f"avg@{n} (T={c.rollout.temperature:g}) {acc:.3f}, greedy " if n > 1 else ""
-        tqdm.tqdm.write(
-            f"[eval] step {step}: accuracy {what}{flat['eval/greedy']:.3f} "
-            f"on {len(run_.task.eval_examples)} problems"
-        )
-    return {"accuracy": acc, "greedy": flat["eval/greedy"], **flat}
+# The end of a run.
 
 
 def _record_eval(summary: dict, key: str, run_: assemble.Run, params, *, step: int) -> None:
     """summary[key] = held-out accuracy (avg@n when eval_samples > 1), key_greedy = greedy."""
-    result = evaluate(run_, params, step=step, tag=key)
+    result = eval_lib.evaluate_held_out(run_, params, step=step, tag=key)
     summary[key] = result["accuracy"]
     if run_.config.train.eval_samples > 1:
         summary[f"{key}_greedy"] = result["greedy"]
-
-
-def describe_policy(c: ml_collections.ConfigDict, resumed: bool, step: int) -> str:
-    """What is evaluated, as the table names it: a checkpoint, a HF directory, a GGUF file, or
-    a random initialisation."""
-    if resumed:
-        return f"checkpoint step {step} of {c.restore_from or 'the workdir'}"
-    if c.model.hf_dir:
-        return f"Hugging Face directory {c.model.hf_dir}"
-    if c.model.gguf:
-        return f"GGUF {c.model.gguf}"
-    return f"random init ({c.model.preset or 'model.overrides'}, seed {c.seed})"
-
-
-def evaluate_sets(run_: assemble.Run, params, *, policy: str) -> dict:
-    """mode=eval over config.eval.sets: each set with its protocol (`eval_lib.protocol_for`),
-    results in `workdir/eval/<set>.json` as each finishes (a rerun keeps finished sets), the
-    table printed and written as `eval/table.json` and `eval/table.md`. Returns the table."""
-    from gvpo_jax import data
-
-    c, e = run_.config, run_.config.eval
-    names = data.eval_sets.parse_sets(e.sets)
-    paths = data.eval_sets.parse_paths(e.paths)
-    cap = e.max_new_tokens or c.rollout.max_new_tokens
-    protocols = {name: eval_lib.protocol_for(name, n=e.n, temperature=e.temperature,
-                                             top_p=e.top_p, max_new_tokens=cap)
-                 for name in names}  # fmt: skip
-
-    def load_set(name):
-        path = data.eval_sets.set_path(name, root=e.dir, paths=paths)
-        ev = data.load_eval_set(name, path)
-        examples, dropped = run_.task.encode(ev.examples)
-        if not examples:
-            raise data.EvalSetError(
-                f"no problem of the {name} set ({path}) fits data.max_prompt_len="
-                f"{c.data.max_prompt_len}; raise it."
-            )
-        return examples, {"files": list(ev.files), "skipped": ev.skipped, "dropped": dropped}
-
-    def score_set(name, examples, protocol):
-        settings = dataclasses.replace(
-            run_.sampling, temperature=protocol.temperature, top_p=protocol.top_p,
-            max_new_tokens=protocol.max_new_tokens,
-        )  # fmt: skip
-        outcomes: list[dict] = []
-        flat = eval_lib.evaluate_policy(
-            run_.model(params), examples, tokenizer=run_.tokenizer, settings=settings,
-            mesh=run_.mesh, rules=run_.rules, reward_fn="math", n=protocol.n,
-            chunk=c.train.eval_chunk or c.rollout.prompts_per_step,
-            seed=c.seed + zlib.crc32(name.encode()), timeout_s=run_.task.timeout_s,
-            num_workers=run_.task.num_workers, outcomes=outcomes,
-        )  # fmt: skip
-        prefix = "eval/"
-        result = {k[len(prefix) :]: v for k, v in flat.items()
-                  if k.startswith(prefix) and "/per_dataset/" not in k}  # fmt: skip
-        result["num_problems"] = int(result["num_problems"])
-        return result, outcomes
-
-    log = (lambda line: tqdm.tqdm.write(line)) if sharding.is_primary() else (lambda line: None)
-    return eval_lib.run_sets(
-        names, protocols=protocols, load_set=load_set, score_set=score_set,
-        out_dir=os.path.join(run_.workdir, "eval"), policy=policy,
-        commit=eval_lib.git_commit(), write=sharding.is_primary(), log=log,
-    )  # fmt: skip
-
-
-def export(run_: assemble.Run, params) -> dict:
-    """The policy as a Hugging Face directory (model + tokenizer) in workdir/export.
-
-    Tensors are written in `train.export_dtype` (default: the compute dtype). A LoRA policy is
-    exported merged (W + scale A B, summed in fp32) there, and its adapters alone in PEFT's
-    format in workdir/export_adapter.
-    """
-    out = os.path.join(run_.workdir, "export")
-    c = run_.config
-    dtype = c.train.export_dtype or c.model.compute_dtype
-    host = sharding.gather(params)  # an all-gather in multi-process runs: every process calls
-    result = {"export_dir": out}
-    if sharding.is_primary():
-        model = run_.model(host)
-        if run_.lora is not None:
-            result["adapter_dir"] = os.path.join(run_.workdir, "export_adapter")
-            lora.save_peft(model, result["adapter_dir"], run_.lora, base_model=c.model.hf_dir)
-            model = lora.merged(model, dtype)
-        models.save_pretrained(model, out, dtype=dtype)
-        run_.tokenizer.save_pretrained(out)
-        print(f"Exported the policy to {out}")
-    return result
 
 
 def finish(run_: assemble.Run, params, summary: dict) -> None:
     """End of a run: export, the curves PNG and the summary table."""
     c = run_.config
     if c.train.export:
-        summary.update(export(run_, params))
+        summary.update(export.export(run_, params))
     run_.writer.flush()
     if not sharding.is_primary():  # metrics, plots and tables are process 0's
         return
@@ -562,7 +281,7 @@ def finish(run_: assemble.Run, params, summary: dict) -> None:
             rows,
             png,
             keys=("reward_mean", *eval_keys(c), "response_len_mean", "kl_ref"),
-            title=f"{c.algo.name} on {c.data.task}",
+            title=f"{run_.algorithm.name} on {c.data.task}",
         )
         summary["plot"] = png
     print(metrics.summary_table(rows, ("reward_mean", "accuracy", *eval_keys(c), "loss")))

@@ -12,6 +12,7 @@ import optax
 from flax import nnx, struct
 
 from gvpo_jax import losses, models, sharding
+from gvpo_jax.batch import BatchSpec, UpdateBatch
 from gvpo_jax.models import lora
 
 
@@ -158,34 +159,31 @@ def response_logprobs(
     return jnp.where(real_BxN, out, 0.0)
 
 
-PACK_KEYS = ("pack_tokens", "pack_mask", "pack_positions", "pack_segments", "pack_pred",
-             "pack_index")  # fmt: skip  # a packed micro-batch (`gvpo_jax.buckets.pack`)
-
-
-def packed_logprobs(graphdef, params, batch, *, prompt_len: int, chunk_size: int,
+def packed_logprobs(graphdef, params, packed, *, prompt_len: int, chunk_size: int,
                     with_entropy: bool = False):  # fmt: skip
     """`response_logprobs` of a packed micro-batch -> [B, N] in the unpacked layout.
 
-    `batch` holds the packed rows of `gvpo_jax.buckets.pack` (PACK_KEYS): R groups, each one
-    row [prompt (prompt_len slots) | its G responses back to back | padding] of width
-    prompt_len + W, with per-slot RoPE positions and segment ids; `pack_pred` [R, W] the slot
-    whose hidden state predicts each packed response slot (the last prompt slot for a
-    response's first token); `pack_index` [B, N] where row b's response token t sits in the
-    flattened [R * W] packed slots (-1: none). The output layer runs on the R * W packed slots
-    only; the [B, N] result is 0 where pack_index is -1, as masked slots are.
+    `packed` is a `batch.PackedRows` (`gvpo_jax.buckets.pack`): R groups, each one row [prompt
+    (prompt_len slots) | its G responses back to back | padding] of width prompt_len + W, with
+    per-slot RoPE positions and segment ids; `pred` [R, W] the slot whose hidden state predicts
+    each packed response slot (the last prompt slot for a response's first token); `index`
+    [B, N] where row b's response token t sits in the flattened [R * W] packed slots (-1: none).
+    The output layer runs on the R * W packed slots only; the [B, N] result is 0 where index is
+    -1, as masked slots are.
     """
     model = nnx.merge(graphdef, params)
     hidden_RxSxD = model.hidden_packed(
-        batch["pack_tokens"], batch["pack_mask"], batch["pack_positions"],
-        batch["pack_segments"], prefix_len=prompt_len,
-    )  # fmt: skip
-    pred_RxW = batch["pack_pred"]
-    hidden_RxWxD = jnp.take_along_axis(hidden_RxSxD, pred_RxW[:, :, None], axis=1)
+        packed.tokens, packed.valid, packed.positions, packed.segments, prefix_len=prompt_len
+    )
+    hidden_RxWxD = jnp.take_along_axis(hidden_RxSxD, packed.pred[:, :, None], axis=1)
     out = models.chunked_logprobs(
-        hidden_RxWxD, model.unembed_matrix(), batch["pack_tokens"][:, prompt_len:],
-        chunk_size=chunk_size, with_entropy=with_entropy,
-    )  # fmt: skip
-    index_BxN = batch["pack_index"]
+        hidden_RxWxD,
+        model.unembed_matrix(),
+        packed.tokens[:, prompt_len:],
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+    index_BxN = packed.index
     found_BxN = index_BxN >= 0
 
     def unpack(x_RxW):
@@ -196,15 +194,16 @@ def packed_logprobs(graphdef, params, batch, *, prompt_len: int, chunk_size: int
 
 def jit_packed_logprobs(graphdef, *, prompt_len: int, chunk_size: int, mesh, param_shardings,
                         rules=sharding.LOGICAL_RULES, reference_graphdef=None):  # fmt: skip
-    """`packed_logprobs` jitted as (params, packed batch) -> [B, N], rows over data x fsdp; a
-    third argument True runs `reference_graphdef` instead (as in `jit_logprobs`)."""
+    """`packed_logprobs` jitted as (params, `batch.PackedRows`) -> [B, N], rows over data x
+    fsdp; a third argument True runs `reference_graphdef` instead (as in `jit_logprobs`)."""
     rows = sharding.batch_sharding(mesh)
 
-    def logprobs(params, batch, reference=False):
+    def logprobs(params, packed, reference=False):
         graph = reference_graphdef if reference else graphdef
         with sharding.tracing_mesh(mesh, rules):
-            return packed_logprobs(graph, params, batch, prompt_len=prompt_len,
-                                   chunk_size=chunk_size)  # fmt: skip
+            return packed_logprobs(
+                graph, params, packed, prompt_len=prompt_len, chunk_size=chunk_size
+            )
 
     return jax.jit(logprobs, in_shardings=(param_shardings, rows), out_shardings=rows,
                    static_argnums=2)  # fmt: skip
@@ -261,73 +260,70 @@ class Reference:
 
 def rl_loss(
     params,
-    batch,
+    batch: UpdateBatch,
     *,
     graphdef,
     algorithm: losses.Algorithm,
+    spec: BatchSpec,
     group_size: int,
     prompt_len: int,
     chunk_size: int,
 ):
-    """The run's algorithm's loss on one micro-batch of whole groups -> (loss, aux).
+    """The run's algorithm's loss on one micro-batch of whole groups (a `batch.UpdateBatch`
+    carrying what `spec` says) -> (loss, aux). The algorithm and the spec fix the path at trace
+    time.
 
-    `algorithm.correction` = (mode, cap) of `losses.rollout_correction` against
-    `batch["behaviour_logp"]` (what the sampler drew from): token_tis scales the token
-    advantages by the truncated weights, seq_mis masks responses out of the loss.
-
-    The G rows of a group share their prompt, which is run once per group
-    (`response_logprobs` with group_size = G). With `entropy_coef` in loss_kwargs (non-zero) the
-    same pass gives the per-token entropy for the bonus; `batch["advantages"]`, when present, was
-    computed on the whole rollout batch (`losses.uses_batch_statistics`) and is used as it is.
+    The G rows of a group share their prompt, which is run once per group (`response_logprobs`
+    with group_size = G), or the micro-batch is packed (`spec.packed`). With an entropy bonus
+    the same pass gives the per-token entropy. Without `old_logp` (one update per step) the
+    update starts from the rollout's parameters, so pi_old is this forward's value, held
+    constant. `algorithm.correction` = (mode, cap) of `losses.rollout_correction` against
+    `behaviour_logp`: token_tis scales the token advantages by the truncated weights, seq_mis
+    masks responses out of the loss. `advantages`, when carried, were computed on the whole
+    rollout batch (`losses.uses_batch_statistics`) and are used as they are.
     """
     with_entropy = algorithm.entropy_coef != 0.0
-    if "pack_tokens" in batch:  # a packed micro-batch (`gvpo_jax.buckets`): same log-probs
-        out = packed_logprobs(graphdef, params, batch, prompt_len=prompt_len,
-                              chunk_size=chunk_size, with_entropy=with_entropy)  # fmt: skip
+    kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, with_entropy=with_entropy)
+    if spec.packed:  # a packed micro-batch (`gvpo_jax.buckets`): the same log-probs
+        out = packed_logprobs(graphdef, params, batch.packed, **kw)
     else:
         out = response_logprobs(
-            graphdef,
-            params,
-            batch["tokens"],
-            batch["attn_mask"],
-            prompt_len=prompt_len,
-            chunk_size=chunk_size,
-            group_size=group_size,
-            with_entropy=with_entropy,
+            graphdef, params, batch.tokens, batch.valid, group_size=group_size, **kw
         )
     logp_BxN, entropy_BxN = out if with_entropy else (out, None)
-    mask_BxN = batch["resp_mask"]
+    mask_BxN = batch.loss_mask
+    ref_logp = batch.ref_logp if spec.ref_logp else None
+    sampler_logp = batch.sampler_logp if spec.sampler_logp else None
     # GVPO's pi_theta': "old" is old_logp (below); "ref" the frozen start; "sampler" the
-    # sampling policy's own log-probs (at T = 1) from the sampler: rollout.staleness updates
-    # before "old".
-    anchor_logp = {"ref": batch.get("ref_logp"), "sampler": batch.get("sampler_logp")}.get(
-        algorithm.anchor
-    )
-    # Without old_logp the update is the first one from the rollout's parameters (one update
-    # per step): pi_old is this forward's value, held constant.
-    old_logp = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp_BxN)
-    advantages, loss_mask, is_aux = batch.get("advantages"), mask_BxN, {}
-    if algorithm.correction is not None:
+    # sampling policy's own log-probs (at T = 1): rollout.staleness updates before "old".
+    anchor_logp = {"ref": ref_logp, "sampler": sampler_logp}.get(algorithm.anchor)
+    old_logp = batch.old_logp if spec.old_logp else jax.lax.stop_gradient(logp_BxN)
+    advantages = batch.advantages if spec.advantages else None
+    loss_mask, is_aux = mask_BxN, {}
+    if spec.behaviour_logp:  # the rollout correction, against what the sampler drew from
         mode, cap = algorithm.correction
         weights_BxN, loss_mask, is_aux = losses.rollout_correction(
-            old_logp, batch["behaviour_logp"], mask_BxN, mode=mode, cap=cap
+            old_logp, batch.behaviour_logp, mask_BxN, mode=mode, cap=cap
         )
-        if weights_BxN is not None:  # token_tis: the advantages of this batch, weighted
-            if advantages is None:
+        if mode == "token_tis":  # the advantages of this batch, weighted
+            if not spec.advantages:
                 advantages = algorithm.advantages(
-                    rewards=batch["rewards"], mask=mask_BxN, group_size=group_size,
-                    old_logp=old_logp, ref_logp=batch.get("ref_logp"),
-                )  # fmt: skip
+                    rewards=batch.rewards,
+                    mask=mask_BxN,
+                    group_size=group_size,
+                    old_logp=old_logp,
+                    ref_logp=ref_logp,
+                )
             if advantages.ndim == 1:
                 advantages = advantages[:, None]
             advantages = advantages * weights_BxN
     loss, aux = algorithm.loss(
         logp=logp_BxN,
         old_logp=old_logp,
-        rewards=batch["rewards"],
+        rewards=batch.rewards,
         mask=loss_mask,
         group_size=group_size,
-        ref_logp=batch.get("ref_logp"),
+        ref_logp=ref_logp,
         anchor_logp=anchor_logp,
         advantages=advantages,
         entropy=entropy_BxN,
@@ -336,15 +332,15 @@ def rl_loss(
     # The tokens the loss counted (the mask it was given, after seq_mis): length buckets weight
     # their micro-batches by it for a token mean's exact value (`gvpo_jax.buckets`).
     aux["loss_tokens"] = jnp.sum(loss_mask).astype(jnp.float32)
-    if "rollout_logp" in batch:  # the sampler's own log-probs vs this forward, sampled rows
-        sampled_BxN = mask_BxN * batch["sampled"][:, None]
+    if spec.sampler_logp and not spec.old_logp:  # one update per step: the sampler vs this pass
+        drawn_BxN = mask_BxN * batch.drawn[:, None]
         logp = jax.lax.stop_gradient(logp_BxN)
-        aux["sampled_logp_sum"] = jnp.sum(logp * sampled_BxN)
-        aux["sampled_tokens"] = jnp.sum(sampled_BxN)
-        gap = jnp.abs(logp - batch["rollout_logp"]) * sampled_BxN
+        aux["sampled_logp_sum"] = jnp.sum(logp * drawn_BxN)
+        aux["sampled_tokens"] = jnp.sum(drawn_BxN)
+        gap = jnp.abs(logp - sampler_logp) * drawn_BxN
         aux["sampler_logp_gap_max"] = jnp.max(gap)
-    if "ref_logp" in batch:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens
-        diff = batch["ref_logp"] - logp_BxN
+    if spec.ref_logp:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens
+        diff = ref_logp - logp_BxN
         k3 = jnp.exp(diff) - diff - 1.0
         aux["kl_ref"] = jnp.sum(k3 * mask_BxN) / jnp.maximum(jnp.sum(mask_BxN), 1.0)
     return loss, aux

@@ -18,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gvpo_jax import assemble, train
+from gvpo_jax import assemble, resume, train
 from gvpo_jax import config as config_lib
-from gvpo_jax.rl_step import TrainingError, collect_groups
+from gvpo_jax import eval as eval_lib
+from gvpo_jax.rl_step import TrainingError
+from gvpo_jax.rollout import collect_groups
 from studies import arms
 from studies.report import diverged
 
@@ -130,7 +132,7 @@ def sft(config, workdir: str, *, noise: float, steps: int, eval_points: int, ext
         curve = [(0, held_out(run_, state.params, step=0))]
         sft_state = _sft_phase(run_, state, loop, steps, c.sft.lr, "cosine", eval_points, curve)
         state = train.fresh_moments(run_, sft_state)  # fresh RL moments
-        train.save(run_, state, loop, None)
+        resume.save(run_, state, loop, None)
         run_.ckpt.wait()
         extra_curve = [(steps, curve[-1][1])]
         if extra:
@@ -170,14 +172,15 @@ def held_out(run_, params, *, step: int, n: int = 1) -> float:
     the config's own `train.eval_samples` (the demo config evaluates avg@16 by default)."""
     c = run_.config.copy_and_resolve_references()
     c.train.eval_samples = n
-    return train.evaluate(dataclasses.replace(run_, config=c), params, step=step)["accuracy"]
+    result = eval_lib.evaluate_held_out(dataclasses.replace(run_, config=c), params, step=step)
+    return result["accuracy"]
 
 
 def held_out_both(run_, params, *, step: int, n: int) -> tuple[float, float]:
     """(greedy, avg@n at the rollout temperature) from one evaluation call."""
     c = run_.config.copy_and_resolve_references()
     c.train.eval_samples = n
-    r = train.evaluate(dataclasses.replace(run_, config=c), params, step=step)
+    r = eval_lib.evaluate_held_out(dataclasses.replace(run_, config=c), params, step=step)
     return r["greedy"], r["accuracy"]
 
 
@@ -219,10 +222,10 @@ def rl_run(
            "clip_frac": []}  # fmt: skip
     try:
         if start_dir is not None:
-            state, ref, _ = train.restore(run_, state, assemble.start_loop(run_))
+            state, ref, _ = resume.restore(run_, state, assemble.start_loop(run_))
         else:
             copy = run_.reference.kind == "copy"
-            ref = train.reference_copy(run_, state.params) if copy else None
+            ref = resume.reference_copy(run_, state.params) if copy else None
         # The checkpoint carries the SFT run's rng and loop state (data position, shuffle
         # stream): the RL run starts its own from its seed, so that seeds differ.
         state = state.replace(rng=jax.random.key_data(jax.random.key(c.seed)))
@@ -287,7 +290,7 @@ def rl_run(
 
 
 def problem_outcomes(workdir: str, step: int) -> dict:
-    """A training-time evaluation's per-problem outcomes (`train.evaluate`'s file), compact:
+    """A training-time evaluation's per-problem outcomes (`eval.evaluate_held_out`'s file), compact:
     problem ids, correct samples of n, the greedy verdicts, and the samples' lengths and
     truncations (summed over the problem's samples)."""
     with open(os.path.join(workdir, "eval_outcomes", f"step_{step:06d}.json")) as fh:
@@ -312,8 +315,8 @@ def kl_to_start(run_, loop, params, start_params, seed: int, batches: int = 2) -
         P = run_.config.rollout.prompts_per_step
         batch, *_ = collect_groups(run_, params, loop, key, P)
         tokens, attn, mask = batch["tokens"], batch["attn_mask"], batch["resp_mask"]
-        final = np.asarray(run_.logprobs(params, tokens, attn), np.float64)
-        start = np.asarray(run_.logprobs(start_params, tokens, attn), np.float64)
+        final = np.asarray(run_.updater.logprobs(params, tokens, attn), np.float64)
+        start = np.asarray(run_.updater.logprobs(start_params, tokens, attn), np.float64)
         d = np.clip(start - final, -20, 20)
         total += float(np.sum((np.exp(d) - d - 1.0) * mask))
         ntok += float(mask.sum())

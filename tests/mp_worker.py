@@ -67,16 +67,24 @@ def gvpo_pieces(graphdef, *, group_size: int = GROUP, prompt_len: int = PROMPT_L
     import optax
 
     from gvpo_jax import losses, train_step
+    from gvpo_jax.batch import BatchSpec, UpdateBatch
 
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5, momentum=0.9))
-    loss_fn = functools.partial(
+    gvpo = functools.partial(
         train_step.rl_loss,
         graphdef=graphdef,
         algorithm=losses.resolve("gvpo", beta=0.1),
+        spec=BatchSpec(old_logp=True),
         group_size=group_size,
         prompt_len=prompt_len,
         chunk_size=4,
     )
+
+    def loss_fn(params, b):  # these tests' rows are dicts (tokens, attn_mask, ..., old_logp)
+        batch = UpdateBatch(tokens=b["tokens"], valid=b["attn_mask"], loss_mask=b["resp_mask"],
+                            rewards=b["rewards"], old_logp=b["old_logp"])  # fmt: skip
+        return gvpo(params, batch)
+
     return tx, loss_fn
 
 
@@ -115,10 +123,8 @@ def reference_run(init: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         nnx.merge(graphdef, state.params),
         ids,
         lens,
-        max_new_tokens=NEW,
+        sampler.SamplingSettings(max_new_tokens=NEW, temperature=0.0, group_size=GROUP),
         rng=jax.random.key(0),
-        temperature=0.0,
-        group_size=GROUP,
     )
     flat = {
         "/".join(map(str, k)): np.asarray(v.get_value())
@@ -182,12 +188,10 @@ def worker(out_dir: str) -> None:
         nnx.merge(graphdef, state.params),
         dev["ids"],
         dev["lens"],
+        sampler.SamplingSettings(max_new_tokens=NEW, temperature=0.0, group_size=GROUP),
         mesh=mesh,
         rules=rules,
         rng=jax.random.key(0),
-        max_new_tokens=NEW,
-        temperature=0.0,
-        group_size=GROUP,
     )
     local_tokens = sharding.local_rows(out.tokens_BxN)
     assert local_tokens.shape[0] == len(prompt_rows) * GROUP

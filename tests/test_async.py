@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from gvpo_jax import config as config_lib
-from gvpo_jax import losses, rl_step, sampling_ops, train
+from gvpo_jax import losses, rl_step, rollout, sampling_ops, train
+from gvpo_jax.batch import BatchSpec, UpdateBatch
 from tests.test_train import make_run, toy_config
 
 
@@ -63,7 +64,7 @@ def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkey
         # By hand: the saved parameters of step t - k, the recorded key and prompts.
         model = run.model(jax.tree.map(jnp.asarray, start_params[max(t - k, 1)]))
         examples = [{"prompt_ids": p, "answer": "7", "prompt": ""} for p in call["prompts"]]
-        batch, _, _ = rl_step.sample_round(run, model, examples, jax.random.fold_in(call["key"], 0))
+        batch, _, _ = rollout.sample_round(run, model, examples, jax.random.fold_in(call["key"], 0))
         np.testing.assert_array_equal(batch["tokens"], call["tokens"])
     assert len(loop.queue) == k and [r.policy_step for r in loop.queue] == [steps - 1, steps]
 
@@ -99,9 +100,12 @@ def test_split_mesh_equals_one_mesh_on_the_same_training_devices():
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+    # Parameters after three Adam updates: a near-zero gradient entry's summation-order noise
+    # is normalised up to a visible step (seen: 7e-4 relative on one weight of 4e-3 once the
+    # gradients are accumulated in a program of their own, `buckets.Updater`).
     split, eight = jax.tree.leaves(runs["split"][1]), jax.tree.leaves(runs["eight"][1])
     for a, b in zip(split, eight, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
 
 
 def _arith_config(**changes):
@@ -196,7 +200,7 @@ def test_resumes_with_another_staleness_keep_the_lag_and_serve_every_prompt(tmp_
     none twice."""
     import dataclasses
 
-    from gvpo_jax import assemble
+    from gvpo_jax import assemble, resume
 
     workdir = str(tmp_path / "run")
     changes = {
@@ -204,7 +208,7 @@ def test_resumes_with_another_staleness_keep_the_lag_and_serve_every_prompt(tmp_
         "train.checkpoint_every": 100,
     }  # saves: where a stretch ends
     run, state = assemble.assemble(_arith_config(**changes), workdir)
-    ref, loop = train.reference_copy(run, state.params), assemble.start_loop(run)
+    ref, loop = resume.reference_copy(run, state.params), assemble.start_loop(run)
     stretches = ((1, [0, 1]), (2, [1, 1, 2]), (0, [0, 0]), (2, [0, 1, 2]), (4, [2, 2, 2, 3, 4]),
                  (2, [0, 1, 2]))  # fmt: skip
     notes, queued = [], []
@@ -212,10 +216,10 @@ def test_resumes_with_another_staleness_keep_the_lag_and_serve_every_prompt(tmp_
         config = run.config.copy_and_resolve_references()
         config.rollout.staleness, config.train.steps = k, loop.step + len(lags)
         at_k = dataclasses.replace(run, config=config,
-                                   step=dataclasses.replace(run.step, staleness=k))  # fmt: skip
+                                   step=dataclasses.replace(run.settings, staleness=k))  # fmt: skip
         if loop.step:  # resume from the checkpoint the last stretch ended with
             loop = assemble.start_loop(at_k)
-            state, ref, _ = train.restore(at_k, state, loop)
+            state, ref, _ = resume.restore(at_k, state, loop)
             notes.append(capsys.readouterr().out.split("Resumed from")[1].splitlines()[1:])
         state, _ = train.rl_loop(at_k, state, loop, ref)
         run.ckpt.wait()
@@ -257,7 +261,7 @@ def test_fit_keeps_the_oldest_rollouts_a_lag_of_k_allows_and_rewinds_to_the_rest
     def loop_with(starts):
         queue = [rollout_queue.QueuedRollout({}, {}, [], [], policy_step=5, data_start=d)
                  for d in starts]  # fmt: skip
-        meta, arrays = rollout_queue.state_dict(queue)
+        meta, arrays = rollout_queue.state_dict(queue), rollout_queue.arrays(queue)
         return rl_step.LoopState(
             step=5, data=tasks.DataCursor(position=32), np_rng=np.random.default_rng(0),
             replay=None, queue=rollout_queue.load_state_dict(json.loads(json.dumps(meta)), arrays),
@@ -315,11 +319,13 @@ def test_token_tis_is_grpo_with_the_token_advantages_weighted():
     # A behaviour distribution off by a known amount per token.
     shift = 0.6 * np.sin(np.arange(batch["resp_mask"].size)).reshape(batch["resp_mask"].shape)
     dev["behaviour_logp"] = logp - jnp.asarray(shift, jnp.float32)
+    ub = UpdateBatch(tokens=dev["tokens"], valid=dev["attn_mask"], loss_mask=dev["resp_mask"],
+                     rewards=dev["rewards"], behaviour_logp=dev["behaviour_logp"])  # fmt: skip
     for mode in ("token_tis", "seq_mis"):
         algorithm = dataclasses.replace(run.algorithm, correction=(mode, 1.5))
         loss = lambda p, algorithm=algorithm: train_step.rl_loss(  # noqa: E731
-            p, dev, graphdef=run.graphdef, algorithm=algorithm, group_size=4, prompt_len=6,
-            chunk_size=8)[0]  # fmt: skip
+            p, ub, graphdef=run.graphdef, algorithm=algorithm, group_size=4, prompt_len=6,
+            chunk_size=8, spec=BatchSpec(behaviour_logp=True))[0]  # fmt: skip
         weights, mask, _ = losses.rollout_correction(
             logp, dev["behaviour_logp"], dev["resp_mask"], mode=mode, cap=1.5
         )
@@ -378,10 +384,15 @@ def test_the_sampler_anchor_is_gvpo_against_the_policy_that_sampled():
     shift = 0.3 * np.cos(np.arange(batch["resp_mask"].size)).reshape(batch["resp_mask"].shape)
     dev["sampler_logp"] = lp(state.params) - jnp.asarray(shift, jnp.float32)
 
+    ub = UpdateBatch(tokens=dev["tokens"], valid=dev["attn_mask"], loss_mask=dev["resp_mask"],
+                     rewards=dev["rewards"], sampler_logp=dev["sampler_logp"],
+                     drawn=jnp.ones(len(dev["rewards"])))  # fmt: skip
+
     def ours(p, anchor):
         algorithm = dataclasses.replace(run.algorithm, anchor=anchor)
-        return train_step.rl_loss(p, dev, graphdef=run.graphdef, algorithm=algorithm,
-                                  group_size=4, prompt_len=6, chunk_size=8)[0]  # fmt: skip
+        return train_step.rl_loss(p, ub, graphdef=run.graphdef, algorithm=algorithm,
+                                  group_size=4, prompt_len=6, chunk_size=8,
+                                  spec=BatchSpec(sampler_logp=True))[0]  # fmt: skip
 
     def reference(p):
         return losses.gvpo_loss(lp(p), dev["sampler_logp"], dev["rewards"], dev["resp_mask"],

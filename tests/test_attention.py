@@ -287,10 +287,8 @@ def test_sampler_gives_the_same_samples_with_dense_and_kernels(tiny, impl):
     outs = {}
     for name in ("dense", impl):
         model = models.with_config(tiny, attention=name)
-        outs[name] = sampler.generate(
-            model, prompts, lengths, max_new_tokens=7, rng=jax.random.key(0), eos_ids=(1,),
-            group_size=2,
-        )  # fmt: skip
+        settings = sampler.SamplingSettings(max_new_tokens=7, eos_ids=(1,), group_size=2)
+        outs[name] = sampler.generate(model, prompts, lengths, settings, rng=jax.random.key(0))
     a, b = outs["dense"], outs[impl]
     np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN)
     np.testing.assert_allclose(a.logp_BxN, b.logp_BxN, atol=1e-5)

@@ -1,13 +1,18 @@
 """Length-bucketed update and log-prob passes: the same gradients as the full-width update on
 fewer response slots, a bounded number of compiled shapes, and the trainer's step through them."""
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gvpo_jax import assemble, buckets, sampler, sharding
-from gvpo_jax.rl_step import collect_groups, rl_step
+from gvpo_jax import assemble, buckets, sampler, train_step
+from gvpo_jax.batch import UpdateBatch
+from gvpo_jax.rl_step import rl_step
+from gvpo_jax.rollout import collect_groups
 from tests.test_train import _flat, make_run, toy_config
 
 N = 16  # response slots of these tests (4 bucket widths: 8, 8, 16, 16 -> (8, 16))
@@ -58,11 +63,34 @@ def _varied_batch(run, state, ref, seed):
     resp = (np.arange(N)[None] < lengths[:, None]).astype(np.float32)
     attn = np.asarray(fresh["attn_mask"]).copy()
     attn[:, c.data.max_prompt_len :] = resp
-    batch = {"tokens": np.asarray(fresh["tokens"]), "attn_mask": attn, "resp_mask": resp}
-    batch["rewards"] = rng.normal(size=P * G).astype(np.float32)
-    if ref is not None:
-        batch["ref_logp"] = np.asarray(run.logprobs(ref, batch["tokens"], batch["attn_mask"]))
+    tokens = np.asarray(fresh["tokens"])
+    rewards = rng.normal(size=P * G).astype(np.float32)
+    batch = UpdateBatch(tokens=tokens, valid=attn, loss_mask=resp, rewards=rewards)
+    spec = run.settings.spec
+    if spec.ref_logp:
+        batch = batch.replace(ref_logp=full_logprobs(run, ref, tokens, attn))
+    if spec.sampler_logp:  # a sampler a little off the policy, every row drawn by it
+        logp = full_logprobs(run, state.params, tokens, attn)
+        batch = batch.replace(sampler_logp=(logp - 0.1) * resp, drawn=np.ones(P * G, np.float32))
     return batch
+
+
+def full_logprobs(run, params, tokens, valid) -> np.ndarray:
+    """[B, N] log-probs of one full-width pass over every row (no buckets, no chunks)."""
+    c = run.config
+    fn = functools.partial(train_step.response_logprobs, run.graphdef,
+                           prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk,
+                           group_size=c.rollout.group_size)  # fmt: skip
+    return np.asarray(jax.jit(fn)(params, jnp.asarray(tokens), jnp.asarray(valid)))
+
+
+def full_loss(run, params, batch):
+    """(loss, aux) and the gradient of one full-width pass over a host minibatch."""
+    c = run.config
+    unpacked = dataclasses.replace(run.settings.spec, packed=False)
+    loss_fn = functools.partial(assemble.rl_loss_fn(c, run.graphdef), spec=unpacked)
+    dev = buckets.to_device(batch, run.mesh, c.rollout.group_size)
+    return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, dev)
 
 
 def _bucketed(algo, micro_batches=2, **changes):
@@ -89,21 +117,19 @@ def test_bucketed_update_has_the_full_width_single_batch_gradient(algo, changes)
     run, state, loop, ref = make_run(c)
     batch = _varied_batch(run, state, ref, seed=3)
     if changes:  # a behaviour policy that masks a few long responses out (seq_mis)
-        logp = np.asarray(run.logprobs(state.params, batch["tokens"], batch["attn_mask"]))
-        shift = np.where(batch["resp_mask"].sum(1) >= 6, 0.3, 0.0).astype(np.float32)
+        logp = full_logprobs(run, state.params, batch.tokens, batch.valid)
+        shift = np.where(batch.loss_mask.sum(1) >= 6, 0.3, 0.0).astype(np.float32)
         shift[1::4] = 0.0  # some long rows stay
-        batch["behaviour_logp"] = (logp - shift[:, None]) * batch["resp_mask"]
+        batch = batch.replace(behaviour_logp=(logp - shift[:, None]) * batch.loss_mask)
         if algo == "reinforce_pp":  # its whole-batch advantages, as the trainer gives them
-            adv = run.algorithm.advantages(rewards=batch["rewards"], mask=batch["resp_mask"],
+            adv = run.algorithm.advantages(rewards=batch.rewards, mask=batch.loss_mask,
                                            group_size=c.rollout.group_size, old_logp=logp,
-                                           ref_logp=batch.get("ref_logp"))  # fmt: skip
-            batch["advantages"] = np.asarray(adv, np.float32)
-    acc, slot_frac = run.buckets.accumulated(state.params, batch)
+                                           ref_logp=batch.ref_logp)  # fmt: skip
+            batch = batch.replace(advantages=np.asarray(adv, np.float32))
+    acc, slot_frac = run.updater.accumulated(state.params, batch)
     assert slot_frac < 0.9  # the short groups' micro-batch was cut to 8 of 16 slots
 
-    loss_fn = assemble.rl_loss_fn(c, run.graphdef)
-    dev = sharding.device_batch(batch, run.mesh, group_size=c.rollout.group_size)
-    (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, dev)
+    (loss, aux), grads = full_loss(run, state.params, batch)
     if changes:
         assert 0 < float(aux["is_masked_frac"]) < 0.5  # some responses masked out, not all
     M = c.optim.micro_batches
@@ -113,7 +139,7 @@ def test_bucketed_update_has_the_full_width_single_batch_gradient(algo, changes)
     np.testing.assert_allclose(float(acc["loss"]) / M, float(loss), rtol=2e-5, atol=1e-7)
 
     before = _flat(state.params)
-    new, metrics = run.buckets.update(jax.tree.map(jnp.copy, state), batch)
+    new, metrics = run.updater.update(jax.tree.map(jnp.copy, state), batch)
     assert metrics["update_slot_frac"] == slot_frac and not metrics["skipped"]
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=2e-5, atol=1e-7)
     assert np.abs(_flat(new.params) - before).max() > 1e-5 and int(new.step) == 1
@@ -123,10 +149,10 @@ def test_bucketed_logprobs_equal_the_full_width_pass():
     c = _bucketed("grpo", **{"algo.num_minibatches": 2})
     run, state, loop, ref = make_run(c)
     batch = _varied_batch(run, state, ref, seed=4)
-    full = np.asarray(run.logprobs(state.params, batch["tokens"], batch["attn_mask"]))
-    bucketed = run.buckets.logprobs(state.params, batch)
+    full = full_logprobs(run, state.params, batch.tokens, batch.valid)
+    bucketed = run.updater.logprobs(state.params, batch.tokens, batch.valid)
     np.testing.assert_allclose(bucketed, full, rtol=0, atol=1e-5)
-    assert (bucketed[batch["resp_mask"] > 0] < 0).all()
+    assert (bucketed[batch.loss_mask > 0] < 0).all()
 
 
 def test_bucketed_steps_compile_at_most_one_shape_per_width():
@@ -135,33 +161,33 @@ def test_bucketed_steps_compile_at_most_one_shape_per_width():
     run, state, loop, ref = make_run(c)
     for seed in range(5):
         batch = _varied_batch(run, state, ref, seed=seed)
-        batch["old_logp"] = run.buckets.logprobs(state.params, batch)
-        state, _ = run.buckets.update(state, batch)
-    widths = len(run.buckets.widths)
-    assert run.buckets._accumulate._cache_size() == widths == 2
-    assert run.buckets._apply._cache_size() == 1
-    assert run.logprobs._cache_size() <= widths
+        batch = batch.replace(old_logp=run.updater.logprobs(state.params, batch.tokens,
+                                                            batch.valid))  # fmt: skip
+        state, _ = run.updater.update(state, batch)
+    widths = len(run.updater.widths)
+    assert run.updater._accumulate._cache_size() == widths == 2
+    assert run.updater._apply._cache_size() == 1
+    assert run.updater._logprobs._cache_size() <= widths
 
 
 @pytest.mark.parametrize("algo", ["gvpo", "grpo"])
 def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
     """rl_step with optim.length_buckets: the pi_old and reference passes and every update go
-    through `run.buckets` (the plain jitted update is never called)."""
+    through `run.updater`, cut to the buckets' widths."""
     c = _bucketed(algo, **{"algo.num_minibatches": 2, "algo.num_epochs": 2})
     run, state, loop, ref = make_run(c)
     calls = {"update": 0, "logprobs": 0}
-    real_update, real_logprobs = run.buckets.update, run.buckets.logprobs
+    real_update, real_logprobs = run.updater.update, run.updater.logprobs
 
     def update(state, batch):
         calls["update"] += 1
         return real_update(state, batch)
 
-    def logprobs(params, batch):
+    def logprobs(params, tokens, valid, reference=False):
         calls["logprobs"] += 1
-        return real_logprobs(params, batch)
+        return real_logprobs(params, tokens, valid, reference)
 
-    run.buckets.update, run.buckets.logprobs = update, logprobs
-    run = run.__class__(**{**run.__dict__, "update": None})  # the plain update must not run
+    run.updater.update, run.updater.logprobs = update, logprobs
     before = _flat(state.params)
     state, metrics, _, _ = rl_step(run, state, loop, ref)
     assert calls == {"update": 4, "logprobs": 1 + (ref is not None)}
@@ -249,18 +275,19 @@ def test_pack_puts_each_group_behind_one_prompt_with_restarting_positions():
                        [7, 8, 9, 30, 31, 0, 0], [7, 8, 9, 40, 41, 42, 43]])  # fmt: skip
     resp = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]], np.float32)
     attn = np.concatenate([[[0, 1, 1]] * 2 + [[1, 1, 1]] * 2, resp], axis=1).astype(np.float32)
-    batch = {"tokens": tokens, "attn_mask": attn, "resp_mask": resp, "rewards": np.arange(4.0)}
+    batch = UpdateBatch(tokens=tokens, valid=attn, loss_mask=resp, rewards=np.arange(4.0))
     plan = buckets.plan_chunks(resp, G, 2, buckets.pack_widths(n, G, 2), packed=True)
     assert [(list(r), w) for r, w in plan] == [([0, 1], 8), ([2, 3], 8)]  # 4 and 6 tokens
-    p = buckets.pack(batch, np.arange(4), 8, J, G)
-    np.testing.assert_array_equal(p["pack_tokens"][0], [0, 5, 6, 10, 11, 12, 20, 0, 0, 0, 0])
-    np.testing.assert_array_equal(p["pack_positions"][0, J:7], [2, 3, 4, 2])  # restarts at 2
-    np.testing.assert_array_equal(p["pack_positions"][1, J:9], [3, 4, 3, 4, 5, 6])
-    np.testing.assert_array_equal(p["pack_segments"][0], [1, 1, 1, 2, 3, 3, 3, 3])
-    np.testing.assert_array_equal(p["pack_pred"][1, :6], [2, 3, 2, 5, 6, 7])  # first: prompt end
-    np.testing.assert_array_equal(p["pack_index"][1], [3, -1, -1, -1])
-    np.testing.assert_array_equal(p["pack_index"][3], [10, 11, 12, 13])
-    assert (p["rewards"] == batch["rewards"]).all() and "tokens" not in p
+    out = buckets.pack(batch, np.arange(4), 8, J, G)
+    p = out.packed
+    np.testing.assert_array_equal(p.tokens[0], [0, 5, 6, 10, 11, 12, 20, 0, 0, 0, 0])
+    np.testing.assert_array_equal(p.positions[0, J:7], [2, 3, 4, 2])  # restarts at 2
+    np.testing.assert_array_equal(p.positions[1, J:9], [3, 4, 3, 4, 5, 6])
+    np.testing.assert_array_equal(p.segments[0], [1, 1, 1, 2, 3, 3, 3, 3])
+    np.testing.assert_array_equal(p.pred[1, :6], [2, 3, 2, 5, 6, 7])  # first: prompt end
+    np.testing.assert_array_equal(p.index[1], [3, -1, -1, -1])
+    np.testing.assert_array_equal(p.index[3], [10, 11, 12, 13])
+    assert (out.rewards == batch.rewards).all() and out.tokens is None and out.valid is None
 
 
 # A tiny Gemma 3: a sliding-window layer (window 3) before a full one.
@@ -279,24 +306,23 @@ def test_packed_update_and_logprobs_equal_the_full_width_pass(algo, model):
     c = _bucketed(algo, **{"optim.pack_groups": True, **model})
     run, state, loop, ref = make_run(c)
     batch = _varied_batch(run, state, ref, seed=3)
-    full = np.asarray(run.logprobs(state.params, batch["tokens"], batch["attn_mask"]))
-    np.testing.assert_allclose(run.buckets.logprobs(state.params, batch), full, rtol=0, atol=1e-5)
+    full = full_logprobs(run, state.params, batch.tokens, batch.valid)
+    packed = run.updater.logprobs(state.params, batch.tokens, batch.valid)
+    np.testing.assert_allclose(packed, full, rtol=0, atol=1e-5)
 
-    acc, slot_frac = run.buckets.accumulated(state.params, batch)
-    loss_fn = assemble.rl_loss_fn(c, run.graphdef)
-    dev = sharding.device_batch(batch, run.mesh, group_size=c.rollout.group_size)
-    (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params, dev)
+    acc, slot_frac = run.updater.accumulated(state.params, batch)
+    (loss, _), grads = full_loss(run, state.params, batch)
     M = c.optim.micro_batches
     g_packed, g_full = _flat(acc["grads"]) / M, _flat(grads)
     np.testing.assert_allclose(g_packed, g_full, rtol=0, atol=2e-5 * np.abs(g_full).max())
     assert np.abs(g_full).max() > 1e-4
     np.testing.assert_allclose(float(acc["loss"]) / M, float(loss), rtol=2e-5, atol=1e-7)
-    real = batch["resp_mask"].sum()
-    per_group = buckets.plan_chunks(batch["resp_mask"], c.rollout.group_size, M,
+    real = batch.loss_mask.sum()
+    per_group = buckets.plan_chunks(batch.loss_mask, c.rollout.group_size, M,
                                     buckets.bucket_widths(N, 4))  # fmt: skip
-    assert slot_frac * batch["resp_mask"].size < sum(len(r) * w for r, w in per_group)
-    _, metrics = run.buckets.update(state, batch)
-    assert 1.0 <= metrics["update_pad_ratio"] == slot_frac * batch["resp_mask"].size / real
+    assert slot_frac * batch.loss_mask.size < sum(len(r) * w for r, w in per_group)
+    _, metrics = run.updater.update(state, batch)
+    assert 1.0 <= metrics["update_pad_ratio"] == slot_frac * batch.loss_mask.size / real
 
 
 def test_packed_steps_compile_one_shape_per_packed_width():
@@ -307,10 +333,10 @@ def test_packed_steps_compile_one_shape_per_packed_width():
     seen = set()
     for seed in range(4):
         batch = _varied_batch(run, state, ref, seed=seed)
-        seen |= {w for _, w in run.buckets._plan(batch, run.buckets.micro_batches)}
-        state, _ = run.buckets.update(state, batch)
-        assert run.buckets._accumulate._cache_size() == len(seen)
-    assert run.buckets._apply._cache_size() == 1 and len(seen) < len(run.buckets.widths)
+        seen |= {w for _, w in run.updater._plan(batch.valid, run.updater.micro_batches)}
+        state, _ = run.updater.update(state, batch)
+        assert run.updater._accumulate._cache_size() == len(seen)
+    assert run.updater._apply._cache_size() == 1 and len(seen) < len(run.updater.widths)
 
 
 def test_planner_padding_ratios_follow_the_layout():

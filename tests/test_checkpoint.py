@@ -69,7 +69,6 @@ def test_round_trip_state_meta_replay_is_bit_identical(tmp_path):
     state = _state()
     meta = {
         "config": {"algo": {"name": "gvpo", "beta": 0.1}, "mesh": [1, 8], "tag": None},
-        "data_iterator": b'{"next_index": 17}\x00\xff',  # grain states are bytes
         "epoch": np.int64(2),
     }
     replay = {
@@ -225,6 +224,8 @@ def test_invalid_meta_or_replay_is_refused_before_writing(tmp_path):
     with Checkpointer(tmp_path, save_every=1, keep=2) as ckpt:
         with pytest.raises(CheckpointError, match=r"meta\['cfg'\]\['f'\]"):
             ckpt.save(1, state, meta={"cfg": {"f": object()}})
+        with pytest.raises(CheckpointError, match=r"meta\['data'\] is a bytes"):
+            ckpt.save(1, state, meta={"data": b"\x00\xff"})  # JSON holds no bytes
         with pytest.raises(CheckpointError, match=r"replay\['text'\]"):
             ckpt.save(1, state, meta={}, replay={"text": np.array(["a", "b"])})
         assert ckpt.latest_step() is None

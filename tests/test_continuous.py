@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gvpo_jax import assemble, data, models, sampler, sharding
+from gvpo_jax import assemble, data, decode, models, sampler, sharding
 from gvpo_jax import config as config_lib
 from gvpo_jax import eval as eval_lib
+from gvpo_jax.sampler import SamplingSettings
 
 VOCAB = 300  # > 256: both levels of the two-level draw
 CFG = models.ModelConfig(
@@ -94,11 +95,10 @@ def _eos_for_mix(free, distinct: int = 5):
     return tuple(sorted(eos)), _lengths_with(free, eos)
 
 
-def _run(model, ids, lens, rng, slots, **kw):
-    return jax.tree.map(
-        np.asarray,
-        sampler.generate(model, ids, lens, rng=rng, group_size=G, num_slots=slots, **kw),
-    )
+def _run(model, ids, lens, rng, slots, max_lengths=None, **kw):
+    settings = SamplingSettings(group_size=G, num_slots=slots, **kw)
+    out = sampler.generate(model, ids, lens, settings, rng=rng, max_lengths=max_lengths)
+    return jax.tree.map(np.asarray, out)
 
 
 def _assert_same(out, ref, atol=1e-5):
@@ -196,16 +196,24 @@ def test_iterations_follow_the_schedule_and_exit_early(peaked):
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
     graphdef, state = nnx.split(peaked)
     rng = jax.random.key(2)
-    kw = sampler.canonical_settings(max_new_tokens=N, temperature=1.0, group_size=G)
-    free = sampler.generate_split(graphdef, state, ids, lens, rng, **kw)
+    kw = SamplingSettings(max_new_tokens=N, temperature=1.0, group_size=G)
+    free = sampler.generate_split(graphdef, state, ids, lens, rng, settings=kw)
     eos = tuple(int(t) for t in np.asarray(free.tokens_BxN)[[0, 5, 9], [4, 2, 11]])
-    kw = dict(kw, eos_ids=tuple(sorted(set(eos))))
+    kw = dataclasses.replace(kw, eos_ids=tuple(sorted(set(eos))))
 
-    def iterations(slots, max_lengths=None, **extra):
+    def iterations(slots, max_lengths=None, num_queues=1):
+        settings = dataclasses.replace(kw, num_slots=slots)
         out, steps = sampler.generate_split(
-            graphdef, state, ids, lens, rng, max_lengths, with_iterations=True,
-            **dict(kw, num_slots=slots, **extra),
-        )  # fmt: skip
+            graphdef,
+            state,
+            ids,
+            lens,
+            rng,
+            max_lengths,
+            settings=settings,
+            num_queues=num_queues,
+            with_iterations=True,
+        )
         return jax.tree.map(np.asarray, out), int(steps)
 
     ref, static_steps = iterations(0)
@@ -262,10 +270,10 @@ def test_no_recompilation_across_prompts_keys_and_parameters(peaked):
 
     def call(prompts, seed):
         ids, lens = sampler.pad_prompts(prompts, (8, 16))
-        out = sampler.generate(
-            model, ids, lens, max_new_tokens=6, rng=jax.random.key(seed), top_k=7, group_size=2,
-            eos_ids=(3, 4, 5), num_slots=3,
-        )  # fmt: skip
+        settings = SamplingSettings(
+            max_new_tokens=6, top_k=7, group_size=2, eos_ids=(3, 4, 5), num_slots=3
+        )
+        out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(seed))
         return jax.block_until_ready(out)
 
     call([[1, 2], [3, 4, 5]], 0)
@@ -289,7 +297,7 @@ def test_slot_equal_to_rows_is_the_static_program():
     assert sampler.resolve_slots(12, 12) == sampler.resolve_slots(40, 12) == 0
     assert sampler.resolve_slots(5, 12) == 5
     with pytest.raises(ValueError, match="num_slots must be >= 0"):
-        sampler.canonical_settings(max_new_tokens=4, num_slots=-1)
+        SamplingSettings(max_new_tokens=4, num_slots=-1)
 
 
 def test_slot_cache_attention_equals_the_full_forward():
@@ -365,35 +373,60 @@ def test_sharded_continuous_equals_one_device():
     host = nnx.merge(graphdef, jax.device_put(jax.device_get(state), jax.devices()[0]))
     prompts = PROMPTS + [[3, 3], [8, 1, 2, 200], [17], [60, 61, 62]]
     ids, lens = sampler.pad_prompts(prompts, (16,))
-    kw = dict(max_new_tokens=N, temperature=1.0, top_k=20, group_size=G)
-    free = sampler.generate(host, ids, lens, rng=jax.random.key(6), **kw)
-    kw["eos_ids"], expected = _eos_for_mix(free.tokens_BxN)
-    ref = jax.tree.map(np.asarray, sampler.generate(host, ids, lens, rng=jax.random.key(6), **kw))
+    kw = SamplingSettings(max_new_tokens=N, temperature=1.0, top_k=20, group_size=G)
+    free = sampler.generate(host, ids, lens, kw, rng=jax.random.key(6))
+    eos_ids, expected = _eos_for_mix(free.tokens_BxN)
+    kw = dataclasses.replace(kw, eos_ids=eos_ids)
+    ref = jax.tree.map(np.asarray, sampler.generate(host, ids, lens, kw, rng=jax.random.key(6)))
     np.testing.assert_array_equal(ref.lengths_B, expected)
     assert len(set(expected.tolist())) >= 5
     for slots in (4, 8, 12):
         out = sampler.generate_sharded(
-            model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), num_slots=slots, **kw
+            model,
+            ids,
+            lens,
+            dataclasses.replace(kw, num_slots=slots),
+            mesh=mesh,
+            rules=rules,
+            rng=jax.random.key(6),
         )
         assert out.tokens_BxN.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
         _assert_same(jax.tree.map(np.asarray, out), ref, atol=1e-4)  # tensor-parallel sums
     # Per-row caps, split over the shards with the rows.
     caps = np.random.default_rng(1).integers(1, N + 1, len(expected)).astype(np.int32)
-    ref = sampler.generate(host, ids, lens, rng=jax.random.key(6), max_lengths=caps, **kw)
+    ref = sampler.generate(host, ids, lens, kw, rng=jax.random.key(6), max_lengths=caps)
     out = sampler.generate_sharded(
-        model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), num_slots=8,
-        max_lengths=caps, **kw,
-    )  # fmt: skip
+        model,
+        ids,
+        lens,
+        dataclasses.replace(kw, num_slots=8),
+        mesh=mesh,
+        rules=rules,
+        rng=jax.random.key(6),
+        max_lengths=caps,
+    )
     _assert_same(*(jax.tree.map(np.asarray, x) for x in (out, ref)), atol=1e-4)
     # The shedding static batch (24 -> 12 -> 6 -> 3 rows) on the mesh: the same output.
     out = sampler.generate_sharded(
-        model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), shed=3,
-        max_lengths=caps, **kw,
-    )  # fmt: skip
+        model,
+        ids,
+        lens,
+        dataclasses.replace(kw, shed=3),
+        mesh=mesh,
+        rules=rules,
+        rng=jax.random.key(6),
+        max_lengths=caps,
+    )
     _assert_same(*(jax.tree.map(np.asarray, x) for x in (out, ref)), atol=1e-4)
     with pytest.raises(sharding.ShardingError, match=r"slots\) = 6 cannot be split"):
         sampler.generate_sharded(
-            model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(6), num_slots=6, **kw
+            model,
+            ids,
+            lens,
+            dataclasses.replace(kw, num_slots=6),
+            mesh=mesh,
+            rules=rules,
+            rng=jax.random.key(6),
         )
 
 
@@ -410,7 +443,7 @@ def test_config_fields_reach_the_sampler_and_the_planner():
     config_lib.validate(c, check_paths=False)
     settings = assemble.sampling_settings(c, data.build_char_tokenizer())
     assert settings.num_slots == 8 and settings.eval_num_slots == 4
-    assert settings.generate_kwargs()["num_slots"] == 8
+    assert sampler.canonical_settings(settings, rows=8 * 4).num_slots == 8
 
     from gvpo_jax import plan
 
@@ -469,9 +502,9 @@ def test_evaluation_uses_its_own_slots_and_scores_the_same_samples(monkeypatch):
     examples = [{"prompt_ids": tok.encode(f"{i}+{i}="), "answer": str(2 * i)} for i in range(6)]
     seen, real = [], sampler.generate_sharded
 
-    def spy(*args, **kw):
-        seen.append(kw["num_slots"])
-        return real(*args, **kw)
+    def spy(model, ids, lens, settings, **kw):
+        seen.append(settings.num_slots)
+        return real(model, ids, lens, settings, **kw)
 
     monkeypatch.setattr(sampler, "generate_sharded", spy)
     kw = dict(tokenizer=tok, mesh=mesh, rules=rules, n=4, chunk=4, seed=0,
@@ -533,12 +566,13 @@ def test_shedding_static_batch_equals_the_static_batch(peaked):
     lengths = ref.lengths_B
     # the running rows fit 6, then 3, then 2 rows before the last one ends
     assert len(set(lengths.tolist())) >= 6 and (lengths > 9).sum() == 2, lengths
-    settings = sampler.canonical_settings(**kw, eos_ids=eos, pad_id=-1, group_size=G, shed=3)
-    out, steps = sampler.generate_split(graphdef, state, ids, lens, rng, caps, with_iterations=True,
-                                        **settings)  # fmt: skip
+    settings = SamplingSettings(**kw, eos_ids=eos, pad_id=-1, group_size=G, shed=3)
+    out, steps = sampler.generate_split(
+        graphdef, state, ids, lens, rng, caps, settings=settings, with_iterations=True
+    )
     _assert_same(jax.tree.map(np.asarray, out), ref)
     assert int(steps) == lengths.max() - 1
-    assert sampler.shed_levels(12, 3) == (12, 6, 3, 2) and sampler.shed_levels(32, 2) == (32, 16, 8)
+    assert decode.shed_levels(12, 3) == (12, 6, 3, 2) and decode.shed_levels(32, 2) == (32, 16, 8)
     # The host count of the row-steps: the static batch runs all 12 rows to the longest.
     assert sampler.decode_slots(lengths, max_new_tokens=N) == 12 * lengths.max()
     shed_slots = sampler.decode_slots(lengths, max_new_tokens=N, shed=3)
@@ -555,15 +589,22 @@ def test_shedding_compiles_once_and_is_off_for_slots():
     model = _model(12.0, norm=3.0)
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
     caps = np.array([1, 8, 3, 2, 8, 5, 2, 2, 7, 1, 4, 2], np.int32)
-    kw = dict(max_new_tokens=8, temperature=1.0, pad_id=-1, max_lengths=caps)
-    _run(model, ids, lens, jax.random.key(0), 0, shed=2, **kw)
+    kw = dict(max_new_tokens=8, temperature=1.0, pad_id=-1)
+    _run(model, ids, lens, jax.random.key(0), 0, shed=2, max_lengths=caps, **kw)
     size = sampler.generate_split._cache_size()
     for seed in (1, 2):
-        sampler.generate(model, ids[::-1].copy(), lens[::-1].copy(), rng=jax.random.key(seed),
-                         group_size=G, shed=2, **kw)  # fmt: skip
+        settings = SamplingSettings(group_size=G, shed=2, **kw)
+        sampler.generate(
+            model,
+            ids[::-1].copy(),
+            lens[::-1].copy(),
+            settings,
+            rng=jax.random.key(seed),
+            max_lengths=caps,
+        )
     assert sampler.generate_split._cache_size() == size
     with pytest.raises(ValueError, match="shed must be >= 0"):
-        sampler.canonical_settings(max_new_tokens=4, shed=-1)
-    _run(model, ids, lens, jax.random.key(0), 5, **kw)
-    _run(model, ids, lens, jax.random.key(0), 5, shed=2, **kw)
+        SamplingSettings(max_new_tokens=4, shed=-1)
+    _run(model, ids, lens, jax.random.key(0), 5, max_lengths=caps, **kw)
+    _run(model, ids, lens, jax.random.key(0), 5, shed=2, max_lengths=caps, **kw)
     assert sampler.generate_split._cache_size() == size + 1

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gvpo_jax import checkpoint, rewards, train
+from gvpo_jax import eval as eval_lib
 from gvpo_jax.errors import FaultError
 from gvpo_jax.rl_step import TrainingError, rl_step
 from tests.conftest import child_env
@@ -67,7 +68,9 @@ def test_a_run_whose_every_update_was_skipped_stops_without_exporting(monkeypatc
     c = toy_config("gvpo", **{"train.steps": 2, "train.checkpoint_every": 1, "train.plot": False})
     run, state, loop, ref = make_run(c)
     _nan_at(run.task, set(range(1, 100)))
-    monkeypatch.setattr(train, "evaluate", lambda *a, **k: {"accuracy": 0.0, "greedy": 0.0})
+    monkeypatch.setattr(
+        eval_lib, "evaluate_held_out", lambda *a, **k: {"accuracy": 0.0, "greedy": 0.0}
+    )
     with pytest.raises(TrainingError) as err:
         train.train_rl(run, state, loop, ref, {})
     assert isinstance(err.value, FaultError)

@@ -2,12 +2,14 @@
 
 import ast
 import dataclasses
+import inspect
 import pathlib
+import re
 
 import pytest
 
 import gvpo_jax
-from gvpo_jax import assemble, rl_step
+from gvpo_jax import assemble, losses, rl_step
 
 ROOT = pathlib.Path(gvpo_jax.__file__).parent
 
@@ -149,6 +151,124 @@ def test_caches_are_typed_and_attention_lives_with_them():
         for key in ('"prefix_', '"kT"', '"vT"', '["k"]', '["v"]', '["valid"]'):
             assert key not in text, f"{path} indexes a cache by {key}"
     assert not (ROOT / "models" / "fused.py").exists()
+
+
+def _defined(module: str) -> set[str]:
+    """The functions and classes a module defines at its top level."""
+    tree = ast.parse((ROOT / module).read_text())
+    kinds = (ast.FunctionDef, ast.ClassDef)
+    return {node.name for node in tree.body if isinstance(node, kinds)}
+
+
+def test_files_are_named_for_their_jobs():
+    """train.py holds the trainer (the mode, the RL loop, SFT); resume, the evaluation of a run
+    and export live in the modules named for them; the sampler's host side is apart from its
+    decode loops; Hugging Face loading is the models' own."""
+    jobs = {
+        "resume.py": {"restore", "save", "reference_copy", "check_lora_layout", "check_base"},
+        "eval.py": {"evaluate_held_out", "evaluate_sets", "describe_policy"},
+        "export.py": {"export"},
+        "decode.py": {"SamplingSettings", "static_batch", "continuous_batch", "SlotState"},
+        "models/hf.py": {"hf_model_config", "from_pretrained"},
+    }
+    for module, names in jobs.items():
+        assert names <= _defined(module), (module, names - _defined(module))
+    moved = set().union(*jobs.values())
+    for module in ("train.py", "sampler.py", "sharding.py"):
+        assert not _defined(module) & moved, (module, _defined(module) & moved)
+    assert {"run", "rl_loop", "run_sft"} <= _defined("train.py")
+
+    # No decode loop in the sampler: its while loops are decode.py's.
+    def loops(module):
+        tree = ast.parse((ROOT / module).read_text())
+        return sum(isinstance(n, ast.Attribute) and n.attr == "while_loop" for n in ast.walk(tree))
+
+    assert loops("sampler.py") == 0 and loops("decode.py") >= 3
+    # No Hugging Face in the mesh code, and no mesh code in the models.
+    mesh_code = (ROOT / "sharding.py").read_text()
+    assert not any(word in mesh_code for word in ("hf_", "config.json", "safetensors", "gguf"))
+    graph = _imports()
+    for name, deps in graph.items():
+        if name.startswith("gvpo_jax.models"):
+            outside = {d for d in deps if not d.startswith("gvpo_jax.models")}
+            assert outside <= {"gvpo_jax.errors"}, (name, outside)
+    # Old checkpoints' bytes path (grain iterator states) is gone.
+    assert "base64" not in (ROOT / "checkpoint.py").read_text()
+
+
+def test_the_sampler_settings_are_one_static_argument():
+    """The sampler's settings are spelled once, in `decode.SamplingSettings` (frozen, hashable),
+    and travel as that one object: no function of the sampler takes them keyword by keyword."""
+    import inspect
+
+    from gvpo_jax import decode, sampler
+
+    settings = decode.SamplingSettings(max_new_tokens=4, eos_ids=[2, 1])
+    assert settings.eos_ids == (2, 1) and hash(settings) == hash(dataclasses.replace(settings))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.temperature = 0.5
+    fields = {f.name for f in dataclasses.fields(decode.SamplingSettings)}
+    functions = [sampler.generate, sampler.generate_sharded, sampler.generate_split.__wrapped__]
+    for fn in functions:
+        params = set(inspect.signature(fn).parameters)
+        assert "settings" in params and not params & fields, (fn.__name__, params & fields)
+    assert sampler.SamplingSettings is decode.SamplingSettings
+    assert not hasattr(sampler, "_Hashable")
+
+
+# config.algo's fields that make the algorithm (the rest are the step's layout: epochs,
+# minibatches, replay): read in config.algorithm only, where losses.resolve builds it.
+ALGORITHM_FIELDS = ("name", "beta", "anchor", "eps_low", "eps_high", "kl_coef", "reward_kl_coef",
+                    "entropy_coef", "rollout_correction", "rollout_is_cap", "dynamic_sampling",
+                    "overlong_cache", "overlong_factor")  # fmt: skip
+
+
+def test_the_algorithm_is_read_from_the_config_once():
+    """Only config.py reads the algorithm's settings (`config.algorithm` builds the
+    `losses.Algorithm`, `validate` checks through it); the run holds the object, and the
+    step, the loss and the updater take it. losses.py stays config-free."""
+    pattern = re.compile(r"\.algo\.(" + "|".join(ALGORITHM_FIELDS) + r")\b")
+    for path, text in _sources().items():
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        if path != "gvpo_jax/config.py":
+            assert not pattern.search(code.replace('"config.algo.', "")), path
+    losses_src = (ROOT / "losses.py").read_text()
+    assert "ml_collections" not in losses_src and "config" not in _imported_names(losses_src)
+    assert dataclasses.is_dataclass(losses.Algorithm) and losses.Algorithm.__hash__ is not None
+    fields = {f.name for f in dataclasses.fields(rl_step.StepSettings)}
+    assert {"algorithm", "reference", "spec"} <= fields
+    assert not fields & {"dynamic_sampling", "overlong", "corrected", "sampler_anchor",
+                         "batch_advantages", "reference_adapters_off"}  # fmt: skip
+
+
+def test_one_update_path_fixed_at_trace_time():
+    """The update batch is typed (`batch.UpdateBatch`: what exists apart from what the loss
+    counts, a place for integer per-token records); `rl_loss` takes its path from the
+    Algorithm and the BatchSpec, never from which keys or fields a batch holds; the step has
+    one updater (full width is its one-bucket case) and no branch on buckets."""
+    from gvpo_jax import batch, train_step
+
+    fields = {f.name for f in dataclasses.fields(batch.UpdateBatch)}
+    assert {"tokens", "valid", "loss_mask", "rewards", "routing", "packed"} <= fields
+    rl_loss = inspect.getsource(train_step.rl_loss)
+    for tell in (" in batch", "batch.get(", "batch[", "is None", "is not None"):
+        assert tell not in rl_loss, tell
+    assert "spec: BatchSpec" in rl_loss and "algorithm: losses.Algorithm" in rl_loss
+    step = (ROOT / "rl_step.py").read_text()
+    assert "bucket" not in step and step.count("updater.update(") == 1
+    assert not {"update", "logprobs", "buckets", "needs_reference"} & {
+        f.name for f in dataclasses.fields(assemble.Run)
+    }
+
+
+def _imported_names(text: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[-1] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.name for a in node.names} | {(node.module or "").split(".")[-1]}
+    return names
 
 
 def test_one_mesh_divisibility_check():

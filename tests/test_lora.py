@@ -1,7 +1,6 @@
 """LoRA policies: exact start, a frozen base outside the optimizer, the reference with adapters
 off, merged and PEFT export against transformers / peft, sharded steps, resume, bad input."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -120,14 +119,14 @@ def test_trainer_reference_is_the_base_not_a_copy():
     run, state, loop, ref = make_run(c)
     assert ref is None and run.reference.kind == "adapters_off"
     calls = []
-    real = run.logprobs
+    real = run.updater.logprobs
 
-    def spy(params, tokens, attn, *reference):
-        out = real(params, tokens, attn, *reference)
-        calls.append((bool(reference), params, tokens, attn, np.asarray(out)))
+    def spy(params, tokens, valid, reference=False):
+        out = real(params, tokens, valid, reference)
+        calls.append((bool(reference), params, tokens, valid, np.asarray(out)))
         return out
 
-    run = dataclasses.replace(run, logprobs=spy)
+    run.updater.logprobs = spy
     start = jax.tree.map(jnp.copy, state.params)
     for _ in range(2):
         state, metrics, _, _ = rl_step(run, state, loop, ref)
@@ -285,10 +284,10 @@ def test_lora_resume_after_sigkill_is_bit_exact_and_checkpoints_hold_no_base(tmp
     paths = ["/".join(map(str, p)) for p, _ in leaves]
     assert paths and all("_lora" in p for p in paths), paths  # adapters only, no base
     # A run without LoRA is told so in one sentence, before anything is read or moved aside.
-    from gvpo_jax import checkpoint, train
+    from gvpo_jax import checkpoint, resume
 
     with pytest.raises(checkpoint.CheckpointError, match="set --config.lora.enabled=True"):
-        train.check_lora_layout(types.SimpleNamespace(lora=None), killed / "checkpoints", 4)
+        resume.check_lora_layout(types.SimpleNamespace(lora=None), killed / "checkpoints", 4)
 
 
 @pytest.mark.parametrize(

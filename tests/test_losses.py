@@ -392,8 +392,9 @@ def test_overlong_penalty_follows_dapo_soft_punishment():
 
 def test_the_hosts_numpy_twins_give_the_loss_librarys_values():
     """The trainer's host code scores in numpy (rewards.overlong_penalty,
-    rollout.informative_groups); the loss library keeps the jax versions for JAX users."""
-    from gvpo_jax import rewards, rollout
+    batch.informative_groups); the loss library keeps the jax versions for JAX users."""
+    from gvpo_jax import batch as batch_lib
+    from gvpo_jax import rewards
 
     lengths = np.arange(0, 45, dtype=np.int32)
     for max_len, cache_len, factor in ((20, 5, 0.5), (32, 8, 1.0), (7, 7, 0.3)):
@@ -409,10 +410,10 @@ def test_the_hosts_numpy_twins_give_the_loss_librarys_values():
         rewards.overlong_penalty(lengths, max_len=8, cache_len=16)
     r = np.random.default_rng(0).integers(0, 2, 60).astype(np.float32)
     np.testing.assert_array_equal(
-        rollout.informative_groups(r, 3), np.asarray(losses.informative_groups(r, 3))
+        batch_lib.informative_groups(r, 3), np.asarray(losses.informative_groups(r, 3))
     )
     with pytest.raises(ValueError, match="whole groups of 7"):
-        rollout.informative_groups(r, 7)
+        batch_lib.informative_groups(r, 7)
 
 
 def test_informative_groups_flags_groups_whose_rewards_differ(data):

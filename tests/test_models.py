@@ -509,10 +509,8 @@ def test_greedy_generation_matches_transformers_generate(checkpoints, num_slots,
     model = models.from_pretrained(path)
     prompts, n = [[5, 17, 42], [7, 8, 9, 10, 11, 12, 13], [60], [3, 4, 4, 4, 60, 61, 1, 2]], 10
     ids, lens = sampler.pad_prompts(prompts, (16,))
-    out = sampler.generate(
-        model, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0,
-        num_slots=num_slots,
-    )  # fmt: skip
+    settings = sampler.SamplingSettings(max_new_tokens=n, temperature=0.0, num_slots=num_slots)
+    out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(0))
     for row, prompt in enumerate(prompts):
         x = torch.tensor([prompt])
         with torch.no_grad():

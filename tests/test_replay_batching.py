@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from gvpo_jax import rollout
+from gvpo_jax import batch as batch_lib
 from gvpo_jax.replay import ReplayBuffer
 
 
@@ -22,7 +22,7 @@ def test_layout_left_pads_prompts_and_masks_responses():
     prompts = [[5, 6, 7], [8]]
     resp = np.array([[1, 2, 0], [3, 0, 0], [4, 4, 4], [9, 9, 0]], np.int32)
     mask = np.array([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], np.float32)
-    out = rollout.layout_batch(prompts, resp, mask, group_size=2, prompt_len=4, pad_id=0)
+    out = batch_lib.layout_batch(prompts, resp, mask, group_size=2, prompt_len=4, pad_id=0)
     np.testing.assert_array_equal(out["tokens"][0], [0, 5, 6, 7, 1, 2, 0])
     np.testing.assert_array_equal(out["tokens"][3], [0, 0, 0, 8, 9, 9, 0])
     np.testing.assert_array_equal(out["attn_mask"][1], [0, 1, 1, 1, 1, 0, 0])
@@ -35,10 +35,10 @@ def test_layout_left_pads_prompts_and_masks_responses():
 def test_minibatches_never_split_a_group(num_groups, num_mb):
     G = 4
     batch = _batch(num_groups, G)
-    parts = rollout.minibatch_groups(num_groups, num_mb, np.random.default_rng(0))
+    parts = batch_lib.minibatch_groups(num_groups, num_mb, np.random.default_rng(0))
     seen = []
     for groups in parts:
-        mb = rollout.select_groups(batch, groups, G)
+        mb = batch_lib.select_groups(batch, groups, G)
         prompt_of_row = mb["rewards"].astype(int) // G
         # Contiguous runs of G rows share one prompt, and each prompt appears in one run only.
         runs = prompt_of_row.reshape(-1, G)
@@ -49,7 +49,7 @@ def test_minibatches_never_split_a_group(num_groups, num_mb):
 
 def test_minibatches_reject_uneven_split():
     with pytest.raises(ValueError, match="do not divide"):
-        rollout.minibatch_groups(6, 4, np.random.default_rng(0))
+        batch_lib.minibatch_groups(6, 4, np.random.default_rng(0))
 
 
 def test_replay_fifo_keeps_newest_groups():

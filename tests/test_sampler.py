@@ -13,7 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from gvpo_jax import models, sampler, sampling_ops
+from gvpo_jax import decode, models, sampler, sampling_ops
+from gvpo_jax.sampler import SamplingSettings
 
 VOCAB = 300  # > 256, not a multiple of it: exercises both levels and the padding of `draw`
 P_VALUE = 1e-3  # chi-square tests reject the sampler's distribution below this p-value
@@ -84,23 +85,26 @@ def test_invalid_settings_raise_and_equal_settings_are_canonical():
         dict(max_new_tokens=4, group_size=0),
     ):
         with pytest.raises(ValueError, match=next(iter(bad.keys() - {"max_new_tokens"}), "max_")):
-            sampler.canonical_settings(**bad)
-    a = sampler.canonical_settings(max_new_tokens=4, temperature=1, eos_ids=[3, 1, 3])
-    b = sampler.canonical_settings(max_new_tokens=4.0, temperature=1.0, eos_ids=(1, 3))
-    assert a == b and hash(tuple(a.items())) == hash(tuple(b.items()))
-    assert sampler.canonical_settings(max_new_tokens=4, temperature=0, top_k=5) == (
-        sampler.canonical_settings(max_new_tokens=4, temperature=0.0)
+            SamplingSettings(**bad)
+
+    def canonical(**kw):
+        return sampler.canonical_settings(SamplingSettings(**kw), rows=1)
+
+    a = canonical(max_new_tokens=4, temperature=1, eos_ids=[3, 1, 3])
+    b = canonical(max_new_tokens=4.0, temperature=1.0, eos_ids=(1, 3))
+    assert a == b and hash(a) == hash(b)
+    assert canonical(max_new_tokens=4, temperature=0, top_k=5) == (
+        canonical(max_new_tokens=4, temperature=0.0)
     )
 
 
 def test_greedy_matches_transformers_generate(hf_and_model):
     hf, model = hf_and_model
     n = 40  # 39 new-token slots: two decode segments (20 + 19), the cache grows in between
-    assert len(sampler.decode_segments(n - 1)) == 2
+    assert len(decode.decode_segments(n - 1)) == 2
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
-    out = sampler.generate(
-        model, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0
-    )
+    greedy = SamplingSettings(max_new_tokens=n, temperature=0.0)
+    out = sampler.generate(model, ids, lens, greedy, rng=jax.random.key(0))
     expected = [_hf_greedy(hf, p, n, None) for p in PROMPTS]
     np.testing.assert_array_equal(np.asarray(out.tokens_BxN), expected)
     np.testing.assert_array_equal(np.asarray(out.lengths_B), [n] * len(PROMPTS))
@@ -108,7 +112,11 @@ def test_greedy_matches_transformers_generate(hf_and_model):
     # With an EOS: take a token greedy emits mid-way in row 0; rows stop at its first occurrence.
     eos = expected[0][4]
     out = sampler.generate(
-        model, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0, eos_ids=[eos]
+        model,
+        ids,
+        lens,
+        SamplingSettings(max_new_tokens=n, temperature=0.0, eos_ids=[eos]),
+        rng=jax.random.key(0),
     )
     for row, prompt in enumerate(PROMPTS):
         ref = _hf_greedy(hf, prompt, n, eos)  # transformers stops after the EOS it emits
@@ -125,9 +133,8 @@ def test_bf16_greedy_matches_transformers_in_bf16(hf_and_model):
     model16 = models.with_compute_dtype(model, jnp.bfloat16)
     n = 12
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
-    out = sampler.generate(
-        model16, ids, lens, max_new_tokens=n, rng=jax.random.key(0), temperature=0.0
-    )
+    greedy = SamplingSettings(max_new_tokens=n, temperature=0.0)
+    out = sampler.generate(model16, ids, lens, greedy, rng=jax.random.key(0))
     assert out.logp_BxN.dtype == jnp.float32
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)  # the fixture's fp32 model stays intact
     expected = [_hf_greedy(hf16, p, n, None) for p in PROMPTS]
@@ -206,10 +213,8 @@ def test_first_and_second_token_distributions(hf_and_model, settings, num_slots)
     prompt = [5, 17, 42]
     g = 6000
     ids, lens = sampler.pad_prompts([prompt], (8,))
-    out = sampler.generate(
-        model, ids, lens, max_new_tokens=2, rng=jax.random.key(3), group_size=g,
-        num_slots=num_slots, **settings,
-    )  # fmt: skip
+    sampling = SamplingSettings(max_new_tokens=2, group_size=g, num_slots=num_slots, **settings)
+    out = sampler.generate(model, ids, lens, sampling, rng=jax.random.key(3))
     tokens = np.asarray(out.tokens_BxN)
     ref = dict(settings, top_k=settings.get("top_k", 0), top_p=settings.get("top_p", 1.0))
     ref.setdefault("min_p", 0.0)
@@ -298,11 +303,11 @@ def _recomputed_logp(model, ids, lens, out, group_size):
 
 
 def test_decode_segments_cover_the_slots():
-    assert sampler.decode_segments(4) == (4,)  # short answers: one loop
-    assert sampler.decode_segments(127) == (32, 64, 96, 127)
-    assert sampler.decode_segments(39) == (20, 39)
+    assert decode.decode_segments(4) == (4,)  # short answers: one loop
+    assert decode.decode_segments(127) == (32, 64, 96, 127)
+    assert decode.decode_segments(39) == (20, 39)
     for slots in range(1, 300):
-        sizes = sampler.decode_segments(slots)
+        sizes = decode.decode_segments(slots)
         assert sizes[-1] == slots and list(sizes) == sorted(set(sizes)) and len(sizes) <= 4
 
 
@@ -315,11 +320,13 @@ def test_returned_logps_equal_recomputed(hf_and_model):
         model,
         ids,
         lens,
-        max_new_tokens=36,  # two decode segments
+        SamplingSettings(
+            max_new_tokens=36,  # two decode segments
+            group_size=g,
+            eos_ids=(3, 4),
+            **settings,
+        ),
         rng=jax.random.key(7),
-        group_size=g,
-        eos_ids=(3, 4),
-        **settings,
     )
     mask = np.asarray(out.mask_BxN) > 0
     expected, logits, idx = _recomputed_logp(model, ids, lens, out, g)
@@ -337,10 +344,14 @@ def test_eos_mask_lengths_and_padding(hf_and_model):
     _, model = hf_and_model
     n = 10
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
-    kw = dict(max_new_tokens=n, rng=jax.random.key(0), temperature=0.0)
-    free = np.asarray(sampler.generate(model, ids, lens, **kw).tokens_BxN)
+    kw = dict(max_new_tokens=n, temperature=0.0)
+    key = jax.random.key(0)
+    free = np.asarray(
+        sampler.generate(model, ids, lens, SamplingSettings(**kw), rng=key).tokens_BxN
+    )
     eos_ids = (int(free[0, 2]), int(free[1, 0]))  # row 0 ends by step 3, row 1 at step 1
-    out = sampler.generate(model, ids, lens, eos_ids=eos_ids, pad_id=-1, **kw)
+    settings = SamplingSettings(eos_ids=eos_ids, pad_id=-1, **kw)
+    out = sampler.generate(model, ids, lens, settings, rng=key)
     tokens, mask = np.asarray(out.tokens_BxN), np.asarray(out.mask_BxN)
     assert mask.dtype == np.float32 and out.lengths_B.dtype == np.int32
     for row in range(len(PROMPTS)):
@@ -355,7 +366,8 @@ def test_eos_mask_lengths_and_padding(hf_and_model):
 
     # Every row ends at its first token: the loop exits early and all later columns are padding.
     first = tuple(int(t) for t in free[:, 0])
-    out = sampler.generate(model, ids, lens, eos_ids=first, pad_id=-1, **kw)
+    settings = SamplingSettings(eos_ids=first, pad_id=-1, **kw)
+    out = sampler.generate(model, ids, lens, settings, rng=key)
     np.testing.assert_array_equal(np.asarray(out.lengths_B), [1] * len(PROMPTS))
     assert np.all(np.asarray(out.tokens_BxN)[:, 1:] == -1)
 
@@ -364,19 +376,21 @@ def test_group_samples_share_the_prompt(hf_and_model):
     """G samples differ when sampling and equal the G=1 greedy rows when greedy."""
     _, model = hf_and_model
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
-    g, kw = 4, dict(max_new_tokens=8, rng=jax.random.key(5))
-    greedy1 = np.asarray(sampler.generate(model, ids, lens, temperature=0.0, **kw).tokens_BxN)
-    greedy = np.asarray(
-        sampler.generate(model, ids, lens, temperature=0.0, group_size=g, **kw).tokens_BxN
-    )
+    g, key = 4, jax.random.key(5)
+
+    def generate(ids, lens, **kw):
+        return sampler.generate(model, ids, lens, SamplingSettings(max_new_tokens=8, **kw), rng=key)
+
+    greedy1 = np.asarray(generate(ids, lens, temperature=0.0).tokens_BxN)
+    greedy = np.asarray(generate(ids, lens, temperature=0.0, group_size=g).tokens_BxN)
     np.testing.assert_array_equal(greedy, np.repeat(greedy1, g, axis=0))
 
-    sampled = sampler.generate(model, ids, lens, group_size=g, **kw)
+    sampled = generate(ids, lens, group_size=g)
     groups = np.asarray(sampled.tokens_BxN).reshape(len(PROMPTS), g, -1)
     for group in groups:
         assert len({tuple(r) for r in group}) == g
     # Sharing the prefill is invisible: same draws as prefilling G copies of every prompt.
-    copies = sampler.generate(model, np.repeat(ids, g, 0), np.repeat(lens, g), **kw)
+    copies = generate(np.repeat(ids, g, 0), np.repeat(lens, g))
     np.testing.assert_array_equal(np.asarray(copies.tokens_BxN), np.asarray(sampled.tokens_BxN))
     np.testing.assert_allclose(copies.logp_BxN, sampled.logp_BxN, atol=1e-5)
 
@@ -393,9 +407,8 @@ def test_no_recompilation_with_same_bucket(hf_and_model):
 
     def call(prompts, seed):
         ids, lens = sampler.pad_prompts(prompts, (8, 16))
-        out = sampler.generate(
-            model, ids, lens, max_new_tokens=5, rng=jax.random.key(seed), top_k=7, group_size=2
-        )
+        settings = SamplingSettings(max_new_tokens=5, top_k=7, group_size=2)
+        out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(seed))
         return jax.block_until_ready(out)
 
     call([[1, 2], [3, 4, 5]], 0)  # compiles (or reuses an earlier compile)
@@ -422,7 +435,10 @@ def test_generate_on_a_mesh_matches_one_device(hf_and_model):
     """Prompts split over `data`, parameters over `model`: same greedy output as unsharded."""
     _, model = hf_and_model
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
-    kw = dict(max_new_tokens=6, rng=jax.random.key(0), temperature=0.0, group_size=2)
+    kw = dict(
+        settings=SamplingSettings(max_new_tokens=6, temperature=0.0, group_size=2),
+        rng=jax.random.key(0),
+    )
     ref = sampler.generate(model, ids, lens, **kw)
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))

@@ -133,7 +133,11 @@ def test_from_pretrained_lands_sharded_as_the_rules_say(tmp_path):
             p.add_(0.1 * torch.randn(p.shape))
     hf.save_pretrained(tmp_path)
     mesh = sharding.make_mesh(2, 2, 2)
-    model = sharding.load_pretrained_sharded(tmp_path, mesh)
+    cfg = models.hf_model_config(tmp_path)
+    shardings = sharding.param_shardings(
+        models.abstract_model(cfg), mesh, sharding.logical_rules(mesh, cfg)
+    )
+    model = models.from_pretrained(tmp_path, shardings=shardings)
     _check_placement(nnx.state(model, nnx.Param), mesh)
     tokens = np.random.default_rng(0).integers(0, 96, (8, 7)).astype(np.int32)
     with torch.no_grad():
@@ -307,8 +311,8 @@ def test_greedy_sampling_under_a_mesh_matches_one_device():
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, 256, n)) for n in (3, 5, 2, 7)]
     ids, lens = sampler.pad_prompts(prompts, (8,))
-    kw = dict(max_new_tokens=6, temperature=0.0, group_size=2)
-    ref = sampler.generate(host, ids, lens, rng=jax.random.key(0), **kw)
+    kw = sampler.SamplingSettings(max_new_tokens=6, temperature=0.0, group_size=2)
+    ref = sampler.generate(host, ids, lens, kw, rng=jax.random.key(0))
     assert len(np.unique(np.asarray(ref.tokens_BxN))) > 6  # a non-trivial sequence to match
     rows = sharding.batch_sharding(mesh)
     with sharding.use_mesh(mesh, rules):  # GSPMD propagation from sharded params and inputs
@@ -316,18 +320,18 @@ def test_greedy_sampling_under_a_mesh_matches_one_device():
             model,
             jax.device_put(ids, rows),
             jax.device_put(lens, rows),
+            kw,
             rng=jax.random.key(0),
-            **kw,
         )
     explicit = sampler.generate_sharded(
-        model, ids, lens, mesh=mesh, rules=rules, rng=jax.random.key(0), **kw
+        model, ids, lens, kw, mesh=mesh, rules=rules, rng=jax.random.key(0)
     )
     assert explicit.tokens_BxN.sharding.spec == P(("data", "fsdp"))
     for out in (prop, explicit):
         np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN))
         np.testing.assert_allclose(np.asarray(out.logp_BxN), np.asarray(ref.logp_BxN), atol=1e-4)
     with pytest.raises(sharding.ShardingError, match="prompts = 3 cannot be split over the 4"):
-        sampler.generate_sharded(model, ids[:3], lens[:3], mesh=mesh, rules=rules, rng=None, **kw)
+        sampler.generate_sharded(model, ids[:3], lens[:3], kw, mesh=mesh, rules=rules, rng=None)
 
 
 # ---------------------------------------------------------------------------------- planner

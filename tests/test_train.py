@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gvpo_jax import assemble, losses, rollout, sharding, tasks, train, train_step
+from gvpo_jax import assemble, losses, resume, sharding, tasks, train, train_step
+from gvpo_jax import batch as batch_lib
 from gvpo_jax import config as config_lib
+from gvpo_jax.batch import BatchSpec, UpdateBatch
 from gvpo_jax.replay import ReplayBuffer
-from gvpo_jax.rl_step import collect_groups, rl_step
+from gvpo_jax.rl_step import rl_step
+from gvpo_jax.rollout import collect_groups
 
 TARGET = "7"
 
@@ -81,8 +84,14 @@ def make_run(config):
     run, state = assemble.assemble(config, tempfile.mkdtemp(prefix="gvpo_test_"))
     run.task.close()
     run = dataclasses.replace(run, task=ToyTask(run.tokenizer), writer=NullWriter())
-    ref = train.reference_copy(run, state.params) if run.reference.kind == "copy" else None
+    ref = resume.reference_copy(run, state.params) if run.reference.kind == "copy" else None
     return run, state, assemble.start_loop(run), ref
+
+
+def update_batch(rows: dict, **optional) -> UpdateBatch:
+    """A rollout's rows (`rollout.collect_groups`) as an update batch with `optional` fields."""
+    return UpdateBatch(tokens=rows["tokens"], valid=rows["attn_mask"], loss_mask=rows["resp_mask"],
+                       rewards=rows["rewards"], **optional)  # fmt: skip
 
 
 def _flat(params):
@@ -178,8 +187,10 @@ def test_eval_chunk_sets_the_evaluation_batch_and_keeps_the_greedy_scores(monkey
 
     monkeypatch.setattr(eval_lib, "evaluate_policy", spy)
     run, state, loop, _ = make_run(toy_config(**{"train.eval_chunk": 8}))
-    wide = train.evaluate(run, state.params, step=0)
-    narrow = train.evaluate(dataclasses.replace(run, config=toy_config()), state.params, step=0)
+    wide = eval_lib.evaluate_held_out(run, state.params, step=0)
+    narrow = eval_lib.evaluate_held_out(
+        dataclasses.replace(run, config=toy_config()), state.params, step=0
+    )
     assert chunks == [8, 4]
     assert wide["greedy"] == narrow["greedy"]
     with pytest.raises(sharding.ShardingError, match="config.train.eval_chunk = 3 cannot be split"):
@@ -210,12 +221,11 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
     batch, _, _, _ = collect_groups(run, state.params, loop, jax.random.key(1), P)
     batch["rewards"] = np.random.default_rng(0).random(P * G).astype(np.float32)
     kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk)
-    batch["old_logp"] = run.logprobs(state.params, batch["tokens"], batch["attn_mask"])
-    ub = {k: jnp.asarray(batch[k]) for k in ("tokens", "attn_mask", "resp_mask", "rewards",
-                                             "old_logp")}  # fmt: skip
+    old = run.updater.logprobs(state.params, batch["tokens"], batch["attn_mask"])
+    ub = update_batch(batch, old_logp=old)
     loss_fn = functools.partial(
         train_step.rl_loss, graphdef=run.graphdef, algorithm=losses.resolve("gvpo", beta=beta),
-        group_size=G, **kw,
+        spec=BatchSpec(old_logp=True), group_size=G, **kw,
     )  # fmt: skip
     g_loss = jax.jit(jax.grad(lambda p: loss_fn(p, ub)[0]))(state.params)
     r = batch["rewards"].reshape(P, G)
@@ -223,8 +233,8 @@ def test_gvpo_first_update_gradient_is_minus_beta_a_over_g_minus_1():
     w = -beta * a / (G - 1) / P
 
     def surrogate(p):
-        logp = train_step.response_logprobs(run.graphdef, p, ub["tokens"], ub["attn_mask"], **kw)
-        return jnp.sum(w * jnp.sum(logp * ub["resp_mask"], -1))
+        logp = train_step.response_logprobs(run.graphdef, p, ub.tokens, ub.valid, **kw)
+        return jnp.sum(w * jnp.sum(logp * ub.loss_mask, -1))
 
     g_ref = jax.jit(jax.grad(surrogate))(state.params)
     for x, y in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref), strict=True):
@@ -245,14 +255,14 @@ def test_replayed_groups_use_current_anchor_logprobs():
     run, state, loop, ref = make_run(c)
     assert isinstance(loop.replay, ReplayBuffer)
     seen = []
-    real = run.logprobs
+    real = run.updater.logprobs
 
-    def spy(params, tokens, attn):
-        out = real(params, tokens, attn)
+    def spy(params, tokens, valid, reference=False):
+        out = real(params, tokens, valid, reference)
         seen.append((np.asarray(tokens), np.asarray(out), _flat(params)))
         return out
 
-    run = dataclasses.replace(run, logprobs=spy)
+    run.updater.logprobs = spy
     for _ in range(3):
         state, metrics, _, _ = rl_step(run, state, loop, ref)
     assert metrics["replayed_groups"] == 2.0
@@ -280,12 +290,13 @@ def test_single_update_takes_pi_old_from_its_own_forward(algo):
     sampler consistency and entropy metrics come from the update's forward instead."""
     c = toy_config(algo, **{"optim.micro_batches": 2})
     run, state, loop, ref = make_run(c)
-    assert run.step.num_epochs * run.step.num_minibatches == 1
+    assert run.settings.num_epochs * run.settings.num_minibatches == 1
     start = jax.tree.map(jnp.copy, state)  # (updates donate their state)
     calls = []
-    real = run.logprobs
-    spy = lambda params, tokens, attn: calls.append(1) or real(params, tokens, attn)  # noqa: E731
-    _, metrics, _, _ = rl_step(dataclasses.replace(run, logprobs=spy), state, loop, ref)
+    real = run.updater.logprobs
+    run.updater.logprobs = lambda *args, **kw: calls.append(1) or real(*args, **kw)
+    _, metrics, _, _ = rl_step(run, state, loop, ref)
+    del run.updater.logprobs
     assert len(calls) == (1 if run.reference.kind == "copy" else 0)  # the reference's pass only
     assert metrics["sampler_logp_gap_max"] < 1e-4 and metrics["entropy_mc"] > 0
 
@@ -293,22 +304,21 @@ def test_single_update_takes_pi_old_from_its_own_forward(algo):
     fresh, _, _, _ = collect_groups(
         run, start.params, loop, jax.random.key_data(jax.random.key(5)), 4
     )
-    batch = {k: fresh[k] for k in ("tokens", "attn_mask", "resp_mask")}
-    batch["rewards"] = np.random.default_rng(0).normal(size=len(fresh["rewards"])).astype("f4")
+    rewards = np.random.default_rng(0).normal(size=len(fresh["rewards"])).astype("f4")
+    batch = update_batch(dict(fresh, rewards=rewards))
     if ref is not None:
-        batch["ref_logp"] = np.asarray(real(ref, batch["tokens"], batch["attn_mask"]))
-    with_old = dict(batch, old_logp=np.asarray(real(start.params, batch["tokens"],
-                                                    batch["attn_mask"])))  # fmt: skip
+        batch = batch.replace(ref_logp=real(ref, batch.tokens, batch.valid))
+    with_old = batch.replace(old_logp=real(start.params, batch.tokens, batch.valid))
+    spec = run.settings.spec
     loss_fn = assemble.rl_loss_fn(c, run.graphdef)
-    grad = jax.jit(jax.grad(lambda p, b: loss_fn(p, b)[0]))
-    g_skip = _flat(grad(start.params, batch))
-    g_pass = _flat(grad(start.params, with_old))
+    grad = jax.jit(jax.grad(lambda p, b, spec: loss_fn(p, b, spec=spec)[0]), static_argnums=2)
+    g_skip = _flat(grad(start.params, batch, dataclasses.replace(spec, sampler_logp=False)))
+    g_pass = _flat(grad(start.params, with_old, BatchSpec(old_logp=True, ref_logp=spec.ref_logp)))
     # (GVPO's loss reads log pi_theta - log pi_old in value: 0 exactly here, fp32 noise there)
     np.testing.assert_allclose(g_skip, g_pass, rtol=0, atol=1e-5 * np.abs(g_pass).max())
     assert np.abs(g_pass).max() > 1e-4
-    G, M = c.rollout.group_size, c.optim.micro_batches
-    dev = sharding.device_batch(batch, run.mesh, group_size=G, micro_batches=M)
-    new, _ = run.update(jax.tree.map(jnp.copy, start), dev)
+    drawn = batch.replace(sampler_logp=fresh["rollout_logp"], drawn=fresh["sampled"])
+    new, _ = run.updater.update(jax.tree.map(jnp.copy, start), drawn)
     p_skip, before = _flat(new.params), _flat(start.params)
     assert np.abs(p_skip - before).max() > 1e-5  # it did update
 
@@ -334,7 +344,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_stops_at_bound():
     batch, _, _, m = collect_groups(run, state.params, loop, jax.random.key(1), P)
     assert m["rollout_rounds"] == 3.0
     assert batch["rewards"].shape[0] == P * G
-    assert rollout.informative_groups(batch["task_rewards"], G).sum() == 0
+    assert batch_lib.informative_groups(batch["task_rewards"], G).sum() == 0
 
 
 def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
@@ -358,10 +368,12 @@ def test_bf16_compute_update_moves_the_fp32_masters_like_fp32_compute():
         run, state, loop, _ = make_run(c)
         master = jnp.bfloat16 if name == "pure_bf16" else jnp.float32
         assert all(x.dtype == master for x in jax.tree.leaves(state.params))
-        ub = {k: batch[k] for k in ("tokens", "attn_mask", "resp_mask", "rewards")}
-        ub["old_logp"] = np.asarray(run.logprobs(state.params, ub["tokens"], ub["attn_mask"]))
+        ub = update_batch(batch).replace(sampler_logp=batch["rollout_logp"],
+                                         drawn=batch["sampled"])  # fmt: skip
+        if run.settings.spec.ref_logp:  # the reference: the start, i.e. these parameters
+            ub = ub.replace(ref_logp=run.updater.logprobs(state.params, ub.tokens, ub.valid))
         before = _flat(state.params).astype(np.float32)  # the update donates `state`
-        new, metrics = run.update(state, {k: jnp.asarray(v) for k, v in ub.items()})
+        new, metrics = run.updater.update(state, ub)
         assert not bool(metrics["skipped"])
         assert all(x.dtype == master for x in jax.tree.leaves(new.params))
         deltas[name] = _flat(new.params).astype(np.float32) - before

@@ -23,7 +23,7 @@ from gvpo_jax.models.config import (
     config_to_hf,
 )
 from gvpo_jax.models.gguf_io import from_gguf, gguf_tokenizer
-from gvpo_jax.models.hf import from_pretrained, save_pretrained, tensor_maps
+from gvpo_jax.models.hf import from_pretrained, hf_model_config, save_pretrained, tensor_maps
 from gvpo_jax.models.logprobs import chunked_logprobs, naive_logprobs, token_logprobs
 from gvpo_jax.models.transformer import (
     ACTIVATION_AXES,
@@ -60,6 +60,7 @@ __all__ = [
     "from_gguf",
     "gguf_tokenizer",
     "from_pretrained",
+    "hf_model_config",
     "naive_logprobs",
     "param_count",
     "save_pretrained",

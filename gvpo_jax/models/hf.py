@@ -1,4 +1,9 @@
-"""Hugging Face checkpoint import/export: config.json + (sharded) safetensors <-> Transformer."""
+"""Hugging Face checkpoint import/export: config.json + (sharded) safetensors <-> Transformer.
+
+Loading into shards takes the shardings as an argument (`from_pretrained(..., shardings=...)`,
+built by `sharding.param_shardings` from `hf_model_config`'s shapes), so the model code never
+imports the mesh code.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,13 @@ import numpy as np
 from flax import nnx
 
 from gvpo_jax.models import safetensors_io
-from gvpo_jax.models.config import CheckpointError, ModelConfig, config_from_hf, config_to_hf
+from gvpo_jax.models.config import (
+    CheckpointError,
+    ModelConfig,
+    config_from_hf,
+    config_to_hf,
+    read_hf_config,
+)
 from gvpo_jax.models.transformer import Transformer, abstract_model
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -225,6 +236,19 @@ def load_tensors(
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
 
 
+def hf_model_config(
+    hf_dir, param_dtype: str = "float32", compute_dtype: str = "float32"
+) -> ModelConfig:
+    """The ModelConfig of a Hugging Face directory (reads only config.json): its shapes, to
+    check a run and compute shardings before any weight is read."""
+    return config_from_hf(
+        read_hf_config(hf_dir),  # CheckpointError: missing, unreadable, not JSON
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+        source=str(Path(hf_dir) / "config.json"),
+    )
+
+
 def from_pretrained(
     hf_dir,
     param_dtype="float32",
@@ -238,6 +262,8 @@ def from_pretrained(
     param_dtype: storage dtype ('float32' or 'bfloat16'); tensors are cast to it on load.
     compute_dtype: dtype the forward pass runs in (see `ModelConfig`).
     Reads safetensors lazily, tensor by tensor, single-file or sharded with an index.
+    shardings: optional, as `load_tensors`'s: every tensor placed straight into its shards
+      (multi-host: every process reads the same files and keeps its addressable shards).
     Raises CheckpointError naming the file/tensor/field on any mismatch.
     """
     hf_dir = Path(hf_dir)

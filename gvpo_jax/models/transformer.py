@@ -287,7 +287,7 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token ids -> fp32 logits. See MODEL_API.md for the calling conventions.
+    """Token ids -> fp32 logits. docs/models.md tabulates the calling conventions.
 
     Parameters: `embedding` [V, D], `layers[i]` blocks, `final_norm`, and `lm_head` [V, D] when
     embeddings are untied (tied models unembed with `embedding`).

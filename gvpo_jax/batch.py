@@ -1,0 +1,188 @@
+"""The update batch: a typed structure (`UpdateBatch`, its packed rows `PackedRows`, and the
+`BatchSpec` that says which optional fields it carries), and the host-side helpers that build it
+(the update layout, demonstrations, group selection)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from flax import struct
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSpec:
+    """Which optional fields an update batch carries: fixed at assembly by the algorithm, the
+    reference and the step's layout, so the loss takes its path at trace time, never by what a
+    batch happens to hold.
+
+    old_logp: pi_old from a log-prob pass (more than one update per step; with one, the update's
+    own forward is pi_old). ref_logp: a reference is present. behaviour_logp: the rollout
+    correction's mu. sampler_logp: the sampler's own log-probs of the rows it drew (GVPO's
+    anchor "sampler", and with one update per step the sampler-consistency metrics, `drawn`
+    beside it). advantages: computed once on the whole rollout batch (whole-batch statistics
+    split into parts). packed: micro-batches in the packed layout (`PackedRows`)."""
+
+    old_logp: bool = False
+    ref_logp: bool = False
+    behaviour_logp: bool = False
+    sampler_logp: bool = False
+    advantages: bool = False
+    packed: bool = False
+
+
+@struct.dataclass
+class PackedRows:
+    """A micro-batch's sequences packed one row per group (`gvpo_jax.buckets.pack`): [prompt |
+    its G responses back to back | padding]. R groups, W packed response slots, J prompt slots.
+
+    tokens / valid / positions: [R, J + W] (token ids, 1.0 where a token exists, RoPE
+    positions restarting with each response); segments: [R, W] (g + 1: response g; G + 1:
+    padding); pred: [R, W] the slot whose hidden state predicts each packed response slot;
+    index: [B, N] where row b's response token t sits in the flattened [R * W] slots (-1: none).
+    """
+
+    tokens: Any
+    valid: Any
+    positions: Any
+    segments: Any
+    pred: Any
+    index: Any
+
+    def group_arrays(self) -> dict:
+        """The [R, ...] arrays, one row per group (split over the mesh by groups)."""
+        return {k: getattr(self, k) for k in ("tokens", "valid", "positions", "segments", "pred")}
+
+
+@struct.dataclass
+class UpdateBatch:
+    """Rows of whole groups in the update layout (B = P x G rows, the G responses of a prompt
+    contiguous; J prompt slots, N response slots), as the update and log-prob passes take them.
+
+    tokens: [B, J + N] int32, [pad.., prompt, response, pad..] with the prompt right-aligned at J.
+    valid: [B, J + N] 1.0 where a token exists (prompt and response), which attention sees.
+    loss_mask: [B, N] 1.0 on the response tokens the loss counts (a tool's output, say, exists
+    but is not counted). rewards: [B]. Optional ([B, N] unless said; which ones a run carries is
+    its `BatchSpec`): old_logp, ref_logp, behaviour_logp, sampler_logp, drawn ([B], 1.0 on rows
+    the sampler drew this step), advantages ([B] or [B, N]), routing ([B, N, ...] integer
+    per-token records, e.g. expert routing). A packed micro-batch has `packed` instead of
+    tokens / valid.
+    """
+
+    loss_mask: Any
+    rewards: Any
+    tokens: Any = None
+    valid: Any = None
+    old_logp: Any = None
+    ref_logp: Any = None
+    behaviour_logp: Any = None
+    sampler_logp: Any = None
+    drawn: Any = None
+    advantages: Any = None
+    routing: Any = None
+    packed: PackedRows | None = None
+
+    def arrays(self) -> dict:
+        """The present [B, ...] fields by name (not the packed rows)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "packed" and getattr(self, f.name) is not None
+        }
+
+    def rows(self, rows) -> UpdateBatch:
+        """The given rows (numpy indices) of a host batch."""
+        return self.replace(**{k: np.asarray(v)[rows] for k, v in self.arrays().items()})
+
+    def check(self, spec: BatchSpec) -> None:
+        """ValueError unless the batch carries exactly the optional fields `spec` names."""
+        for name in ("old_logp", "ref_logp", "behaviour_logp", "sampler_logp", "advantages"):
+            if getattr(spec, name) != (getattr(self, name) is not None):
+                raise ValueError(
+                    f"the update batch {'lacks' if getattr(spec, name) else 'has'} {name}, "
+                    f"which its BatchSpec says it {'has' if getattr(spec, name) else 'lacks'}."
+                )
+        if spec.sampler_logp != (self.drawn is not None):
+            raise ValueError("the update batch's drawn rows do not match its sampler_logp.")
+
+
+def layout_batch(
+    prompts: Sequence[Sequence[int]],
+    responses_BxN: np.ndarray,
+    resp_mask_BxN: np.ndarray,
+    *,
+    group_size: int,
+    prompt_len: int,
+    pad_id: int,
+) -> dict[str, np.ndarray]:
+    """The update layout: row b = [pad.., prompt[b // G], response[b], pad..], shape [B, Tp + N].
+
+    Prompts are right-aligned at slot `prompt_len` (left padding), so the token before the first
+    response slot is always the prompt's last token and `token_logprobs` needs no gathers.
+    """
+    B, N = responses_BxN.shape
+    tokens = np.full((B, prompt_len + N), pad_id, np.int32)
+    attn = np.zeros((B, prompt_len + N), np.float32)
+    for b in range(B):
+        p = prompts[b // group_size]
+        tokens[b, prompt_len - len(p) : prompt_len] = p
+        attn[b, prompt_len - len(p) : prompt_len] = 1.0
+    tokens[:, prompt_len:] = np.where(resp_mask_BxN > 0, responses_BxN, pad_id)
+    attn[:, prompt_len:] = resp_mask_BxN
+    return {"tokens": tokens, "attn_mask": attn, "resp_mask": resp_mask_BxN.astype(np.float32)}
+
+
+def encode_answers(
+    tokenizer, texts: Sequence[str], *, max_new_tokens: int, eos_id: int, pad_id: int
+):
+    """Demonstration / SFT targets: answer + EOS, truncated to N -> (tokens_BxN, mask_BxN)."""
+    B = len(texts)
+    tokens = np.full((B, max_new_tokens), pad_id, np.int32)
+    mask = np.zeros((B, max_new_tokens), np.float32)
+    for b, text in enumerate(texts):
+        ids = list(tokenizer.encode(text, add_special_tokens=False)) + [eos_id]
+        ids = ids[:max_new_tokens]
+        tokens[b, : len(ids)] = ids
+        mask[b, : len(ids)] = 1.0
+    return tokens, mask
+
+
+def decode(tokenizer, tokens_BxN: np.ndarray, lengths_B: np.ndarray) -> list[str]:
+    return [
+        tokenizer.decode(tokens_BxN[b, : int(lengths_B[b])].tolist(), skip_special_tokens=True)
+        for b in range(tokens_BxN.shape[0])
+    ]
+
+
+def concat_batches(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def group_rows(groups: np.ndarray, group_size: int) -> np.ndarray:
+    """The row indices of the given groups (whole groups, in the given order)."""
+    return (np.asarray(groups)[:, None] * group_size + np.arange(group_size)[None]).reshape(-1)
+
+
+def select_groups(batch: dict[str, np.ndarray], groups: np.ndarray, group_size: int):
+    """Rows of the given group indices (whole groups, in the given order)."""
+    rows = group_rows(groups, group_size)
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def informative_groups(rewards_B: np.ndarray, group_size: int) -> np.ndarray:
+    """DAPO dynamic sampling on the host: bool [P], True for groups whose rewards are not all
+    equal (the numpy twin of `gvpo_jax.losses.informative_groups`)."""
+    rewards_B = np.asarray(rewards_B)
+    if rewards_B.ndim != 1 or len(rewards_B) % group_size:
+        raise ValueError(f"{rewards_B.shape} rewards are not whole groups of {group_size}.")
+    r_PxG = rewards_B.reshape(-1, group_size)
+    return np.any(r_PxG != r_PxG[:, :1], axis=1)
+
+
+def minibatch_groups(num_groups: int, num_minibatches: int, rng: np.random.Generator):
+    """A shuffled partition of group indices into equal minibatches: groups are never split."""
+    if num_groups % num_minibatches:
+        raise ValueError(f"{num_minibatches} minibatches do not divide {num_groups} groups.")
+    return rng.permutation(num_groups).reshape(num_minibatches, -1)

@@ -1,0 +1,160 @@
+"""Resume: a run's checkpoint written (`save`) and read back (`restore`), with the frozen
+reference and the LoRA layout checks.
+
+Resume order: `config.restore_from` > the latest checkpoint in the workdir > a fresh start. A
+checkpoint holds the train state, the frozen reference (when the run keeps one) and the loop
+state (`rl_step.LoopState`: step, data position, shuffle stream, replay buffer, queued rollouts),
+so a resumed run continues bit for bit. A LoRA run's checkpoint holds the adapters and their
+optimizer state, not the frozen base: the run reloads that from its source and checks it against
+the checkpoint's fingerprint of it (`models.lora.fingerprint`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gvpo_jax import assemble, checkpoint, sharding
+from gvpo_jax.models import lora
+from gvpo_jax.rl_step import LoopState
+
+
+def reference_copy(run_: assemble.Run, params):
+    """The frozen reference / anchor "ref": a copy of the policy in the compute dtype.
+
+    It is never updated and only enters forward passes, which cast every weight to the compute
+    dtype anyway: storing it cast gives bit-identical log-probs at half the memory in bf16.
+    """
+    dtype = jnp.dtype(run_.config.model.compute_dtype)
+    return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else jnp.copy(x), params)
+
+
+def restore(run_: assemble.Run, state, loop: LoopState):
+    """Resume order: config.restore_from > latest in workdir > nothing; `loop` is set to the
+    checkpoint's (untouched when there is none). A damaged newest step in the workdir is moved
+    aside and the next newest restorable one is used; a damaged explicit restore_from is an
+    error (`checkpoint.restore_newest`).
+
+    Returns (state, ref, resumed); ref is the frozen reference (None when the run keeps none,
+    or has not made it yet).
+    """
+    # A checkpoint may or may not hold a reference copy (an SFT start has none, a GRPO run has
+    # one); the run may or may not need one. Try the run's own layout first, then the other.
+    # A run that never updates reads the parameters alone: moments and reference stay on disk.
+    ref_layout = jax.eval_shape(lambda p: reference_copy(run_, p), state.params)
+    if not assemble.trains(run_.config):
+        state = state.replace(opt_state=checkpoint.skipped(state.opt_state))
+        ref_layout = checkpoint.skipped(ref_layout)
+    layouts = [ref_layout, None] if run_.reference.kind == "copy" else [None, ref_layout]
+
+    def attempt(directory, step):
+        first_error = None
+        for ref_layout in layouts:
+            try:
+                return run_.ckpt.restore(
+                    abstract_target(run_, state, ref_layout), step=step, directory=directory
+                )
+            except checkpoint.CheckpointError as e:
+                first_error = first_error or e
+        raise first_error
+
+    newest = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
+    if newest is not None:
+        check_lora_layout(run_, *newest)
+    found = checkpoint.restore_newest(
+        run_.ckpt,
+        run_.config.restore_from or None,
+        run_.workdir,
+        attempt,
+        log=lambda line: print(line, flush=True),
+    )
+    if found is None:
+        return state, None, False
+    (restored, meta, replay), directory, step = found
+    if run_.lora is not None:  # the checkpoint's adapters on the base this run loaded
+        check_base(run_, state.params, meta, directory)
+        base = lora.split_trainable(state.params)[1]
+        adapted = lora.join(restored["state"].params, base)
+        restored = {**restored, "state": restored["state"].replace(params=adapted)}
+    ref = None
+    if run_.reference.kind == "copy":  # start of RL from a checkpoint without reference: freeze now
+        ref = (
+            restored["ref"]
+            if restored["ref"] is not None
+            else reference_copy(run_, restored["state"].params)
+        )
+    loop.load_state_dict(meta, replay)
+    # The queued rollouts to this run's rollout.staleness (their prompts served again if dropped).
+    note = loop.fit_queue(run_.settings.staleness) if assemble.trains(run_.config) else None
+    if sharding.is_primary():
+        print(f"Resumed from {directory} at step {step}.", flush=True)
+        if note:
+            print(note, flush=True)
+    return restored["state"], ref, True
+
+
+def save(run_: assemble.Run, state, loop: LoopState, ref) -> None:
+    """Checkpoint `state`, `ref` and `loop` as step `loop.step`."""
+    meta = loop.state_dict() | {"config": json.loads(run_.config.to_json_best_effort())}
+    if run_.lora is not None:
+        meta["lora_base"] = lora.fingerprint(state.params)
+    stored = {"state": stored_state(run_, state), "ref": ref}
+    run_.ckpt.save(loop.step, stored, meta=meta, replay=loop.arrays(), force=True)
+
+
+def stored_state(run_: assemble.Run, state):
+    """What a checkpoint holds of a train state (or of its shardings): all of it, or with LoRA
+    all but the frozen base."""
+    if run_.lora is None:
+        return state
+    return state.replace(params=lora.split_trainable(state.params)[0])
+
+
+def abstract_target(run_: assemble.Run, state, ref):
+    """Restore target: shapes, dtypes and the run's shardings."""
+    shard = run_.state_shardings
+
+    def keep(x, s):
+        return x if x is checkpoint.SKIP else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+
+    return {
+        "state": jax.tree.map(keep, stored_state(run_, state), stored_state(run_, shard)),
+        "ref": None if ref is None else jax.tree.map(keep, ref, shard.params),
+    }
+
+
+def check_lora_layout(run_: assemble.Run, directory, step: int) -> None:
+    """A LoRA checkpoint needs a LoRA run and the other way round (CheckpointError, raised before
+    any read, so a mismatch is not taken for damage). The checkpoint's meta says which it is
+    (`lora_base`)."""
+    try:
+        meta = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return  # unreadable: the restore itself reports it
+    if ("lora_base" in meta) == (run_.lora is not None):
+        return
+    if run_.lora is None:
+        raise checkpoint.CheckpointError(
+            f"the checkpoint {Path(directory) / str(step)} holds LoRA adapters; set "
+            "--config.lora.enabled=True with its lora settings to resume or evaluate it."
+        )
+    raise checkpoint.CheckpointError(
+        f"the checkpoint {Path(directory) / str(step)} holds a fully trained model, not LoRA "
+        "adapters; set --config.lora.enabled=False to resume or evaluate it."
+    )
+
+
+def check_base(run_: assemble.Run, params, meta: dict, directory) -> None:
+    """A LoRA checkpoint resumes only onto the base it was trained on (CheckpointError)."""
+    saved, ours = meta.get("lora_base"), lora.fingerprint(params)
+    # fp32 sums: the reduction order (the mesh) may change the last digits, another base more
+    if saved is None or abs(saved - ours) > 1e-5 * abs(ours) + 1e-6:
+        raise checkpoint.CheckpointError(
+            f"the LoRA checkpoint in {directory} was trained on another base model (fingerprint "
+            f"{saved} != {ours} of this run's); point config.model at the base it was trained "
+            "on (its config.json in the checkpoint names it) or use another workdir."
+        )
