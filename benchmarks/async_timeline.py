@@ -40,7 +40,8 @@ def build(quick: bool, staleness: int, devices: int, rollout_devices: int):
                                   num_kv_heads=2, head_dim=width // 4,
                                   intermediate_size=4 * width))  # fmt: skip
     changes = {
-        "algo.name": "grpo", "algo.kl_coef": 0.0, "rollout.prompts_per_step": 8,
+        "algo.name": "grpo", "algo.kl_coef": 0.0, "train.kl_ref_metric": False,
+        "rollout.prompts_per_step": 8,
         "rollout.group_size": 4, "rollout.max_new_tokens": 8 if quick else 32,
         "algo.overlong_cache": 2, "data.max_prompt_len": 16, "train.reward_workers": 0,
         "rollout.staleness": staleness, "mesh.num_devices": devices,

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import common, tunix_rollout  # noqa: E402
-from gvpo_jax import assemble, losses, plan, sharding, train_step  # noqa: E402
+from gvpo_jax import assemble, losses, sharding, train_step  # noqa: E402
 from gvpo_jax import batch as batch_lib  # noqa: E402
 from gvpo_jax import config as config_lib  # noqa: E402
 from gvpo_jax.batch import UpdateBatch  # noqa: E402
@@ -116,6 +116,10 @@ def bench_config(algo: str, *, prompts, group, prompt_len, new_tokens, chunk):
     c.model.logprob_chunk = chunk
     c.optim.lr, c.optim.grad_clip = LR, 1.0
     c.train.steps = 10**6  # a constant schedule: its length does not matter
+    # Two passes over a rollout: the update batch carries pi_old from its log-prob pass (the
+    # batch's old_logp, which the PyTorch side's ratios use too); the timed update is one pass.
+    c.algo.num_epochs = 2
+    c.train.kl_ref_metric = algo != "gvpo"  # ref_logp only where the loss reads it
     return c
 
 
@@ -129,7 +133,7 @@ def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> c
     one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     rules = sharding.logical_rules(one, model.config)
     rng = jax.random.key_data(jax.random.key(0))
-    tx, _, updater = assemble.step_functions(config, graphdef, params, rng, one, rules)
+    tx, shardings, updater = assemble.step_functions(config, graphdef, params, rng, one, rules)
     data = update_batch(batch, updater.spec)
     state = [train_step.init_state_sharded(params, tx, rng, one, rules)[0]]
     first_loss = []
@@ -139,12 +143,21 @@ def ours_bench(model, batch, algo, *, group, prompt_len, new_tokens, chunk) -> c
         jax.block_until_ready((state[0], metrics))
         first_loss.append(float(metrics["loss"]))
 
-    def info():
-        return dict(cache_size=updater.compiled_programs(), first_loss=first_loss[0])
+    def info():  # compiled shapes per program of the update: 1 each, nothing recompiles
+        return dict(cache_size=max(updater.compiled_shapes().values()), first_loss=first_loss[0])
+
+    def memory():
+        # XLA's memory analysis of this update as one program (the state, the batch and the
+        # accumulated gradients at once: `plan.compile_train_step`'s upper bound), not timed.
+        whole = train_step.jit_update(
+            assemble.rl_loss_fn(config, graphdef), tx, config.optim.micro_batches,
+            mesh=one, state_shardings=shardings, rules=rules,
+        )  # fmt: skip
+        dev = sharding.device_batch(data.arrays(), one)
+        return whole.lower(state[0], data.replace(**dev)).compile().memory_analysis()
 
     bench = common.LocalBench(call, info)
-    # XLA's compiled memory analysis of this update (arguments + temporaries), before timing it.
-    bench.memory = lambda: plan.compile_train_step(config, one).memory_analysis()
+    bench.memory = memory
     return bench
 
 

@@ -111,13 +111,15 @@ def check_lora(config: ml_collections.ConfigDict, cfg: models.ModelConfig) -> No
     spec = lora_spec(config)
     if spec is None:
         return
-    widths = {"q_proj": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
-              "k_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
-              "v_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
-              "o_proj": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}  # fmt: skip
+    widths = {
+        "q_proj": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+        "k_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
+        "v_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
+        "o_proj": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
+        "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
+    }
     for name in spec.targets:
         width = min(widths[name])
         if spec.rank > width:
@@ -278,8 +280,10 @@ def build_tokenizer(config: ml_collections.ConfigDict, workdir: str):
         return transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - `tokenizers` raises bare Exceptions on damaged files
         reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0].rstrip('.')}"
-        config_lib.fail(f"the tokenizer in config.{field} {path!r} could not be loaded "
-                        f"({reason}); save it again with tokenizer.save_pretrained.")  # fmt: skip
+        config_lib.fail(
+            f"the tokenizer in config.{field} {path!r} could not be loaded "
+            f"({reason}); save it again with tokenizer.save_pretrained."
+        )
 
 
 def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
@@ -385,8 +389,14 @@ def step_functions(
     shardings = train_step.train_state_shardings(params, tx, rng, mesh, rules)
     n, G, K = c.rollout.max_new_tokens, c.rollout.group_size, c.optim.length_buckets
     off = lora.with_adapters(graphdef, params, False)  # LoRA's base: the adapters off
-    kw = dict(prompt_len=c.data.max_prompt_len, chunk_size=c.model.logprob_chunk, mesh=mesh,
-              param_shardings=shardings.params, rules=rules, reference_graphdef=off)  # fmt: skip
+    kw = dict(
+        prompt_len=c.data.max_prompt_len,
+        chunk_size=c.model.logprob_chunk,
+        mesh=mesh,
+        param_shardings=shardings.params,
+        rules=rules,
+        reference_graphdef=off,
+    )
     if c.optim.pack_groups:  # one row per group: its prompt, then its G responses back to back
         widths = buckets.pack_widths(n, G, K)
         logprobs = train_step.jit_packed_logprobs(graphdef, **kw)
@@ -395,13 +405,21 @@ def step_functions(
         logprobs = train_step.jit_logprobs(graphdef, group_size=G, **kw)
     spec = batch_spec(c)
     updater = Updater(
-        rl_loss_fn(config, graphdef), tx, lr_fn, logprobs,
+        rl_loss_fn(config, graphdef),
+        tx,
+        lr_fn,
+        logprobs,
         micro_batches=c.optim.micro_batches,
         chunks=c.algo.num_minibatches * c.optim.micro_batches,
-        widths=widths, prompt_len=c.data.max_prompt_len, group_size=G,
+        widths=widths,
+        prompt_len=c.data.max_prompt_len,
+        group_size=G,
         token_weighted=config_lib.algorithm(c).token_weighted,
-        mesh=mesh, state_shardings=shardings, spec=spec, rules=rules,
-    )  # fmt: skip
+        mesh=mesh,
+        state_shardings=shardings,
+        spec=spec,
+        rules=rules,
+    )
     return tx, shardings, updater
 
 
@@ -426,8 +444,9 @@ def split_devices(config: ml_collections.ConfigDict, devices: list) -> tuple[lis
     return devices[: len(devices) - n], devices[len(devices) - n :]
 
 
-def sampling_mesh(config: ml_collections.ConfigDict, devices: list, graphdef,
-                  params) -> rollout_queue.SamplingMesh | None:  # fmt: skip
+def sampling_mesh(
+    config: ml_collections.ConfigDict, devices: list, graphdef, params
+) -> rollout_queue.SamplingMesh | None:
     """The sampling mesh over `devices` (data x tensor, the tensor axis as training's), with
     the policy's shardings there; None without sampling devices."""
     if not devices:
@@ -435,10 +454,15 @@ def sampling_mesh(config: ml_collections.ConfigDict, devices: list, graphdef,
     c = config
     mesh = sharding.make_mesh(-1, 1, c.mesh.tensor, devices=devices)
     fix = "use mesh.rollout_devices / mesh.tensor that divide it"
-    sharding.check_split(c.rollout.prompts_per_step, mesh, "config.rollout.prompts_per_step "
-                         "(on the sampling mesh)", fix)  # fmt: skip
-    sharding.check_split(c.rollout.num_slots, mesh, "config.rollout.num_slots (on the "
-                         "sampling mesh)", fix)  # fmt: skip
+    sharding.check_split(
+        c.rollout.prompts_per_step,
+        mesh,
+        "config.rollout.prompts_per_step (on the sampling mesh)",
+        fix,
+    )
+    sharding.check_split(
+        c.rollout.num_slots, mesh, "config.rollout.num_slots (on the sampling mesh)", fix
+    )
     cfg = nnx.merge(graphdef, params).config
     rules = sharding.logical_rules(mesh, cfg)
     shardings = sharding.param_shardings(jax.eval_shape(lambda p: p, params), mesh, rules)

@@ -107,8 +107,9 @@ def trim(batch: UpdateBatch, rows: np.ndarray, width: int, prompt_len: int) -> U
     return batch.replace(**out)
 
 
-def pack(batch: UpdateBatch, rows: np.ndarray, width: int, prompt_len: int,
-         group_size: int) -> UpdateBatch:  # fmt: skip
+def pack(
+    batch: UpdateBatch, rows: np.ndarray, width: int, prompt_len: int, group_size: int
+) -> UpdateBatch:
     """The given rows (whole groups) of a host batch in the packed layout: `packed` holds the
     `PackedRows` (one row per group: its prompt, then its responses back to back, `width`
     response slots; segment g + 1 is response g, padding G + 1), every other [B, ...] field is
@@ -179,9 +180,24 @@ class Updater:
     micro-batch on the mesh themselves. `spec` says which optional fields every batch carries.
     """
 
-    def __init__(self, loss_fn, tx, lr_fn, logprobs_fn, *, micro_batches: int, chunks: int,
-                 widths, prompt_len: int, group_size: int, token_weighted: bool, mesh,
-                 state_shardings, spec: BatchSpec, rules=sharding.LOGICAL_RULES):  # fmt: skip
+    def __init__(
+        self,
+        loss_fn,
+        tx,
+        lr_fn,
+        logprobs_fn,
+        *,
+        micro_batches: int,
+        chunks: int,
+        widths,
+        prompt_len: int,
+        group_size: int,
+        token_weighted: bool,
+        mesh,
+        state_shardings,
+        spec: BatchSpec,
+        rules=sharding.LOGICAL_RULES,
+    ):
         self.micro_batches, self.chunks, self.widths = micro_batches, chunks, tuple(widths)
         self.prompt_len, self.group_size, self.mesh = prompt_len, group_size, mesh
         # One micro-batch is the minibatch: its token mean is exact as it is, so it is not
@@ -215,9 +231,14 @@ class Updater:
 
         def apply(state, acc):
             return train_step.apply_gradients(
-                state, acc["grads"], acc["loss"], acc["aux"], micro_batches=micro_batches,
-                tx=tx, lr_fn=lr_fn,
-            )  # fmt: skip
+                state,
+                acc["grads"],
+                acc["loss"],
+                acc["aux"],
+                micro_batches=micro_batches,
+                tx=tx,
+                lr_fn=lr_fn,
+            )
 
         self._accumulate = jax.jit(
             accumulate,
@@ -240,18 +261,22 @@ class Updater:
     def packed(self) -> bool:
         return self.spec.packed
 
-    def compiled_programs(self) -> int:
-        """Programs compiled so far: the update's (one per width met, and its optimizer step)
-        and the log-prob pass's."""
-        jitted = (self._accumulate, self._normalize, self._apply, self._logprobs)
-        return sum(f._cache_size() for f in jitted)
+    def compiled_shapes(self) -> dict[str, int]:
+        """Shapes compiled so far per program: the micro-batch accumulation (one per width met),
+        the token-mean normalisation, the optimizer step and the log-prob pass."""
+        jitted = {
+            "accumulate": self._accumulate,
+            "normalize": self._normalize,
+            "apply": self._apply,
+            "logprobs": self._logprobs,
+        }
+        return {name: f._cache_size() for name, f in jitted.items()}
 
     def _zero_acc(self, params, first_batch):
         if self._zeros is None:  # the aux keys and shapes are the same for every width
             aux = jax.eval_shape(lambda p, b: self._loss_fn(p, b)[1], params, first_batch)
             self._zeros = jax.jit(
-                lambda p: train_step.zero_accumulator(p, aux),
-                out_shardings=self._acc_shardings,
+                lambda p: train_step.zero_accumulator(p, aux), out_shardings=self._acc_shardings
             )
         return self._zeros(params)
 

@@ -827,7 +827,7 @@ def restore_newest(ckpt: Checkpointer, explicit_path, workdir, attempt, *, log=p
         if jax.process_index() == 0:
             log(
                 f"Checkpoint step {bad} is damaged ({problem}); moved it to {aside} and "
-                f"resuming from step {step}.",
+                f"resuming from step {step}."
             )
     return result, directory, step
 

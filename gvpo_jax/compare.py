@@ -196,17 +196,31 @@ def paired_difference(a, b, *, resamples: int = 10_000, seed: int = 0, level: fl
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
     out = {
-        "problems": len(d), "a": float(a.mean()), "b": float(b.mean()), "diff": float(d.mean()),
-        "lo": float(min(lo, d.mean())), "hi": float(max(hi, d.mean())),
-        "b_higher": int((d > 0).sum()), "a_higher": int((d < 0).sum()),
-    }  # fmt: skip
+        "problems": len(d),
+        "a": float(a.mean()),
+        "b": float(b.mean()),
+        "diff": float(d.mean()),
+        "lo": float(min(lo, d.mean())),
+        "hi": float(max(hi, d.mean())),
+        "b_higher": int((d > 0).sum()),
+        "a_higher": int((d < 0).sum()),
+    }
     if np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all():
         out["mcnemar_p"] = mcnemar_p(out["a_higher"], out["b_higher"])
     return out
 
 
-def compare(a_path: str, b_path: str, *, metric: str = "mean", step_a=None, step_b=None,
-            resamples: int = 10_000, seed: int = 0, level: float = 0.95) -> dict:  # fmt: skip
+def compare(
+    a_path: str,
+    b_path: str,
+    *,
+    metric: str = "mean",
+    step_a=None,
+    step_b=None,
+    resamples: int = 10_000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> dict:
     """{"sets": {set: paired_difference...}, "all": ..., "unpaired": {"a": k, "b": k}}.
 
     Problems are paired by (set, id), and a pair must be the same problem (same digest of text
@@ -244,13 +258,21 @@ def compare(a_path: str, b_path: str, *, metric: str = "mean", step_a=None, step
             f"{MAX_DRAWS:,} indices; give at most {MAX_DRAWS // len(keys):,}."
         )
     sets = list(dict.fromkeys(k[0] for k in keys))
-    result = {"metric": metric, "level": level, "sets": {},
-              "unpaired": {"a": len(a) - len(keys), "b": len(b) - len(keys)}}  # fmt: skip
+    result = {
+        "metric": metric,
+        "level": level,
+        "sets": {},
+        "unpaired": {"a": len(a) - len(keys), "b": len(b) - len(keys)},
+    }
     for name in [*sets, None]:
         ks = [k for k in keys if name is None or k[0] == name]
-        diff = paired_difference([score(a[k], metric) for k in ks],
-                                 [score(b[k], metric) for k in ks],
-                                 resamples=resamples, seed=seed, level=level)  # fmt: skip
+        diff = paired_difference(
+            [score(a[k], metric) for k in ks],
+            [score(b[k], metric) for k in ks],
+            resamples=resamples,
+            seed=seed,
+            level=level,
+        )
         if name is None:
             result["all"] = diff
         else:
@@ -321,9 +343,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         if args.json:
             _check_json_path(args.json)
-        result = compare(args.a, args.b, metric=args.metric, step_a=args.step_a,
-                         step_b=args.step_b, resamples=args.resamples, seed=args.seed,
-                         level=args.level)  # fmt: skip
+        result = compare(
+            args.a,
+            args.b,
+            metric=args.metric,
+            step_a=args.step_a,
+            step_b=args.step_b,
+            resamples=args.resamples,
+            seed=args.seed,
+            level=args.level,
+        )
     except BadInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -333,8 +362,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         except OSError as e:
-            print(f"error: --json {args.json} could not be written ({e.strerror}); give a "
-                  "writable file path.", file=sys.stderr)  # fmt: skip
+            print(
+                f"error: --json {args.json} could not be written ({e.strerror}); give a "
+                "writable file path.",
+                file=sys.stderr,
+            )
             return EXIT_BAD_INPUT
     return 0
 

@@ -475,7 +475,7 @@ def _check_positive_int(c, path: str, minimum: int = 1):
 # Fields that were renamed or split: an old config that sets one is told what replaced it.
 REPLACED = {
     "model.dtype": "model.param_dtype (storage of the trained parameters and Adam moments) and "
-    "model.compute_dtype (what the forward and backward passes and the sampler run in)",
+    "model.compute_dtype (what the forward and backward passes and the sampler run in)"
 }
 FREE_FORM = ("model.overrides",)  # groups whose fields are checked elsewhere (ModelConfig)
 
@@ -662,8 +662,10 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             "that, such as 4."
         )
     if c.optim.pack_groups and not c.optim.length_buckets:
-        _fail("config.optim.pack_groups needs length buckets; set optim.length_buckets > 0 "
-              "(such as 4).")  # fmt: skip
+        _fail(
+            "config.optim.pack_groups needs length buckets; set optim.length_buckets > 0 "
+            "(such as 4)."
+        )
     if not 0.0 < c.rollout.temperature <= 10.0:
         _fail(f"config.rollout.temperature is {c.rollout.temperature}; use a value in (0, 10].")
     if not 0.0 < c.rollout.top_p <= 1.0:

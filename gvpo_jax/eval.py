@@ -85,9 +85,12 @@ def avg_at_n(correct_PxN) -> float:
 def _score(reward_fn, completions, golds, timeout_s, num_workers) -> tuple[np.ndarray, dict]:
     if isinstance(reward_fn, str):
         scores, info = rewards_lib.score_batch(
-            completions, golds, reward_specs=[(reward_fn, 1.0)], timeout_s=timeout_s,
+            completions,
+            golds,
+            reward_specs=[(reward_fn, 1.0)],
+            timeout_s=timeout_s,
             num_workers=num_workers,
-        )  # fmt: skip
+        )
         return scores, {"timeouts": info["timeouts"], "errors": info["errors"]}
     scores, errors = np.zeros(len(completions), np.float64), 0
     for i, (c, g) in enumerate(zip(completions, golds, strict=True)):
@@ -181,7 +184,7 @@ def evaluate(
             "completions": completions[i],
             "scores": np.asarray(scores)[i * n : (i + 1) * n].tolist(),
             "answers": answers_PxN[i],
-        }  # fmt: skip
+        }
         for i, ex in enumerate(examples)
     ]
     return result, details
@@ -240,10 +243,13 @@ def evaluate_policy(
             # would give problem j of each chunk the same draws, and problems would no longer be
             # sampled independently (what the paired bootstrap of `compare` assumes).
             out = sampler.sample_groups(
-                model, [part[int(r)]["prompt_ids"] for r in rows],
-                settings=eval_settings, rng=jax.random.fold_in(key, i // chunk), mesh=mesh,
+                model,
+                [part[int(r)]["prompt_ids"] for r in rows],
+                settings=eval_settings,
+                rng=jax.random.fold_in(key, i // chunk),
+                mesh=mesh,
                 rules=rules,
-            )  # fmt: skip
+            )
             full = sharding.gather_rows({"tokens": out.tokens_BxN, "lengths": out.lengths_B}, mesh)
             texts = batch_lib.decode(tokenizer, full["tokens"], full["lengths"])
             outs += [texts[j * num : (j + 1) * num] for j in range(real)]
@@ -299,14 +305,21 @@ def problem_outcomes(greedy_details, greedy_shapes, details, shapes, *, n: int) 
     out = []
     for g, g_shape, d, shape in zip(greedy_details, greedy_shapes, details, shapes, strict=True):
         digest = problem_digest(d["prompt"], d["answer"])
-        out.append({
-            "id": digest if d["id"] is None else d["id"], "set": d["dataset"],
-            "gold": str(d["answer"]), "digest": digest, "n": n,
-            "correct": int(sum(s > 0.5 for s in d["scores"])),
-            "greedy": int(g["scores"][0] > 0.5),
-            "lengths": [int(x) for x in shape[0]], "truncated": int(sum(shape[1])),
-            "greedy_length": int(g_shape[0][0]), "greedy_truncated": bool(g_shape[1][0]),
-        })  # fmt: skip
+        out.append(
+            {
+                "id": digest if d["id"] is None else d["id"],
+                "set": d["dataset"],
+                "gold": str(d["answer"]),
+                "digest": digest,
+                "n": n,
+                "correct": int(sum(s > 0.5 for s in d["scores"])),
+                "greedy": int(g["scores"][0] > 0.5),
+                "lengths": [int(x) for x in shape[0]],
+                "truncated": int(sum(shape[1])),
+                "greedy_length": int(g_shape[0][0]),
+                "greedy_truncated": bool(g_shape[1][0]),
+            }
+        )
     return out
 
 
@@ -336,11 +349,16 @@ class Protocol:
         return f"avg@{self.n} at T={self.temperature:g}, top-p {self.top_p:g}, {cap}"
 
 
-def protocol_for(name: str, *, n: int, temperature: float, top_p: float,
-                 max_new_tokens: int) -> Protocol:  # fmt: skip
+def protocol_for(
+    name: str, *, n: int, temperature: float, top_p: float, max_new_tokens: int
+) -> Protocol:
     """The set's protocol: n = 0 takes the paper's (`PAPER_N`, else 1)."""
-    return Protocol(n=n or PAPER_N.get(name, 1), temperature=float(temperature),
-                    top_p=float(top_p), max_new_tokens=int(max_new_tokens))  # fmt: skip
+    return Protocol(
+        n=n or PAPER_N.get(name, 1),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        max_new_tokens=int(max_new_tokens),
+    )
 
 
 def headline_key(n: int) -> str:
@@ -363,8 +381,9 @@ def git_commit(path: str | None = None) -> str:
     """The checkout's short commit, '+' when tracked files differ from it; 'unknown' outside git."""
     where = path or os.path.dirname(os.path.abspath(__file__))
     try:
-        run = functools.partial(subprocess.run, cwd=where, capture_output=True, text=True,
-                                timeout=10, check=True)  # fmt: skip
+        run = functools.partial(
+            subprocess.run, cwd=where, capture_output=True, text=True, timeout=10, check=True
+        )
         commit = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
         dirty = bool(run(["git", "status", "--porcelain", "-uno"]).stdout.strip())
     except (OSError, subprocess.SubprocessError):
@@ -405,8 +424,10 @@ def run_sets(
     processes decide from the files present at the start, so they agree); a killed evaluation
     loses at most the set in progress. Only `write=True` (process 0) writes files.
     """
-    kept = {name: _kept(os.path.join(out_dir, f"{name}.json"), protocols[name], policy)
-            for name in names}  # fmt: skip
+    kept = {
+        name: _kept(os.path.join(out_dir, f"{name}.json"), protocols[name], policy)
+        for name in names
+    }
     records = {}
     for name in names:
         path = os.path.join(out_dir, f"{name}.json")
@@ -418,15 +439,22 @@ def run_sets(
         examples, info = load_set(name)
         result, outcomes = score_set(name, examples, protocols[name])
         records[name] = {
-            "set": name, "policy": policy, "commit": commit,
-            "protocol": dataclasses.asdict(protocols[name]), **info, "metrics": result,
-            "time_s": round(time.perf_counter() - t0, 2), "outcomes": outcomes,
-        }  # fmt: skip
+            "set": name,
+            "policy": policy,
+            "commit": commit,
+            "protocol": dataclasses.asdict(protocols[name]),
+            **info,
+            "metrics": result,
+            "time_s": round(time.perf_counter() - t0, 2),
+            "outcomes": outcomes,
+        }
         if write:
             write_json_atomic(path, records[name])
         n = protocols[name].n
-        log(f"[eval] {name}: {headline_key(n)} {result[headline_key(n)]:.4f} on "
-            f"{result['num_problems']} problems ({records[name]['time_s']:.1f} s)")  # fmt: skip
+        log(
+            f"[eval] {name}: {headline_key(n)} {result[headline_key(n)]:.4f} on "
+            f"{result['num_problems']} problems ({records[name]['time_s']:.1f} s)"
+        )
     table = make_table(names, records, policy=policy, commit=commit)
     if write:
         write_json_atomic(os.path.join(out_dir, "table.json"), table)
@@ -436,8 +464,9 @@ def run_sets(
     return table
 
 
-def make_table(names: Sequence[str], records: Mapping[str, dict], *, policy: str,
-               commit: str) -> dict:  # fmt: skip
+def make_table(
+    names: Sequence[str], records: Mapping[str, dict], *, policy: str, commit: str
+) -> dict:
     """The table's rows (one per set, in `names` order) from the per-set records."""
     rows = []
     for name in names:
@@ -445,16 +474,25 @@ def make_table(names: Sequence[str], records: Mapping[str, dict], *, policy: str
         m, outcomes = r["metrics"], r["outcomes"]
         lengths = [x for o in outcomes for x in o["lengths"]]
         samples = max(len(lengths), 1)
-        rows.append({
-            "set": name, "score": m[headline_key(p["n"])], "metric": headline_key(p["n"]),
-            "problems": m["num_problems"], "skipped": sum(r.get("skipped", {}).values()),
-            "dropped": r.get("dropped", 0), "n": p["n"], "greedy": m["greedy"],
-            f"avg@{p['n']}": m.get(f"avg@{p['n']}"), f"pass@{p['n']}": m.get(f"pass@{p['n']}"),
-            f"maj@{p['n']}": m.get(f"maj@{p['n']}"),
-            "mean_len": float(np.mean(lengths)) if lengths else 0.0,
-            "truncated": sum(o["truncated"] for o in outcomes) / samples,
-            "protocol": Protocol(**p).describe(), "commit": r.get("commit", commit),
-        })  # fmt: skip
+        rows.append(
+            {
+                "set": name,
+                "score": m[headline_key(p["n"])],
+                "metric": headline_key(p["n"]),
+                "problems": m["num_problems"],
+                "skipped": sum(r.get("skipped", {}).values()),
+                "dropped": r.get("dropped", 0),
+                "n": p["n"],
+                "greedy": m["greedy"],
+                f"avg@{p['n']}": m.get(f"avg@{p['n']}"),
+                f"pass@{p['n']}": m.get(f"pass@{p['n']}"),
+                f"maj@{p['n']}": m.get(f"maj@{p['n']}"),
+                "mean_len": float(np.mean(lengths)) if lengths else 0.0,
+                "truncated": sum(o["truncated"] for o in outcomes) / samples,
+                "protocol": Protocol(**p).describe(),
+                "commit": r.get("commit", commit),
+            }
+        )
     return {"policy": policy, "commit": commit, "rows": rows}
 
 
@@ -477,8 +515,10 @@ def table_markdown(table: Mapping) -> str:
         )
     if any(r["commit"] != table["commit"] for r in table["rows"]):
         lines.append("")
-        lines.append("Sets kept from earlier runs: " + ", ".join(
-            f"{r['set']} at `{r['commit']}`" for r in table["rows"]))  # fmt: skip
+        lines.append(
+            "Sets kept from earlier runs: "
+            + ", ".join(f"{r['set']} at `{r['commit']}`" for r in table["rows"])
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -320,8 +320,9 @@ def _aggregate(loss_BxT: Array, m_BxT: Array, agg: str, max_tokens=None) -> Arra
     return _safe_div(jnp.sum(jnp.where(valid_B, seq_B, 0.0)), jnp.sum(valid_B))
 
 
-def _check_token_loss(logp, old_logp, mask, ref_logp, *, agg, kl_estimator, eps_low, eps_high,
-                      max_tokens) -> tuple[int, int]:  # fmt: skip
+def _check_token_loss(
+    logp, old_logp, mask, ref_logp, *, agg, kl_estimator, eps_low, eps_high, max_tokens
+) -> tuple[int, int]:
     """The argument checks of the token-level ratio losses (grpo_loss, cispo_loss) -> (B, T)."""
     B, T = _check_bt("logp", logp)
     _check_shape("old_logp", old_logp, (B, T))
@@ -336,8 +337,9 @@ def _check_token_loss(logp, old_logp, mask, ref_logp, *, agg, kl_estimator, eps_
     return B, T
 
 
-def _with_kl(pg_BxT, logp_BxT, ref_logp, m_BxT, aux: dict, *, kl_coef, kl_estimator, agg,
-             max_tokens) -> Array:  # fmt: skip
+def _with_kl(
+    pg_BxT, logp_BxT, ref_logp, m_BxT, aux: dict, *, kl_coef, kl_estimator, agg, max_tokens
+) -> Array:
     """pg + kl_coef * KL(pi_theta || pi_ref) per token when ref_logp is given (adding aux kl, the
     token mean of the estimator, and kl_loss, its aggregated contribution); else pg."""
     if ref_logp is None:
@@ -379,8 +381,17 @@ def grpo_loss(
     (k3 estimate of KL(pi_old || pi_theta), drift inside the update), adv_mean, adv_abs_mean,
     response_len_mean; with ref_logp: kl (token mean of the chosen estimator) and kl_loss.
     """
-    B, T = _check_token_loss(logp, old_logp, mask, ref_logp, agg=agg, kl_estimator=kl_estimator,
-                             eps_low=eps_low, eps_high=eps_high, max_tokens=max_tokens)  # fmt: skip
+    B, T = _check_token_loss(
+        logp,
+        old_logp,
+        mask,
+        ref_logp,
+        agg=agg,
+        kl_estimator=kl_estimator,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        max_tokens=max_tokens,
+    )
     if dual_clip is not None and isinstance(dual_clip, int | float) and dual_clip <= 1.0:
         raise ValueError(f"`dual_clip` is {dual_clip} but must be > 1 (e.g. 3.0), or None.")
     _check_kl_ref(kl_coef, ref_logp)
@@ -402,8 +413,17 @@ def grpo_loss(
         pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, dual_BxT), pg_BxT)
         aux["dual_clip_frac"] = _token_mean(is_dual, m_BxT)
 
-    loss_BxT = _with_kl(pg_BxT, logp_BxT, ref_logp, m_BxT, aux, kl_coef=kl_coef,
-                        kl_estimator=kl_estimator, agg=agg, max_tokens=max_tokens)  # fmt: skip
+    loss_BxT = _with_kl(
+        pg_BxT,
+        logp_BxT,
+        ref_logp,
+        m_BxT,
+        aux,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        agg=agg,
+        max_tokens=max_tokens,
+    )
     loss = _aggregate(loss_BxT, m_BxT, agg, max_tokens)
 
     aux |= {
@@ -505,8 +525,17 @@ def cispo_loss(
     / max, weighted_adv_mean, kl_old, adv_mean, adv_abs_mean, response_len_mean; with ref_logp: kl
     and kl_loss.
     """
-    B, T = _check_token_loss(logp, old_logp, mask, ref_logp, agg=agg, kl_estimator=kl_estimator,
-                             eps_low=eps_low, eps_high=eps_high, max_tokens=max_tokens)  # fmt: skip
+    B, T = _check_token_loss(
+        logp,
+        old_logp,
+        mask,
+        ref_logp,
+        agg=agg,
+        kl_estimator=kl_estimator,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        max_tokens=max_tokens,
+    )
     _check_kl_ref(kl_coef, ref_logp)
 
     m_BxT = _fp(mask)
@@ -528,8 +557,17 @@ def cispo_loss(
         "ratio_max": jnp.where(any_on, jnp.max(jnp.where(on, ratio_BxT, -jnp.inf)), 0.0),
         "weighted_adv_mean": _token_mean(w_BxT * adv_BxT, m_BxT),
     }
-    loss_BxT = _with_kl(pg_BxT, logp_BxT, ref_logp, m_BxT, aux, kl_coef=kl_coef,
-                        kl_estimator=kl_estimator, agg=agg, max_tokens=max_tokens)  # fmt: skip
+    loss_BxT = _with_kl(
+        pg_BxT,
+        logp_BxT,
+        ref_logp,
+        m_BxT,
+        aux,
+        kl_coef=kl_coef,
+        kl_estimator=kl_estimator,
+        agg=agg,
+        max_tokens=max_tokens,
+    )
     loss = _aggregate(loss_BxT, m_BxT, agg, max_tokens)
     aux |= {
         "loss": loss,
@@ -827,44 +865,135 @@ _RPP = "Hu et al. 2025, REINFORCE++, arXiv:2501.03262"
 LOSSES: dict[str, LossPreset] = {
     p.name: p
     for p in (
-        _preset("gvpo", "gvpo", gvpo_loss, "none",
-                "Zhang et al. 2025, GVPO: Group Variance Policy Optimization, arXiv:2504.19599",
-                beta=0.1, off_policy=True),
-        _preset("grpo", "clip", grpo_loss, "group",
-                "Shao et al. 2024, DeepSeekMath (GRPO), arXiv:2402.03300",
-                eps_low=0.2, eps_high=0.2, kl_coef=0.04, agg="seq-mean-token-mean", **_CLIP),
-        _preset("dr_grpo", "clip", grpo_loss, "none",
-                "Liu et al. 2025, Understanding R1-Zero-Like Training (Dr. GRPO), arXiv:2503.20783",
-                eps_low=0.2, eps_high=0.2, kl_coef=0.0, agg="seq-mean-token-sum-norm", **_CLIP),
-        _preset("dapo", "clip", grpo_loss, "group",
-                "Yu et al. 2025, DAPO, arXiv:2503.14476",
-                eps_low=0.2, eps_high=0.28, kl_coef=0.0, agg="token-mean", **_CLIP,
-                dynamic_sampling=True, overlong_penalty=True),
-        _preset("gspo", "gspo", gspo_loss, "group",
-                "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
-                eps_low=3e-4, eps_high=4e-4, token_level=False),
-        _preset("gspo_token", "gspo", gspo_loss, "group",
-                "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
-                eps_low=3e-4, eps_high=4e-4, token_level=True),
-        _preset("cispo", "cispo", cispo_loss, "group",
-                "MiniMax 2025, MiniMax-M1 (CISPO), arXiv:2506.13585",
-                eps_low=1.0, eps_high=4.0, kl_coef=0.0, agg="token-mean", kl_estimator="k3"),
-        _preset("gmpo", "gmpo", gmpo_loss, "group",
-                "Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673",
-                eps_low=0.4, eps_high=0.4),
-        _preset("rloo", "rloo", rloo_loss, "none",
-                "Ahmadian et al. 2024, Back to Basics (RLOO), arXiv:2402.14740",
-                eps_low=0.2, eps_high=0.2, kl_coef=0.05),
-        _preset("reinforce_pp", "clip", grpo_loss, "batch", _RPP,
-                eps_low=0.2, eps_high=0.2, kl_coef=0.0, agg="token-mean", **_CLIP,
-                adv_estimator="reinforce_pp",
-                adv_kwargs=dict(baseline=False, reward_kl_coef=0.01)),
-        _preset("reinforce_pp_baseline", "clip", grpo_loss, "batch", _RPP,
-                eps_low=0.2, eps_high=0.2, kl_coef=0.001, agg="token-mean", dual_clip=None,
-                kl_estimator="k2", adv_estimator="reinforce_pp",
-                adv_kwargs=dict(baseline=True, reward_kl_coef=0.0)),
+        _preset(
+            "gvpo",
+            "gvpo",
+            gvpo_loss,
+            "none",
+            "Zhang et al. 2025, GVPO: Group Variance Policy Optimization, arXiv:2504.19599",
+            beta=0.1,
+            off_policy=True,
+        ),
+        _preset(
+            "grpo",
+            "clip",
+            grpo_loss,
+            "group",
+            "Shao et al. 2024, DeepSeekMath (GRPO), arXiv:2402.03300",
+            eps_low=0.2,
+            eps_high=0.2,
+            kl_coef=0.04,
+            agg="seq-mean-token-mean",
+            **_CLIP,
+        ),
+        _preset(
+            "dr_grpo",
+            "clip",
+            grpo_loss,
+            "none",
+            "Liu et al. 2025, Understanding R1-Zero-Like Training (Dr. GRPO), arXiv:2503.20783",
+            eps_low=0.2,
+            eps_high=0.2,
+            kl_coef=0.0,
+            agg="seq-mean-token-sum-norm",
+            **_CLIP,
+        ),
+        _preset(
+            "dapo",
+            "clip",
+            grpo_loss,
+            "group",
+            "Yu et al. 2025, DAPO, arXiv:2503.14476",
+            eps_low=0.2,
+            eps_high=0.28,
+            kl_coef=0.0,
+            agg="token-mean",
+            **_CLIP,
+            dynamic_sampling=True,
+            overlong_penalty=True,
+        ),
+        _preset(
+            "gspo",
+            "gspo",
+            gspo_loss,
+            "group",
+            "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
+            eps_low=3e-4,
+            eps_high=4e-4,
+            token_level=False,
+        ),
+        _preset(
+            "gspo_token",
+            "gspo",
+            gspo_loss,
+            "group",
+            "Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071",
+            eps_low=3e-4,
+            eps_high=4e-4,
+            token_level=True,
+        ),
+        _preset(
+            "cispo",
+            "cispo",
+            cispo_loss,
+            "group",
+            "MiniMax 2025, MiniMax-M1 (CISPO), arXiv:2506.13585",
+            eps_low=1.0,
+            eps_high=4.0,
+            kl_coef=0.0,
+            agg="token-mean",
+            kl_estimator="k3",
+        ),
+        _preset(
+            "gmpo",
+            "gmpo",
+            gmpo_loss,
+            "group",
+            "Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673",
+            eps_low=0.4,
+            eps_high=0.4,
+        ),
+        _preset(
+            "rloo",
+            "rloo",
+            rloo_loss,
+            "none",
+            "Ahmadian et al. 2024, Back to Basics (RLOO), arXiv:2402.14740",
+            eps_low=0.2,
+            eps_high=0.2,
+            kl_coef=0.05,
+        ),
+        _preset(
+            "reinforce_pp",
+            "clip",
+            grpo_loss,
+            "batch",
+            _RPP,
+            eps_low=0.2,
+            eps_high=0.2,
+            kl_coef=0.0,
+            agg="token-mean",
+            **_CLIP,
+            adv_estimator="reinforce_pp",
+            adv_kwargs=dict(baseline=False, reward_kl_coef=0.01),
+        ),
+        _preset(
+            "reinforce_pp_baseline",
+            "clip",
+            grpo_loss,
+            "batch",
+            _RPP,
+            eps_low=0.2,
+            eps_high=0.2,
+            kl_coef=0.001,
+            agg="token-mean",
+            dual_clip=None,
+            kl_estimator="k2",
+            adv_estimator="reinforce_pp",
+            adv_kwargs=dict(baseline=True, reward_kl_coef=0.0),
+        ),
     )
-}  # fmt: skip
+}
 
 # Arguments preset_loss fills itself; every other keyword-only parameter may be overridden.
 _FILLED = ("group_size", "ref_logp", "max_tokens")
@@ -988,9 +1117,14 @@ def preset_advantages(
         )
     if preset.adv_estimator == "reinforce_pp":
         return reinforce_pp_advantages(
-            rewards, mask, group_size=group_size, baseline=adv["baseline"],
-            reward_kl_coef=adv["reward_kl_coef"], old_logp=old_logp, ref_logp=ref_logp,
-        )  # fmt: skip
+            rewards,
+            mask,
+            group_size=group_size,
+            baseline=adv["baseline"],
+            reward_kl_coef=adv["reward_kl_coef"],
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+        )
     return group_advantages(rewards, group_size, scale=adv["adv_scale"])
 
 
@@ -1058,9 +1192,14 @@ def preset_loss(
     else:
         if advantages is None:
             advantages = preset_advantages(
-                name, rewards=rewards, mask=mask, group_size=group_size, old_logp=old_logp,
-                ref_logp=ref_logp, **overrides,
-            )  # fmt: skip
+                name,
+                rewards=rewards,
+                mask=mask,
+                group_size=group_size,
+                old_logp=old_logp,
+                ref_logp=ref_logp,
+                **overrides,
+            )
         if preset.kind in ("clip", "cispo"):
             loss, aux = preset.loss_fn(
                 logp, old_logp, advantages, mask, ref_logp=ref_logp, max_tokens=max_tokens, **kwargs
@@ -1077,11 +1216,13 @@ def preset_loss(
         bonus = entropy_bonus(entropy, mask, coef=entropy_coef, agg=agg, max_tokens=max_tokens)
         loss = loss + bonus
         aux = dict(aux)
-        aux |= _f32_aux({
-            "loss": loss,
-            "entropy": _token_mean(_masked(entropy, _fp(mask)), _fp(mask)),
-            "entropy_loss": bonus,
-        })  # fmt: skip
+        aux |= _f32_aux(
+            {
+                "loss": loss,
+                "entropy": _token_mean(_masked(entropy, _fp(mask)), _fp(mask)),
+                "entropy_loss": bonus,
+            }
+        )
     aux["informative_frac"] = jnp.mean(informative_groups(rewards, group_size).astype(jnp.float32))
     return loss, aux
 

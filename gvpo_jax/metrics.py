@@ -186,9 +186,13 @@ def _wandb_run(workdir: Path, project: str, config: dict):
     run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
     run = wandb.init(
-        project=project, dir=str(workdir), id=run_id, resume="allow", config=config,
+        project=project,
+        dir=str(workdir),
+        id=run_id,
+        resume="allow",
+        config=config,
         name=workdir.name,
-    )  # fmt: skip
+    )
     run.define_metric("step")
     run.define_metric("*", step_metric="step")
     return run
@@ -316,8 +320,13 @@ class Progress:
         self.tty = sys.stdout.isatty()
         self.primary = jax.process_index() == 0
         self.total, self.log_every = total, log_every
-        self.bar = tqdm.tqdm(total=total, initial=initial, desc="rl", dynamic_ncols=True,
-                             disable=not self.tty or not self.primary)  # fmt: skip
+        self.bar = tqdm.tqdm(
+            total=total,
+            initial=initial,
+            desc="rl",
+            dynamic_ncols=True,
+            disable=not self.tty or not self.primary,
+        )
 
     def update(self, step: int, m: Mapping[str, float]) -> None:
         shown = {k.split("/")[-1]: f"{m[k]:.3f}" for k in PROGRESS_KEYS if k in m}

@@ -343,7 +343,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
             N,
             sizes,
             min(c.train.eval_num_slots, (c.train.eval_chunk or P) * c.train.eval_samples),
-        ),  # fmt: skip
+        ),
         notes=tuple(notes),
         trains=c.mode != "eval",
     )
@@ -363,8 +363,9 @@ def plan_sampling_mesh(config: ml_collections.ConfigDict, num_devices: int) -> d
     _, params = nnx.split(policy_model(c, cfg), nnx.Param)
     policy = tree_bytes(
         jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), params),
-        mesh, rules,
-    )  # fmt: skip
+        mesh,
+        rules,
+    )
     P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
     Tp = c.data.max_prompt_len
     kv = kv_cache_bytes(cfg, P, G, Tp, N, sizes, c.rollout.num_slots)
@@ -378,8 +379,13 @@ def plan_sampling_mesh(config: ml_collections.ConfigDict, num_devices: int) -> d
         f"  peak during sampling {(policy + kv) / GiB:10.3f} GiB",
         f"rollout queue (host, {c.rollout.staleness} rollouts): {queue / GiB:.3f} GiB",
     ]
-    return {"policy": policy, "kv_cache": kv, "peak": policy + kv, "queue_host": queue,
-            "lines": lines}  # fmt: skip
+    return {
+        "policy": policy,
+        "kv_cache": kv,
+        "peak": policy + kv,
+        "queue_host": queue,
+        "lines": lines,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,9 +412,8 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
     spec = dataclasses.replace(assemble.batch_spec(c), packed=False)
     loss_fn = functools.partial(assemble.rl_loss_fn(c, graphdef), spec=spec)
     update = train_step.jit_update(
-        loss_fn, tx, c.optim.micro_batches, lr_fn, mesh=mesh, state_shardings=shardings,
-        rules=rules,
-    )  # fmt: skip
+        loss_fn, tx, c.optim.micro_batches, lr_fn, mesh=mesh, state_shardings=shardings, rules=rules
+    )
     state = jax.eval_shape(lambda p, r: train_step.init_state(p, tx, r), params, rng)
     state = sharding.abstract_with_shardings(state, shardings)
     rows = c.rollout.prompts_per_step * c.rollout.group_size // c.algo.num_minibatches
@@ -421,8 +426,11 @@ def compile_train_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mes
 
     per_token_adv = config_lib.algorithm(c).preset.adv_estimator == "reinforce_pp"
     adv_shape = (rows, N) if per_token_adv else (rows,)
-    per_token = {k: arr((rows, N)) for k in ("old_logp", "ref_logp", "behaviour_logp",
-                                             "sampler_logp") if getattr(spec, k)}  # fmt: skip
+    per_token = {
+        k: arr((rows, N))
+        for k in ("old_logp", "ref_logp", "behaviour_logp", "sampler_logp")
+        if getattr(spec, k)
+    }
     batch = UpdateBatch(
         tokens=arr((rows, S), jnp.int32),
         valid=arr((rows, S)),

@@ -136,6 +136,12 @@ def rl_step(run, state, loop: LoopState, ref_params):
     first rollout round (for sample logging)."""
     t_step = time.perf_counter()
     s = run.settings
+    if (ref_params is not None) != (s.reference.kind == "copy"):
+        raise ValueError(
+            f"the run's reference is {s.reference.kind!r}, so rl_step takes "
+            f"{'the frozen copy (resume.reference_copy)' if ref_params is None else 'no'} "
+            "reference parameters; pass ref_params accordingly."
+        )
     G, P = s.group_size, s.prompts_per_step
     rng, roll_rng = jax.random.split(state.rng)
     state = state.replace(rng=rng)
@@ -152,11 +158,17 @@ def rl_step(run, state, loop: LoopState, ref_params):
     pending = None
     if s.staleness:
         current, pending = rollout_queue.take(
-            loop.queue, staleness=s.staleness, step=loop.step + 1, params=state.params,
-            rng=roll_rng, sampling=run.sampling_mesh, position=lambda: loop.data.state_dict(),
+            loop.queue,
+            staleness=s.staleness,
+            step=loop.step + 1,
+            params=state.params,
+            rng=roll_rng,
+            sampling=run.sampling_mesh,
+            position=lambda: loop.data.state_dict(),
             collect=lambda params, key: collect_groups(
-                run, params, loop, key, P, mesh=run.sampling_mesh),
-        )  # fmt: skip
+                run, params, loop, key, P, mesh=run.sampling_mesh
+            ),
+        )
         fresh, completions, examples = current.batch, current.completions, current.examples
         metrics = dict(current.metrics, rollout_lag=float(loop.step + 1 - current.policy_step))
     else:
@@ -243,10 +255,13 @@ def rl_step(run, state, loop: LoopState, ref_params):
         metrics.update(
             rollout_time_s=ahead.metrics["rollout_time_s"],
             reward_time_s=ahead.metrics["reward_time_s"],
-            **{"timeline/sample_start": ahead.times[0], "timeline/sample_end": ahead.times[1],
-               "timeline/update_start": t_update_end - update_s,
-               "timeline/update_end": t_update_end},
-        )  # fmt: skip
+            **{
+                "timeline/sample_start": ahead.times[0],
+                "timeline/sample_end": ahead.times[1],
+                "timeline/update_start": t_update_end - update_s,
+                "timeline/update_end": t_update_end,
+            },
+        )
 
     # 6. Metrics of the fresh groups and of the updates.
     mask, r = fresh["resp_mask"], fresh["task_rewards"]

@@ -25,8 +25,7 @@ def next_examples(task, mesh, loop, n: int) -> list[dict]:
     return examples
 
 
-def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *,
-                   mesh=None):  # fmt: skip
+def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *, mesh=None):
     """Fresh groups for one step; with dynamic sampling, extra rounds replace uninformative ones.
     Reads the next training prompts at `loop.data` (advanced). `mesh`: a
     `rollout_queue.SamplingMesh` to sample on (default: the run's mesh).
@@ -41,15 +40,18 @@ def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *,
     for r in range(1 + (s.max_extra_rounds if s.algorithm.dynamic_sampling else 0)):
         rounds_run += 1
         examples = next_examples(run.task, run.mesh, loop, num_prompts)
-        batch, completions, info = sample_round(run, model, examples, jax.random.fold_in(rng, r),
-                                                mesh=mesh)  # fmt: skip
+        batch, completions, info = sample_round(
+            run, model, examples, jax.random.fold_in(rng, r), mesh=mesh
+        )
         batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
         info["truncated"] = batch.pop("truncated")
         settings = run.sampling
         info["decode_slots"] = sampler.decode_slots(
-            batch["lengths"], max_new_tokens=settings.max_new_tokens, shed=settings.shed,
+            batch["lengths"],
+            max_new_tokens=settings.max_new_tokens,
+            shed=settings.shed,
             num_slots=sampler.resolve_slots(settings.num_slots, len(batch["lengths"])),
-        )  # fmt: skip
+        )
         info["decode_tokens"] = float(np.sum(batch["lengths"]))
         batch["task_rewards"] = batch["rewards"].copy()
         if s.algorithm.overlong is not None:  # DAPO's soft overlong penalty on the lengths
@@ -104,10 +106,13 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None)
     prompts = [ex["prompt_ids"] for ex in examples]
     t0 = time.perf_counter()
     out = sampler.sample_groups(
-        model, prompts, settings=settings, rng=rng,
+        model,
+        prompts,
+        settings=settings,
+        rng=rng,
         mesh=run.mesh if mesh is None else mesh.mesh,
         rules=run.rules if mesh is None else mesh.rules,
-    )  # fmt: skip
+    )
     rollout_s = time.perf_counter() - t0
     tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
     rollout_logp = np.asarray(out.logp_BxN, np.float32)

@@ -51,8 +51,15 @@ def state_dict(queue: list[QueuedRollout]) -> list[dict]:
     """JSON-able entries for the checkpoint's meta (the arrays: `arrays`)."""
     meta = []
     for r in queue:
-        meta.append({"metrics": r.metrics, "completions": r.completions, "examples": r.examples,
-                     "policy_step": r.policy_step, "keys": sorted(r.batch)})  # fmt: skip
+        meta.append(
+            {
+                "metrics": r.metrics,
+                "completions": r.completions,
+                "examples": r.examples,
+                "policy_step": r.policy_step,
+                "keys": sorted(r.batch),
+            }
+        )
         if r.data_start is not None:
             meta[-1]["data_start"] = dict(r.data_start)
     return meta
@@ -170,8 +177,15 @@ def take(
     def sample(policy, key) -> QueuedRollout:
         t0, start = time.time(), position()
         batch, completions, examples, metrics = collect(policy, key)
-        return QueuedRollout(batch, metrics, completions, _brief(examples), policy_step=step,
-                             data_start=start, times=(t0, time.time()))  # fmt: skip
+        return QueuedRollout(
+            batch,
+            metrics,
+            completions,
+            _brief(examples),
+            policy_step=step,
+            data_start=start,
+            times=(t0, time.time()),
+        )
 
     policy = params
     if sampling is not None:  # the policy and the key (host copy: uncommitted) go over there

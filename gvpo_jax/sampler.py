@@ -267,9 +267,7 @@ def _jitted_generate(graphdef, mesh, rules, state_shardings: tuple, settings: Sa
 
     in_state = jax.tree.unflatten(*state_shardings)
     return jax.jit(
-        fn,
-        in_shardings=(in_state, rows, rows, sharding.replicated(mesh), rows),
-        out_shardings=rows,
+        fn, in_shardings=(in_state, rows, rows, sharding.replicated(mesh), rows), out_shardings=rows
     )
 
 

@@ -16,11 +16,20 @@ from gvpo_jax.data.pipeline import make_stream
 from gvpo_jax.errors import BadInputError
 
 # Reward of each task when config.data.rewards is empty.
-DEFAULT_REWARDS = {"arith": "exact_match:1", "gsm8k": "math:1", "math": "math:1",
-                   "math_gsm8k": "math:1", "jsonl": "math:1"}  # fmt: skip
+DEFAULT_REWARDS = {
+    "arith": "exact_match:1",
+    "gsm8k": "math:1",
+    "math": "math:1",
+    "math_gsm8k": "math:1",
+    "jsonl": "math:1",
+}
 # Held-out split of each task (arith: its own fixed set).
-EVAL_SPLIT = {"gsm8k": ("gsm8k", "test"), "math": ("math500", "test"),
-              "math_gsm8k": ("math500", "test"), "jsonl": ("jsonl", "test")}  # fmt: skip
+EVAL_SPLIT = {
+    "gsm8k": ("gsm8k", "test"),
+    "math": ("math500", "test"),
+    "math_gsm8k": ("math500", "test"),
+    "jsonl": ("jsonl", "test"),
+}
 
 
 class DataError(BadInputError):
@@ -79,20 +88,34 @@ def _load(config, split: str):
     arith = None
     if c.task == "arith":
         arith = data.ArithTask(
-            max_operand=c.arith.max_operand, ops=c.arith.ops, seed=config.seed,
-            eval_size=c.eval_size, style=c.arith.style,
-        )  # fmt: skip
+            max_operand=c.arith.max_operand,
+            ops=c.arith.ops,
+            seed=config.seed,
+            eval_size=c.eval_size,
+            style=c.arith.style,
+        )
     try:
         if c.task == "math_gsm8k":
-            return _Concat([data.load_task("math", split, path=c.path),
-                            data.load_task("gsm8k", split, path=c.path)])  # fmt: skip
-        return data.load_task(c.task, split, path=c.path, prompt_field=c.prompt_field,
-                              answer_field=c.answer_field, arith=arith)  # fmt: skip
+            return _Concat(
+                [
+                    data.load_task("math", split, path=c.path),
+                    data.load_task("gsm8k", split, path=c.path),
+                ]
+            )
+        return data.load_task(
+            c.task,
+            split,
+            path=c.path,
+            prompt_field=c.prompt_field,
+            answer_field=c.answer_field,
+            arith=arith,
+        )
     except (OSError, ValueError, KeyError) as e:
         reason = str(e).strip().rstrip(".")  # name the file when the loader's reason does not
         where = f" from config.data.path {c.path!r}" if c.path and c.path not in reason else ""
-        raise DataError(f"data.task={c.task!r} split {split!r} could not be loaded{where}: "
-                        f"{reason}.") from e  # fmt: skip
+        raise DataError(
+            f"data.task={c.task!r} split {split!r} could not be loaded{where}: {reason}."
+        ) from e
 
 
 class Task:

@@ -180,13 +180,18 @@ def sft_batch(run_: assemble.Run, examples) -> dict[str, np.ndarray]:
         pad_id=settings.pad_id,
     )
     return batch_lib.layout_batch(
-        [ex["prompt_ids"] for ex in examples], toks, mask, group_size=1,
-        prompt_len=c.data.max_prompt_len, pad_id=settings.pad_id,
-    )  # fmt: skip
+        [ex["prompt_ids"] for ex in examples],
+        toks,
+        mask,
+        group_size=1,
+        prompt_len=c.data.max_prompt_len,
+        pad_id=settings.pad_id,
+    )
 
 
-def sft_updater(run_: assemble.Run, state, *, steps: int, lr: float, warmup_steps: int,
-                schedule: str = "cosine"):  # fmt: skip
+def sft_updater(
+    run_: assemble.Run, state, *, steps: int, lr: float, warmup_steps: int, schedule: str = "cosine"
+):
     """(sft_state, update) for `steps` cross-entropy updates from `state`'s params and rng.
 
     `update(sft_state, batch) -> (sft_state, metrics)` is the jitted step (state donated); the
@@ -194,20 +199,30 @@ def sft_updater(run_: assemble.Run, state, *, steps: int, lr: float, warmup_step
     """
     c = run_.config
     tx, lr_fn = train_step.make_optimizer(
-        lr=lr, total_updates=steps, warmup_steps=warmup_steps, schedule=schedule,
+        lr=lr,
+        total_updates=steps,
+        warmup_steps=warmup_steps,
+        schedule=schedule,
         grad_clip=c.optim.grad_clip,
-    )  # fmt: skip
+    )
     loss_fn = functools.partial(
-        train_step.sft_loss, graphdef=run_.graphdef, prompt_len=c.data.max_prompt_len,
+        train_step.sft_loss,
+        graphdef=run_.graphdef,
+        prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
-    )  # fmt: skip
+    )
     sft_state, _ = train_step.init_state_sharded(
         frozen_copy(state.params), tx, jnp.copy(state.rng), run_.mesh, run_.rules
     )
     update = train_step.jit_update(
-        loss_fn, tx, 1, lr_fn, mesh=run_.mesh, state_shardings=run_.state_shardings,
+        loss_fn,
+        tx,
+        1,
+        lr_fn,
+        mesh=run_.mesh,
+        state_shardings=run_.state_shardings,
         rules=run_.rules,
-    )  # fmt: skip
+    )
     return sft_state, update
 
 
@@ -229,15 +244,19 @@ def run_sft(
     with the new params."""
     c = run_.config
     sft_state, update = sft_updater(
-        run_, state, steps=steps, lr=c.sft.lr if lr is None else lr,
+        run_,
+        state,
+        steps=steps,
+        lr=c.sft.lr if lr is None else lr,
         warmup_steps=c.sft.warmup_steps if warmup_steps is None else warmup_steps,
         schedule=schedule,
-    )  # fmt: skip
+    )
     t0 = time.perf_counter()
     for i in range(steps):
         examples = next_examples(run_.task, run_.mesh, loop, c.sft.batch_size)
-        batch = sharding.device_batch(sft_batch(run_, examples), run_.mesh, group_size=1,
-                                      local=True)  # fmt: skip
+        batch = sharding.device_batch(
+            sft_batch(run_, examples), run_.mesh, group_size=1, local=True
+        )
         sft_state, m = update(sft_state, batch)
         if (i + 1) % max(steps // 10, 1) == 0 or i + 1 == steps:
             m = jax.device_get(m)

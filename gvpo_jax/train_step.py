@@ -159,8 +159,9 @@ def response_logprobs(
     return jnp.where(real_BxN, out, 0.0)
 
 
-def packed_logprobs(graphdef, params, packed, *, prompt_len: int, chunk_size: int,
-                    with_entropy: bool = False):  # fmt: skip
+def packed_logprobs(
+    graphdef, params, packed, *, prompt_len: int, chunk_size: int, with_entropy: bool = False
+):
     """`response_logprobs` of a packed micro-batch -> [B, N] in the unpacked layout.
 
     `packed` is a `batch.PackedRows` (`gvpo_jax.buckets.pack`): R groups, each one row [prompt
@@ -192,8 +193,16 @@ def packed_logprobs(graphdef, params, packed, *, prompt_len: int, chunk_size: in
     return tuple(unpack(x) for x in out) if with_entropy else unpack(out)
 
 
-def jit_packed_logprobs(graphdef, *, prompt_len: int, chunk_size: int, mesh, param_shardings,
-                        rules=sharding.LOGICAL_RULES, reference_graphdef=None):  # fmt: skip
+def jit_packed_logprobs(
+    graphdef,
+    *,
+    prompt_len: int,
+    chunk_size: int,
+    mesh,
+    param_shardings,
+    rules=sharding.LOGICAL_RULES,
+    reference_graphdef=None,
+):
     """`packed_logprobs` jitted as (params, `batch.PackedRows`) -> [B, N], rows over data x
     fsdp; a third argument True runs `reference_graphdef` instead (as in `jit_logprobs`)."""
     rows = sharding.batch_sharding(mesh)
@@ -205,8 +214,9 @@ def jit_packed_logprobs(graphdef, *, prompt_len: int, chunk_size: int, mesh, par
                 graph, params, packed, prompt_len=prompt_len, chunk_size=chunk_size
             )
 
-    return jax.jit(logprobs, in_shardings=(param_shardings, rows), out_shardings=rows,
-                   static_argnums=2)  # fmt: skip
+    return jax.jit(
+        logprobs, in_shardings=(param_shardings, rows), out_shardings=rows, static_argnums=2
+    )
 
 
 def jit_logprobs(
@@ -237,8 +247,9 @@ def jit_logprobs(
         with sharding.tracing_mesh(mesh, rules):
             return response_logprobs(graph, params, tokens_BxS, attn_mask_BxS, **kw)
 
-    return jax.jit(logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows,
-                   static_argnums=3)  # fmt: skip
+    return jax.jit(
+        logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows, static_argnums=3
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,12 +433,20 @@ def update_step(
     first = jax.tree.map(lambda x: x[0], split)
     aux_shape = jax.eval_shape(lambda p, b: loss_fn(p, b)[1], state.params, first)
     acc, _ = jax.lax.scan(micro, zero_accumulator(state.params, aux_shape), split)
-    return apply_gradients(state, acc["grads"], acc["loss"], acc["aux"],
-                           micro_batches=micro_batches, tx=tx, lr_fn=lr_fn)  # fmt: skip
+    return apply_gradients(
+        state,
+        acc["grads"],
+        acc["loss"],
+        acc["aux"],
+        micro_batches=micro_batches,
+        tx=tx,
+        lr_fn=lr_fn,
+    )
 
 
-def apply_gradients(state: TrainState, grads, loss, aux: dict, *, micro_batches: int, tx,
-                    lr_fn=None):  # fmt: skip
+def apply_gradients(
+    state: TrainState, grads, loss, aux: dict, *, micro_batches: int, tx, lr_fn=None
+):
     """The optimizer update from gradients, loss and aux summed over `micro_batches`.
 
     Averages them (aux totals in AUX_SUMS / AUX_MAXES stay totals), then applies the update only

@@ -215,8 +215,8 @@ def test_resumes_with_another_staleness_keep_the_lag_and_serve_every_prompt(tmp_
     for k, lags in stretches:
         config = run.config.copy_and_resolve_references()
         config.rollout.staleness, config.train.steps = k, loop.step + len(lags)
-        at_k = dataclasses.replace(run, config=config,
-                                   step=dataclasses.replace(run.settings, staleness=k))  # fmt: skip
+        settings = dataclasses.replace(run.settings, staleness=k)
+        at_k = dataclasses.replace(run, config=config, settings=settings)
         if loop.step:  # resume from the checkpoint the last stretch ended with
             loop = assemble.start_loop(at_k)
             state, ref, _ = resume.restore(at_k, state, loop)

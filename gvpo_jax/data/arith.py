@@ -69,8 +69,13 @@ class ArithTask:
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         key = f"{a}{op}{b}"
         prompt = f"{key}=" if self.style == "symbolic" else WORD_PROBLEMS[self.style][op]
-        return {"prompt": prompt.format(a=a, b=b), "answer": str(value), "solution": str(value),
-                "dataset": "arith", "id": key}  # fmt: skip
+        return {
+            "prompt": prompt.format(a=a, b=b),
+            "answer": str(value),
+            "solution": str(value),
+            "dataset": "arith",
+            "id": key,
+        }
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, str, int]:
         a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, size=2))

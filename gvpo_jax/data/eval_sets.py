@@ -267,8 +267,13 @@ def _example(name: str, row, where: str, index: int) -> tuple[dict | None, str |
             raise EvalSetError(f"{where}: field {answer_field!r} {e}; fix the record.") from e
         if not gold:
             return None, "no single final answer"
-    example = {"prompt": str(problem).strip(), "answer": gold, "solution": solution,
-               "dataset": name, "id": ex_id}  # fmt: skip
+    example = {
+        "prompt": str(problem).strip(),
+        "answer": gold,
+        "solution": solution,
+        "dataset": name,
+        "id": ex_id,
+    }
     for key in ("level", "subject", "subfield", "url", "year"):
         if row.get(key) is not None:
             example[key] = row[key]

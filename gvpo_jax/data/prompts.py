@@ -75,8 +75,9 @@ def get_template(template: str | PromptTemplate) -> PromptTemplate:
     return TEMPLATES[template]
 
 
-def render(tokenizer, prompt: str, *, template, use_chat_template: bool,
-           dataset: str | None = None) -> tuple[str, bool]:  # fmt: skip
+def render(
+    tokenizer, prompt: str, *, template, use_chat_template: bool, dataset: str | None = None
+) -> tuple[str, bool]:
     """The prompt text and whether it already holds the special tokens (chat template applied);
     `dataset` picks a template's per-dataset user message."""
     t = get_template(template)
@@ -122,16 +123,14 @@ def encode_prompts(
             template=template,
             use_chat_template=use_chat_template,
             dataset=ex.get("dataset"),
-        )  # fmt: skip
+        )
         for ex in examples
     ]
     ids = [None] * len(rendered)
     for has_specials in (True, False):  # at most two tokenizer calls for the batch
         idx = [i for i, (_, s) in enumerate(rendered) if s == has_specials]
         for i, row in zip(
-            idx,
-            _tokenize(tokenizer, [rendered[i][0] for i in idx], not has_specials),
-            strict=True,
+            idx, _tokenize(tokenizer, [rendered[i][0] for i in idx], not has_specials), strict=True
         ):
             ids[i] = row
     kept = [i for i, row in enumerate(ids) if len(row) <= max_prompt_len]
@@ -163,9 +162,12 @@ def encode_sft(
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token_id; demonstrations must end with EOS.")
     prompt_ids, _, kept, dropped = encode_prompts(
-        tokenizer, examples, template=template, max_prompt_len=max_prompt_len,
+        tokenizer,
+        examples,
+        template=template,
+        max_prompt_len=max_prompt_len,
         use_chat_template=use_chat_template,
-    )  # fmt: skip
+    )
     solutions = [str(examples[i].get("solution") or "") for i in kept]
     responses = [row + [tokenizer.eos_token_id] for row in _tokenize(tokenizer, solutions, False)]
     ok = [

@@ -137,8 +137,13 @@ def load_records(
         raw = str(row[answer_field])
         answer = gsm8k_final_answer(raw) or last_boxed(raw) or raw.strip()
         solution = str(row[solution_field]) if solution_field else (raw if raw != answer else "")
-        return {"prompt": str(row[prompt_field]), "answer": answer, "solution": solution,
-                "dataset": name, "id": f"{name}/{split or 'all'}/{i}"}  # fmt: skip
+        return {
+            "prompt": str(row[prompt_field]),
+            "answer": answer,
+            "solution": solution,
+            "dataset": name,
+            "id": f"{name}/{split or 'all'}/{i}",
+        }
 
     return MappedSource(rows, to_example)
 
@@ -171,7 +176,10 @@ def load_task(
         return load_math(split, config=config, data_dir=data_dir, source_dir=path or None)
     if task == "jsonl":
         return load_records(
-            path, split=split, prompt_field=prompt_field, answer_field=answer_field,
+            path,
+            split=split,
+            prompt_field=prompt_field,
+            answer_field=answer_field,
             solution_field=solution_field,
-        )  # fmt: skip
+        )
     raise ValueError(f"unknown task {task!r}; use one of {', '.join(TASKS)}.")

@@ -186,8 +186,15 @@ class GvpoGsm8k(_LocalFirstBuilder):
             final = gsm8k_final_answer(row["answer"])
             if final is None:
                 raise ValueError(f"{path} row {i} has no '####' final answer: {row['answer']!r}")
-            yield i, {"question": row["question"], "answer": row["answer"],
-                      "final_answer": final, "id": f"{split}/{i}"}  # fmt: skip
+            yield (
+                i,
+                {
+                    "question": row["question"],
+                    "answer": row["answer"],
+                    "final_answer": final,
+                    "id": f"{split}/{i}",
+                },
+            )
 
 
 def _level(value) -> int:
@@ -224,7 +231,7 @@ class GvpoMath(_LocalFirstBuilder):
                     "subject": text,
                     "level": np.int32,
                     "unique_id": text,
-                }  # fmt: skip
+                }
             ),
             homepage="https://github.com/hendrycks/math",
         )

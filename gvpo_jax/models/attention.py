@@ -219,15 +219,28 @@ def _pad_to(x, axis: int, multiple: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _block_scores(q_blk, k_blk, q_slot_blk, k_slot_blk, k_valid_blk, k_real_blk, scale, window,
-                  q_pos_blk, k_pos_blk):  # fmt: skip
+def _block_scores(
+    q_blk,
+    k_blk,
+    q_slot_blk,
+    k_slot_blk,
+    k_valid_blk,
+    k_real_blk,
+    scale,
+    window,
+    q_pos_blk,
+    k_pos_blk,
+):
     """Masked scores [B, K, bq, bk] (fp32 or fp64) and the visibility mask [B, 1, bq, bk]."""
     acc = _acc(q_blk.dtype)
     s = jnp.einsum("bkqh,bksh->bkqs", q_blk, k_blk, preferred_element_type=acc) * scale
     seen = k_valid_blk[:, None, :] & visible(
-        q_slot_blk[:, :, None], k_slot_blk[:, None, :], window,
-        q_pos_blk[:, :, None], k_pos_blk[:, None, :],
-    )  # fmt: skip
+        q_slot_blk[:, :, None],
+        k_slot_blk[:, None, :],
+        window,
+        q_pos_blk[:, :, None],
+        k_pos_blk[:, None, :],
+    )
     seen = seen[:, None]
     # Padding keys added to fill the last block count for nothing (weight 0 below); masked
     # real keys get the dense path's finite MASKED, so a query row with no visible key attends
@@ -235,8 +248,9 @@ def _block_scores(q_blk, k_blk, q_slot_blk, k_slot_blk, k_valid_blk, k_real_blk,
     return jnp.where(seen, s, MASKED), seen, k_real_blk[:, None, None, :]
 
 
-def _layout(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None, q_pos=None,
-            k_pos=None):  # fmt: skip
+def _layout(
+    q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None, q_pos=None, k_pos=None
+):
     """Pads Q and S to whole blocks; returns the padded arrays and the block ranges each pass
     visits (see below). Positions (for a window) default to the slots."""
     b, kv, q_rows, h = q.shape
@@ -289,8 +303,19 @@ def _zero_from(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def blocked(q, k, v, q_slot, k_slot, k_valid, block_q=BLOCK_Q, block_k=BLOCK_K, window=None,
-            q_pos=None, k_pos=None):  # fmt: skip
+def blocked(
+    q,
+    k,
+    v,
+    q_slot,
+    k_slot,
+    k_valid,
+    block_q=BLOCK_Q,
+    block_k=BLOCK_K,
+    window=None,
+    q_pos=None,
+    k_pos=None,
+):
     """Flash-style attention: (out [B, K, Q, H], lse [B, K, Q]) without [Q, S] score matrices.
 
     q [B, K, Q, H]: the query rows of each of the K key/value heads (e.g. positions x the G
@@ -308,8 +333,9 @@ def blocked(q, k, v, q_slot, k_slot, k_valid, block_q=BLOCK_Q, block_k=BLOCK_K, 
     return _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window, q_pos, k_pos)[0]
 
 
-def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None, q_pos=None,
-                 k_pos=None):  # fmt: skip
+def _blocked_fwd(
+    q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None, q_pos=None, k_pos=None
+):
     b, kv, q_rows, h = q.shape
     acc = _acc(q.dtype)
     scale = 1.0 / math.sqrt(h)
@@ -328,15 +354,24 @@ def _blocked_fwd(q, k, v, q_slot, k_slot, k_valid, block_q, block_k, window=None
             m, l, o = state
             sl = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=axis)
             s, _, real = _block_scores(
-                q_blk, sl(kp, 2), qs_blk, sl(k_slot_p, 1), sl(k_valid_p, 1), sl(k_real_p, 1),
-                scale, window, qpos_blk, sl(k_pos_p, 1),
-            )  # fmt: skip
+                q_blk,
+                sl(kp, 2),
+                qs_blk,
+                sl(k_slot_p, 1),
+                sl(k_valid_p, 1),
+                sl(k_real_p, 1),
+                scale,
+                window,
+                qpos_blk,
+                sl(k_pos_p, 1),
+            )
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None]) * real
             corr = jnp.exp(m - m_new)
             l = l * corr + jnp.sum(p, axis=-1)
-            pv = jnp.einsum("bkqs,bksh->bkqh", p.astype(v.dtype), sl(vp, 2),
-                            preferred_element_type=acc)  # fmt: skip
+            pv = jnp.einsum(
+                "bkqs,bksh->bkqh", p.astype(v.dtype), sl(vp, 2), preferred_element_type=acc
+            )
             return m_new, l, o * corr[..., None] + pv
 
         zero = _zero_from(q_blk)
@@ -401,12 +436,21 @@ def _blocked_bwd(block_q, block_k, window, res, cotangents):
             sl_q = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=axis)
             q_blk, do_blk = sl_q(qp, 2), sl_q(dout_p, 2)
             s, seen, real = _block_scores(
-                q_blk, k_blk, sl_q(q_slot_p, 1), ks, kval, kreal, scale, window,
-                sl_q(q_pos_p, 1), kpos,
-            )  # fmt: skip
+                q_blk,
+                k_blk,
+                sl_q(q_slot_p, 1),
+                ks,
+                kval,
+                kreal,
+                scale,
+                window,
+                sl_q(q_pos_p, 1),
+                kpos,
+            )
             p = jnp.exp(s - sl_q(m_p, 2)[..., None]) / sl_q(l_p, 2)[..., None] * real
-            dv_blk = dv_blk + jnp.einsum("bkqs,bkqh->bksh", p.astype(v.dtype), do_blk,
-                                         preferred_element_type=acc)  # fmt: skip
+            dv_blk = dv_blk + jnp.einsum(
+                "bkqs,bkqh->bksh", p.astype(v.dtype), do_blk, preferred_element_type=acc
+            )
             dp = jnp.einsum("bkqh,bksh->bkqs", do_blk, v_blk, preferred_element_type=acc)
             ds = p * (dp - sl_q(delta_p, 2)[..., None])
             ds = (jnp.where(seen, ds, 0.0) * scale).astype(q.dtype)  # masked scores: constants
@@ -480,8 +524,20 @@ def _static_int(x) -> int | None:
         return None
 
 
-def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_slot_T,
-           key_slot_S, *, cache_index=0, window=None, positions=None):  # fmt: skip
+def causal(
+    impl,
+    q_BxTxNxH,
+    k_BxKxSxH,
+    v_BxKxSxH,
+    valid_q_BxT,
+    valid_BxS,
+    query_slot_T,
+    key_slot_S,
+    *,
+    cache_index=0,
+    window=None,
+    positions=None,
+):
     """Attention of T query tokens at slots `query_slot_T` to S keys at `key_slot_S` (query t
     sees valid keys at slots <= its own, and with a sliding `window` W only those less than W
     positions back: `visible`; `positions` = (query_pos_BxT, key_pos_BxS), default the slots),
@@ -508,15 +564,24 @@ def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_
         by_slot = window is None or positions is None or offset == 0
         if offset is not None and offset + t <= s and by_slot:
             keys = offset + t  # later cache slots are in every query's future
-            return _splash(q_BxTxNxH, k_BxKxSxH[:, :, :keys], v_BxKxSxH[:, :, :keys],
-                           valid_q_BxT, valid_BxS[:, :keys], offset, window)  # fmt: skip
+            return _splash(
+                q_BxTxNxH,
+                k_BxKxSxH[:, :, :keys],
+                v_BxKxSxH[:, :, :keys],
+                valid_q_BxT,
+                valid_BxS[:, :keys],
+                offset,
+                window,
+            )
         impl = "blocked"  # the splash mask is static: a traced write index cannot be one
     if impl == "xla":
         mask_BxTxS = attention_mask(valid_BxS, query_slot_T, key_slot_S, window, positions)
         return jax.nn.dot_product_attention(
-            q_BxTxNxH, k_BxKxSxH.transpose(0, 2, 1, 3), v_BxKxSxH.transpose(0, 2, 1, 3),
+            q_BxTxNxH,
+            k_BxKxSxH.transpose(0, 2, 1, 3),
+            v_BxKxSxH.transpose(0, 2, 1, 3),
             mask=mask_BxTxS[:, None],
-        ).astype(q_BxTxNxH.dtype)  # fmt: skip
+        ).astype(q_BxTxNxH.dtype)
     if impl != "blocked":
         raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
     q_slot = jnp.broadcast_to(jnp.repeat(query_slot_T.astype(jnp.int32), g)[None], (b, t * g))
@@ -525,13 +590,31 @@ def causal(impl, q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, query_
     if window is not None and positions is not None:
         q_pos = jnp.repeat(positions[0].astype(jnp.int32), g, axis=1)  # rows t-major, as q_slot
         k_pos = positions[1].astype(jnp.int32)
-    out, _ = blocked(_rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS,
-                     BLOCK_Q, BLOCK_K, window, q_pos, k_pos)  # fmt: skip
+    out, _ = blocked(
+        _rows_t_major(q_BxTxNxH, kv),
+        k_BxKxSxH,
+        v_BxKxSxH,
+        q_slot,
+        k_slot,
+        valid_BxS,
+        BLOCK_Q,
+        BLOCK_K,
+        window,
+        q_pos,
+        k_pos,
+    )
     return _from_rows_t_major(out, t)
 
 
-def _prefix_pass(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, window=None,
-                 q_pos_PxQ=None, prefix_pos_PxJ=None):  # fmt: skip
+def _prefix_pass(
+    q_PxKxQxH,
+    pk_PxKxJxH,
+    pv_PxKxJxH,
+    prefix_valid_PxJ,
+    window=None,
+    q_pos_PxQ=None,
+    prefix_pos_PxJ=None,
+):
     """The blocked pass of the Q query rows of each prefix p over its J keys, for
     `shared_prefix` and `packed_prefix`: every prefix key precedes the queries (no causality);
     with a sliding `window` a key W or more positions before the query's is hidden (the query
@@ -541,17 +624,37 @@ def _prefix_pass(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, window=Non
     prefix_slot = jnp.broadcast_to(jnp.arange(j, dtype=jnp.int32)[None], (p, j))
     if window is None:
         every_key = jnp.full((p, q), NO_SLOT, jnp.int32)
-        return blocked(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, every_key, prefix_slot,
-                       prefix_valid_PxJ)  # fmt: skip
+        return blocked(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, every_key, prefix_slot, prefix_valid_PxJ)
     after_prefix = jnp.full((p, q), j, jnp.int32)  # the queries sit at slot J, past every key
-    return blocked(q_PxKxQxH, pk_PxKxJxH, pv_PxKxJxH, after_prefix, prefix_slot,
-                   prefix_valid_PxJ, BLOCK_Q, BLOCK_K, window, q_pos_PxQ,
-                   prefix_pos_PxJ)  # fmt: skip
+    return blocked(
+        q_PxKxQxH,
+        pk_PxKxJxH,
+        pv_PxKxJxH,
+        after_prefix,
+        prefix_slot,
+        prefix_valid_PxJ,
+        BLOCK_Q,
+        BLOCK_K,
+        window,
+        q_pos_PxQ,
+        prefix_pos_PxJ,
+    )
 
 
-def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_PxKxRxSxH,
-                  v_PxKxRxSxH, valid_q_BxT, valid_BxS, index, window=None,
-                  positions=None):  # fmt: skip
+def shared_prefix(
+    impl,
+    q_BxTxNxH,
+    pk_PxKxJxH,
+    pv_PxKxJxH,
+    prefix_valid_PxJ,
+    k_PxKxRxSxH,
+    v_PxKxRxSxH,
+    valid_q_BxT,
+    valid_BxS,
+    index,
+    window=None,
+    positions=None,
+):
     """Attention of B = P * R rows continuing P shared prefixes (`cache.SharedPrefixCache`
     layout): row p * R + r sees prefix p's valid keys and its own valid new keys at slots <=
     index + t. blocked: one pass over the prefixes for all R rows of a prompt at once (the
@@ -577,9 +680,19 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
         if positions is not None:
             q_pos, prefix_pos, k_pos = positions
             joined = (q_pos, jnp.concatenate([rows(prefix_pos), k_pos], axis=1))
-        return causal(impl, q_BxTxNxH, keys, values, valid_q_BxT, valid, j + i + jnp.arange(t),
-                      jnp.arange(j + s), cache_index=j + index if _static_int(index) is not None
-                      else j + i, window=window, positions=joined)  # fmt: skip
+        return causal(
+            impl,
+            q_BxTxNxH,
+            keys,
+            values,
+            valid_q_BxT,
+            valid,
+            j + i + jnp.arange(t),
+            jnp.arange(j + s),
+            cache_index=j + index if _static_int(index) is not None else j + i,
+            window=window,
+            positions=joined,
+        )
     if impl != "blocked":
         raise ValueError(f"attention implementation {impl!r}; use dense, blocked, xla or splash.")
     if window is not None and positions is None:
@@ -593,9 +706,14 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
     else:  # the query rows of prompt p in their (row, position, head) order
         q_pos, prefix_pos, k_pos = (x.astype(jnp.int32) for x in positions)
         pre_out, pre_lse = _prefix_pass(
-            q_PxKxRTGxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, window,
-            jnp.repeat(q_pos.reshape(p, r * t), g, axis=1), prefix_pos,
-        )  # fmt: skip
+            q_PxKxRTGxH,
+            pk_PxKxJxH,
+            pv_PxKxJxH,
+            prefix_valid_PxJ,
+            window,
+            jnp.repeat(q_pos.reshape(p, r * t), g, axis=1),
+            prefix_pos,
+        )
     per_row = lambda x: (
         x.reshape(p, kv, r, t * g, *x.shape[3:]).swapaxes(1, 2).reshape(b, kv, t * g, *x.shape[3:])
     )
@@ -604,8 +722,7 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
     i = jnp.asarray(index, jnp.int32)
     q_slot = jnp.broadcast_to(jnp.repeat(i + jnp.arange(t, dtype=jnp.int32), g)[None], (b, t * g))
     k_slot = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[None], (b, s))
-    own = () if window is None else (BLOCK_Q, BLOCK_K, window, jnp.repeat(q_pos, g, axis=1),
-                                     k_pos)  # fmt: skip
+    own = () if window is None else (BLOCK_Q, BLOCK_K, window, jnp.repeat(q_pos, g, axis=1), k_pos)
     new_out, new_lse = blocked(
         _rows_t_major(q_BxTxNxH, kv), k_BxKxSxH, v_BxKxSxH, q_slot, k_slot, valid_BxS, *own
     )
@@ -618,9 +735,20 @@ def shared_prefix(impl, q_BxTxNxH, pk_PxKxJxH, pv_PxKxJxH, prefix_valid_PxJ, k_P
 SEGMENT_STRIDE = 1 << 20
 
 
-def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_RxKxTxH,
-                  v_RxKxTxH, valid_RxT, segments_RxT, window=None, positions_RxT=None,
-                  prefix_pos_RxJ=None):  # fmt: skip
+def packed_prefix(
+    impl,
+    q_RxTxNxH,
+    pk_RxKxJxH,
+    pv_RxKxJxH,
+    prefix_valid_RxJ,
+    k_RxKxTxH,
+    v_RxKxTxH,
+    valid_RxT,
+    segments_RxT,
+    window=None,
+    positions_RxT=None,
+    prefix_pos_RxJ=None,
+):
     """Attention of packed rows: row r holds several sequences (segments, ids non-decreasing
     along the row, padding last with the largest id) that all continue prefix r. Token t sees
     the prefix's valid keys and the valid keys of its own segment at slots <= t; other
@@ -659,9 +787,11 @@ def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_R
         values = jnp.concatenate([pv_RxKxJxH, v_RxKxTxH], axis=2)
         if impl == "xla":
             return jax.nn.dot_product_attention(
-                q_RxTxNxH, keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
+                q_RxTxNxH,
+                keys.transpose(0, 2, 1, 3),
+                values.transpose(0, 2, 1, 3),
                 mask=mask_RxTxS[:, None],
-            ).astype(q_RxTxNxH.dtype)  # fmt: skip
+            ).astype(q_RxTxNxH.dtype)
         q_RxKxQxH = (
             q_RxTxNxH.reshape(r, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(r, kv, g * t, h)
         )
@@ -673,17 +803,34 @@ def packed_prefix(impl, q_RxTxNxH, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, k_R
     if window is None:
         pre_out, pre_lse = _prefix_pass(q_rows, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ)
     else:
-        pre_out, pre_lse = _prefix_pass(q_rows, pk_RxKxJxH, pv_RxKxJxH, prefix_valid_RxJ, window,
-                                        jnp.repeat(pos, g, axis=1), pre_pos)  # fmt: skip
+        pre_out, pre_lse = _prefix_pass(
+            q_rows,
+            pk_RxKxJxH,
+            pv_RxKxJxH,
+            prefix_valid_RxJ,
+            window,
+            jnp.repeat(pos, g, axis=1),
+            pre_pos,
+        )
     slots = jnp.arange(t, dtype=jnp.int32)
     q_slot = jnp.broadcast_to(jnp.repeat(slots, g)[None], (r, t * g))
     k_slot = jnp.broadcast_to(slots[None], (r, t))
     # One window test: same segment within `window` positions (or, without a window, the
     # segment ids as positions with window 1: the same segment only).
     own_pos = seg if window is None else seg * SEGMENT_STRIDE + pos
-    new_out, new_lse = blocked(q_rows, k_RxKxTxH, v_RxKxTxH, q_slot, k_slot, valid_RxT,
-                               BLOCK_Q, BLOCK_K, 1 if window is None else window,
-                               jnp.repeat(own_pos, g, axis=1), own_pos)  # fmt: skip
+    new_out, new_lse = blocked(
+        q_rows,
+        k_RxKxTxH,
+        v_RxKxTxH,
+        q_slot,
+        k_slot,
+        valid_RxT,
+        BLOCK_Q,
+        BLOCK_K,
+        1 if window is None else window,
+        jnp.repeat(own_pos, g, axis=1),
+        own_pos,
+    )
     out, _ = merge(pre_out, pre_lse, new_out, new_lse)
     return _from_rows_t_major(out, t)
 
@@ -711,9 +858,16 @@ def _splash(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, valid_q_BxT, valid_BxS, offset: int
     seg_q = jnp.pad(jnp.where(valid_q_BxT, 0, 1), ((0, 0), (0, tp - t)), constant_values=2)
     seg_k = jnp.pad(jnp.where(valid_BxS, 0, 1), ((0, 0), (0, sp - s)), constant_values=2)
     bq, bk = _splash_blocks(tp), _splash_blocks(sp)
-    sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq,
-                          block_kv_dkv=bk, block_kv_dkv_compute=bk, block_q_dq=bq,
-                          block_kv_dq=bk)  # fmt: skip
+    sizes = sa.BlockSizes(
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        block_q_dq=bq,
+        block_kv_dq=bk,
+    )
     if window is None:
         one = sa.CausalMask((tp, sp), offset=offset)
     else:

@@ -49,8 +49,17 @@ class KVCache:
             pos=jnp.zeros((batch, max_len), jnp.int32),
         )
 
-    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, window=None,
-               positions_BxT=None):  # fmt: skip
+    def attend(
+        self,
+        impl,
+        q_BxTxNxH,
+        k_BxKxTxH,
+        v_BxKxTxH,
+        valid_BxT,
+        index,
+        window=None,
+        positions_BxT=None,
+    ):
         """Writes the T new keys/values (and their positions) at slots [index, index + T) and
         attends causally over the cache's S slots with kernel `impl` (a `ModelConfig.attention`
         name); a sliding `window` also masks keys window or more positions before the query
@@ -73,10 +82,18 @@ class KVCache:
         s = cache.k.shape[2]
         impl = kernels.choose(impl, t=t, g=n // cache.k.shape[1], keys=s)
         out_BxTxNxH = kernels.causal(
-            impl, q_BxTxNxH, cache.k, cache.v, valid_BxT, cache.valid, i + jnp.arange(t),
-            jnp.arange(s), cache_index=index, window=window,
+            impl,
+            q_BxTxNxH,
+            cache.k,
+            cache.v,
+            valid_BxT,
+            cache.valid,
+            i + jnp.arange(t),
+            jnp.arange(s),
+            cache_index=index,
+            window=window,
             positions=None if window is None else (positions_BxT, cache.pos),
-        )  # fmt: skip
+        )
         return out_BxTxNxH, cache
 
 
@@ -109,8 +126,16 @@ def _prefix_queries(q_BxTxNxH, p: int, kv: int) -> jax.Array:
     return q_PxKxRxQxH.reshape(p, kv, r, t * g, h) * (1.0 / math.sqrt(h))
 
 
-def _prefix_softmax(pre_PxKxRxQxJ, new_PxKxRxQxS, prefix_valid_PxJ, valid_BxS, index, t: int,
-                    window=None, positions=None):  # fmt: skip
+def _prefix_softmax(
+    pre_PxKxRxQxJ,
+    new_PxKxRxQxS,
+    prefix_valid_PxJ,
+    valid_BxS,
+    index,
+    t: int,
+    window=None,
+    positions=None,
+):
     """`_two_part_softmax` of rows continuing shared prefixes. Every prefix key is in the past
     of every new token, so only its validity masks it; a new slot is seen by query t when it is
     valid and at most slot index + t. A sliding `window` also masks keys window or more
@@ -213,10 +238,15 @@ class SharedPrefixCache:
         rows = lambda x: x.transpose(0, 2, 1, 3, 4).reshape(p * r, kv, h, s)
         prompt_1xB = (jnp.arange(p * r, dtype=jnp.int32) // r)[None]
         return SlotCache(
-            prefix_k=self.prefix_k, prefix_v=self.prefix_v, prefix_valid=self.prefix_valid,
-            prefix_pos=self.prefix_pos, prefix_index=prompt_1xB, k=rows(self.k), v=rows(self.v),
+            prefix_k=self.prefix_k,
+            prefix_v=self.prefix_v,
+            prefix_valid=self.prefix_valid,
+            prefix_pos=self.prefix_pos,
+            prefix_index=prompt_1xB,
+            k=rows(self.k),
+            v=rows(self.v),
             pos=self.pos,
-        )  # fmt: skip
+        )
 
     def _write(self, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, positions_BxT) -> SharedPrefixCache:
         """Stores T new keys/values (and positions) of the B rows at new-token slot `index`."""
@@ -241,8 +271,17 @@ class SharedPrefixCache:
             ),
         )
 
-    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, window=None,
-               positions_BxT=None):  # fmt: skip
+    def attend(
+        self,
+        impl,
+        q_BxTxNxH,
+        k_BxKxTxH,
+        v_BxKxTxH,
+        valid_BxT,
+        index,
+        window=None,
+        positions_BxT=None,
+    ):
         """Row p * R + r attends to the J keys of prefix p and to its own new-token slots
         (with a sliding `window`, only to the last window of them: `_prefix_softmax`).
 
@@ -275,9 +314,19 @@ class SharedPrefixCache:
             impl = kernels.choose(impl, t=t, g=g, keys=j + k.shape[3])
             if impl != "dense":
                 out_BxTxNxH = kernels.shared_prefix(
-                    impl, q_BxTxNxH, pk, pv, cache.prefix_valid, k, v, valid_BxT, cache.valid,
-                    index, window, positions,
-                )  # fmt: skip
+                    impl,
+                    q_BxTxNxH,
+                    pk,
+                    pv,
+                    cache.prefix_valid,
+                    k,
+                    v,
+                    valid_BxT,
+                    cache.valid,
+                    index,
+                    window,
+                    positions,
+                )
                 return out_BxTxNxH, cache
 
         # Einsum letters of the stored layouts: keys/values [.., J, H] and [.., S, H], or
@@ -344,21 +393,40 @@ class PackedPrefixCache:
     def share(cls, prefix: KVCache, segments_RxT: jax.Array) -> PackedPrefixCache:
         return cls(prefix.k, prefix.v, prefix.valid, prefix.pos, segments_RxT.astype(jnp.int32))
 
-    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index, window=None,
-               positions_BxT=None):  # fmt: skip
+    def attend(
+        self,
+        impl,
+        q_BxTxNxH,
+        k_BxKxTxH,
+        v_BxKxTxH,
+        valid_BxT,
+        index,
+        window=None,
+        positions_BxT=None,
+    ):
         if window is not None and positions_BxT is None:
             raise ValueError("a sliding-window layer of a packed row needs the row's positions.")
         t, n = q_BxTxNxH.shape[1], q_BxTxNxH.shape[2]
         if t != self.segments.shape[1]:
-            raise ValueError(f"a packed row is attended in one call of {self.segments.shape[1]} "
-                             f"tokens, got {t}.")  # fmt: skip
+            raise ValueError(
+                f"a packed row is attended in one call of {self.segments.shape[1]} tokens, got {t}."
+            )
         kv, j = self.prefix_k.shape[1], self.prefix_k.shape[2]
         impl = kernels.choose(impl, t=t, g=n // kv, keys=j + t)
         out = kernels.packed_prefix(
-            impl, q_BxTxNxH, self.prefix_k, self.prefix_v, self.prefix_valid, k_BxKxTxH,
-            v_BxKxTxH, valid_BxT, self.segments, window=window,
-            positions_RxT=positions_BxT, prefix_pos_RxJ=self.prefix_pos,
-        )  # fmt: skip
+            impl,
+            q_BxTxNxH,
+            self.prefix_k,
+            self.prefix_v,
+            self.prefix_valid,
+            k_BxKxTxH,
+            v_BxKxTxH,
+            valid_BxT,
+            self.segments,
+            window=window,
+            positions_RxT=positions_BxT,
+            prefix_pos_RxJ=self.prefix_pos,
+        )
         return out, self
 
 
@@ -409,8 +477,17 @@ class SlotCache:
             pos=jnp.zeros((num_slots, max_len), jnp.int32),
         )
 
-    def attend(self, impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, index_B, window=None,
-               positions_BxT=None):  # fmt: skip
+    def attend(
+        self,
+        impl,
+        q_BxTxNxH,
+        k_BxKxTxH,
+        v_BxKxTxH,
+        valid_BxT,
+        index_B,
+        window=None,
+        positions_BxT=None,
+    ):
         """Slot b attends to the J keys of the prefix it points at (a gather of [K, H, J] per
         slot from the prefixes stored once) and to its own new-token columns 0 .. index_B[b] + t
         (with a sliding `window`, only keys less than window positions back).
@@ -468,9 +545,12 @@ class SlotCache:
         )
         query_BxT = i_B[:, None] + jnp.arange(t)  # the query's column
         seen_BxTxC = kernels.visible(
-            query_BxT[:, :, None], jnp.arange(c)[None, None, :], window,
-            positions_BxT[:, :, None], cache.pos[:, None, :],
-        )  # fmt: skip
+            query_BxT[:, :, None],
+            jnp.arange(c)[None, None, :],
+            window,
+            positions_BxT[:, :, None],
+            cache.pos[:, None, :],
+        )
         new_mask_Bx1xQxC = jnp.broadcast_to(
             seen_BxTxC[:, None, :, None, :], (b, 1, t, g, c)
         ).reshape(b, 1, t * g, c)

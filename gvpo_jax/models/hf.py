@@ -187,11 +187,7 @@ def _first(names: set[str]) -> str:
 
 
 def load_tensors(
-    cfg: ModelConfig,
-    read: Mapping[str, Callable[[], np.ndarray]],
-    *,
-    source: str,
-    shardings=None,
+    cfg: ModelConfig, read: Mapping[str, Callable[[], np.ndarray]], *, source: str, shardings=None
 ) -> Transformer:
     """Builds a Transformer from HF-named tensors, reading and converting one tensor at a time.
 
@@ -250,12 +246,7 @@ def hf_model_config(
 
 
 def from_pretrained(
-    hf_dir,
-    param_dtype="float32",
-    compute_dtype="float32",
-    *,
-    remat: bool = False,
-    shardings=None,
+    hf_dir, param_dtype="float32", compute_dtype="float32", *, remat: bool = False, shardings=None
 ):
     """Loads a Qwen2/Qwen2.5/Qwen3/Llama HF checkpoint directory (config.json + *.safetensors).
 

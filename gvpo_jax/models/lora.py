@@ -67,8 +67,9 @@ class Adapter(nnx.Module):
     dtype, like the base weight. `enabled` is static: turning it off changes the graph.
     """
 
-    def __init__(self, in_shape, out_shape, in_axes, out_axes, *, rank: int, scale: float,
-                 rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self, in_shape, out_shape, in_axes, out_axes, *, rank: int, scale: float, rngs: nnx.Rngs
+    ):
         bound = 1.0 / math.sqrt(math.prod(in_shape))
         a = jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound)
         self.a = nnx.LoRAParam(a, out_sharding=(*in_axes, None), eager_sharding=False)
@@ -115,8 +116,15 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
             module = getattr(block, part)
             kernel = _kernel(module, stem)
             k, axes = _input_dims(stem), _axes(kernel)
-            adapter = Adapter(kernel.shape[:k], kernel.shape[k:], axes[:k], axes[k:],
-                              rank=spec.rank, scale=spec.scale, rngs=rngs)  # fmt: skip
+            adapter = Adapter(
+                kernel.shape[:k],
+                kernel.shape[k:],
+                axes[:k],
+                axes[k:],
+                rank=spec.rank,
+                scale=spec.scale,
+                rngs=rngs,
+            )
             setattr(module, f"{stem}_lora", adapter)
     return model
 
@@ -129,8 +137,9 @@ def abstract_lora_model(cfg, spec: LoRASpec) -> Transformer:
 
 @functools.lru_cache(maxsize=16)
 def _abstract_split(cfg, spec: LoRASpec):
-    return nnx.split(nnx.eval_shape(lambda: attach(Transformer(cfg, rngs=nnx.Rngs(0)), spec,
-                                                   seed=0)))  # fmt: skip
+    return nnx.split(
+        nnx.eval_shape(lambda: attach(Transformer(cfg, rngs=nnx.Rngs(0)), spec, seed=0))
+    )
 
 
 def adapters(model: Transformer) -> list[tuple[int, str, Adapter]]:
@@ -241,6 +250,7 @@ def fingerprint(params) -> float:
 @jax.jit
 def _weighted_sums(leaves):
     """sum_i i * (sum(x_i) + sum(x_i^2)) over the leaves, in fp32 (compiled once per layout)."""
-    sums = [jnp.sum(x.astype(jnp.float32)) + jnp.sum(jnp.square(x.astype(jnp.float32)))
-            for x in leaves]  # fmt: skip
+    sums = [
+        jnp.sum(x.astype(jnp.float32)) + jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves
+    ]
     return jnp.sum(jnp.stack(sums) * jnp.arange(1, len(sums) + 1, dtype=jnp.float32))

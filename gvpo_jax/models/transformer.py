@@ -177,20 +177,34 @@ class Attention(nnx.Module):
 
         if layer_cache is None:  # keys are the T inputs: causal over slots 0..T-1
             slots_T = jnp.arange(t)
-            impl = kernels.choose(self.attention, t=t, g=q_BxTxNxH.shape[2] // self.num_kv_heads,
-                                  keys=t)  # fmt: skip
+            impl = kernels.choose(
+                self.attention, t=t, g=q_BxTxNxH.shape[2] // self.num_kv_heads, keys=t
+            )
             # A window is measured in positions (equal to slot distances for a row's real
             # tokens, which are consecutive here: left or right padding only).
             out_BxTxNxH = kernels.causal(
-                impl, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, valid_BxT, slots_T, slots_T,
+                impl,
+                q_BxTxNxH,
+                k_BxKxTxH,
+                v_BxKxTxH,
+                valid_BxT,
+                valid_BxT,
+                slots_T,
+                slots_T,
                 window=self.window,
                 positions=None if self.window is None else (positions_BxT, positions_BxT),
-            )  # fmt: skip
+            )
         else:  # the cache stores the new keys / values in its layout and reads them back
             out_BxTxNxH, layer_cache = layer_cache.attend(
-                self.attention, q_BxTxNxH, k_BxKxTxH, v_BxKxTxH, valid_BxT, cache_index,
-                window=self.window, positions_BxT=positions_BxT,
-            )  # fmt: skip
+                self.attention,
+                q_BxTxNxH,
+                k_BxKxTxH,
+                v_BxKxTxH,
+                valid_BxT,
+                cache_index,
+                window=self.window,
+                positions_BxT=positions_BxT,
+            )
         return self._out(out_BxTxNxH), layer_cache
 
     def _out(self, out_BxTxNxH: jax.Array) -> jax.Array:
@@ -244,10 +258,10 @@ class MLP(nnx.Module):
         # 2-D matmuls on [B*T, D]: see Attention._project for why not 3-D einsums.
         b, t, d = x_BxTxD.shape
         x_BTxD = x_BxTxD.reshape(b * t, d)
-        gate_BTxF = adapted(x_BTxD @ weight(self.gate_kernel, self.compute_dtype), x_BTxD,
-                            self.gate_lora)  # fmt: skip
-        up_BTxF = adapted(x_BTxD @ weight(self.up_kernel, self.compute_dtype), x_BTxD,
-                          self.up_lora)  # fmt: skip
+        gate_BTxF = adapted(
+            x_BTxD @ weight(self.gate_kernel, self.compute_dtype), x_BTxD, self.gate_lora
+        )
+        up_BTxF = adapted(x_BTxD @ weight(self.up_kernel, self.compute_dtype), x_BTxD, self.up_lora)
         if self.gelu:
             hidden_BTxF = jax.nn.gelu(gate_BTxF, approximate=True) * up_BTxF
         else:
@@ -432,8 +446,7 @@ class Transformer(nnx.Module):
         )
         return jnp.concatenate([jnp.repeat(prefix_PxJxD, g, axis=0), new_BxNxD], axis=1)
 
-    def hidden_packed(self, tokens_RxS, mask_RxS, positions_RxS, segments_RxW, *,
-                      prefix_len: int):  # fmt: skip
+    def hidden_packed(self, tokens_RxS, mask_RxS, positions_RxS, segments_RxW, *, prefix_len: int):
         """Final-norm hidden states [R, S, D] of packed rows: row r is a prefix of
         `prefix_len` slots (left-padded) followed by several continuations back to back, each
         with its own segment id (`segments_RxW`, W = S - prefix_len, ids non-decreasing along
@@ -447,9 +460,12 @@ class Transformer(nnx.Module):
         r = tokens_RxS.shape[0]
         valid_RxS = mask_RxS.astype(bool)
         prefix_RxJxD, cache = self.hidden(
-            tokens_RxS[:, :j], positions_RxS[:, :j], valid_RxS[:, :j],
-            cache=self.init_cache(r, j), cache_index=0,
-        )  # fmt: skip
+            tokens_RxS[:, :j],
+            positions_RxS[:, :j],
+            valid_RxS[:, :j],
+            cache=self.init_cache(r, j),
+            cache_index=0,
+        )
         packed = [caches.PackedPrefixCache.share(c, segments_RxW) for c in cache]
         new_RxWxD, _ = self.hidden(
             tokens_RxS[:, j:], positions_RxS[:, j:], valid_RxS[:, j:], cache=packed, cache_index=0
@@ -464,10 +480,7 @@ class Transformer(nnx.Module):
     def unembed(self, hidden_xD: jax.Array) -> jax.Array:
         """Hidden states [..., D] -> fp32 logits [..., V] (fp32 accumulation in bf16 compute)."""
         logits = jnp.einsum(
-            "...d,vd->...v",
-            hidden_xD,
-            self.unembed_matrix(),
-            preferred_element_type=jnp.float32,
+            "...d,vd->...v", hidden_xD, self.unembed_matrix(), preferred_element_type=jnp.float32
         )
         return logits.astype(jnp.float32)
 
@@ -519,8 +532,9 @@ def cast_floating(tree, dtype):
     """Every floating leaf of `tree` (parameters) cast to `dtype`; other leaves as they are. What
     the sampler does to the masters before decoding, and what a copy in the compute dtype is."""
     dtype = jnp.dtype(dtype)
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        tree)  # fmt: skip
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
 
 
 def with_compute_dtype(model: Transformer, dtype) -> Transformer:

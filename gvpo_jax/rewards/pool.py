@@ -50,9 +50,8 @@ class _Zygote:
         # Its own session: terminal signals do not reach the workers, and on the parent's exit
         # (its stdin pipe closes) the zygote can kill the whole group, stuck workers included.
         self.proc = subprocess.Popen(
-            cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.PIPE,
-            start_new_session=True,
-        )  # fmt: skip
+            cmd, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.PIPE, start_new_session=True
+        )
         theirs.close()
 
     def fork(self) -> tuple[Connection, Connection]:
