@@ -13,14 +13,48 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from gvpo_jax import assemble, checkpoint, sharding
+from gvpo_jax import assemble, checkpoint, sharding, train_step
 from gvpo_jax.models import lora
 from gvpo_jax.rl_step import LoopState
+
+
+@struct.dataclass
+class StepNamedState:
+    """A train state as checkpoints written before `TrainState.updates` hold it: the count of
+    optimizer updates was named `step`, which is the RL step's name now. `restore` reads such a
+    checkpoint into this layout and converts it (`current`)."""
+
+    step: Any
+    params: Any
+    opt_state: Any
+    rng: Any
+    bad_steps: Any
+
+    @classmethod
+    def of(cls, state: train_step.TrainState) -> StepNamedState:
+        return cls(
+            step=state.updates,
+            params=state.params,
+            opt_state=state.opt_state,
+            rng=state.rng,
+            bad_steps=state.bad_steps,
+        )
+
+    def current(self) -> train_step.TrainState:
+        return train_step.TrainState(
+            updates=self.step,
+            params=self.params,
+            opt_state=self.opt_state,
+            rng=self.rng,
+            bad_steps=self.bad_steps,
+        )
 
 
 def reference_copy(run_: assemble.Run, params):
@@ -53,13 +87,14 @@ def restore(run_: assemble.Run, state, loop: LoopState):
 
     def attempt(directory, step):
         first_error = None
-        for ref_layout in layouts:
-            try:
-                return run_.ckpt.restore(
-                    abstract_target(run_, state, ref_layout), step=step, directory=directory
-                )
-            except checkpoint.CheckpointError as e:
-                first_error = first_error or e
+        # the run's own layout first; then a checkpoint written before `TrainState.updates`
+        for form in (lambda s: s, StepNamedState.of):
+            for ref_layout in layouts:
+                try:
+                    target = abstract_target(run_, state, ref_layout, form)
+                    return run_.ckpt.restore(target, step=step, directory=directory)
+                except checkpoint.CheckpointError as e:
+                    first_error = first_error or e
         raise first_error
 
     newest = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
@@ -75,6 +110,8 @@ def restore(run_: assemble.Run, state, loop: LoopState):
     if found is None:
         return state, None, False
     (restored, meta, replay), directory, step = found
+    if isinstance(restored["state"], StepNamedState):
+        restored = {**restored, "state": restored["state"].current()}
     if run_.lora is not None:  # the checkpoint's adapters on the base this run loaded
         check_base(run_, state.params, meta, directory)
         base = lora.split_trainable(state.params)[1]
@@ -114,9 +151,11 @@ def stored_state(run_: assemble.Run, state):
     return state.replace(params=lora.split_trainable(state.params)[0])
 
 
-def abstract_target(run_: assemble.Run, state, ref):
-    """Restore target: shapes, dtypes and the run's shardings."""
+def abstract_target(run_: assemble.Run, state, ref, form=lambda s: s):
+    """Restore target: shapes, dtypes and the run's shardings; `form` lays a train state out as
+    the checkpoint holds it (`StepNamedState.of` for one written before the rename)."""
     shard = run_.state_shardings
+    state, shard = form(state), form(shard)
 
     def keep(x, s):
         return x if x is checkpoint.SKIP else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)

@@ -144,9 +144,9 @@ def rl_loop(run_: assemble.Run, state, loop: LoopState, ref, *, on_step=None):
 
 def check_trained(run_: assemble.Run, state, phase: str, steps: int) -> None:
     """TrainingError when every update of a phase of `steps` steps was non-finite and skipped
-    (`state.step` counts the applied ones): the policy never moved, and exporting it as if it
+    (`state.updates` counts the applied ones): the policy never moved, and exporting it as if it
     had trained would hide that. The checkpoints saved before stay."""
-    if steps and int(state.step) == 0:
+    if steps and int(state.updates) == 0:
         raise TrainingError(
             f"every {phase} update of the run ({steps} steps) was non-finite and skipped, so the "
             f"policy never changed and nothing was exported (the checkpoints in {run_.workdir} "

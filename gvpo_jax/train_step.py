@@ -18,9 +18,11 @@ from gvpo_jax.models import lora
 
 @struct.dataclass
 class TrainState:
-    """Everything an update changes. Graph definition and optimizer are static, bound elsewhere."""
+    """Everything an update changes. Graph definition and optimizer are static, bound elsewhere.
+    ("step" is the RL step, `rl_step.LoopState.step`; an RL step makes epochs x minibatches
+    updates, counted here.)"""
 
-    step: jax.Array  # optimizer updates applied (skipped non-finite updates do not count)
+    updates: jax.Array  # optimizer updates applied (skipped non-finite updates do not count)
     params: nnx.State  # policy parameters (with LoRA: the frozen base and the adapters)
     opt_state: optax.OptState  # of the trained parameters only (with LoRA: the adapters')
     rng: jax.Array  # the run's PRNG key, split once per RL step
@@ -66,7 +68,7 @@ def init_state(params: nnx.State, tx: optax.GradientTransformation, rng: jax.Arr
     """Step 0: optimizer state for the trained part of `params` (`lora.split_trainable`: all of
     them, or with LoRA the adapters alone; the frozen base has no moments)."""
     return TrainState(
-        step=jnp.zeros((), jnp.int32),
+        updates=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=tx.init(lora.split_trainable(params)[0]),
         rng=rng,
@@ -111,7 +113,7 @@ def params_only_state(
     (`checkpoint.SKIP`); an update refuses them (they are not arrays)."""
     abstract = jax.eval_shape(lambda p, r: init_state(p, tx, r), params, rng)
     return TrainState(
-        step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+        updates=jax.device_put(jnp.zeros((), jnp.int32), shardings.updates),
         params=jax.device_put(params, shardings.params),
         opt_state=sharding.abstract_with_shardings(abstract.opt_state, shardings.opt_state),
         rng=jax.device_put(rng, shardings.rng),
@@ -466,7 +468,7 @@ def apply_gradients(
     updates, new_opt = tx.update(safe_grads, state.opt_state, trained)
     new_trained = optax.apply_updates(trained, updates)
     new_state = state.replace(
-        step=state.step + finite.astype(jnp.int32),
+        updates=state.updates + finite.astype(jnp.int32),
         params=lora.join(_where_tree(finite, new_trained, trained), frozen),
         opt_state=_where_tree(finite, new_opt, state.opt_state),
         bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
@@ -478,7 +480,7 @@ def apply_gradients(
         "skipped": 1.0 - finite.astype(jnp.float32),
     }
     if lr_fn is not None:
-        metrics["lr"] = lr_fn(state.step)
+        metrics["lr"] = lr_fn(state.updates)
     return new_state, metrics
 
 

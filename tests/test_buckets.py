@@ -142,7 +142,7 @@ def test_bucketed_update_has_the_full_width_single_batch_gradient(algo, changes)
     new, metrics = run.updater.update(jax.tree.map(jnp.copy, state), batch)
     assert metrics["update_slot_frac"] == slot_frac and not metrics["skipped"]
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=2e-5, atol=1e-7)
-    assert np.abs(_flat(new.params) - before).max() > 1e-5 and int(new.step) == 1
+    assert np.abs(_flat(new.params) - before).max() > 1e-5 and int(new.updates) == 1
 
 
 def test_bucketed_logprobs_equal_the_full_width_pass():

@@ -47,7 +47,7 @@ def test_nan_step_is_skipped_counted_and_training_continues():
     assert m2["skipped_updates"] == 1 and not np.isfinite(m2["loss"])
     np.testing.assert_array_equal(a2, b2)  # the poisoned step changed nothing
     assert np.abs(a3 - b3).max() > 0  # and training went on
-    assert int(state.step) == 2 and int(state.bad_steps) == 0
+    assert int(state.updates) == 2 and int(state.bad_steps) == 0
     assert checkpoint.nonfinite_leaves(state) == []  # what a checkpoint would save is finite
 
 

@@ -261,6 +261,18 @@ def test_one_update_path_fixed_at_trace_time():
     }
 
 
+def test_step_means_the_rl_step():
+    """One meaning for "step": the RL step (`LoopState.step`). The run's settings are
+    `Run.settings`, the optimizer's count `TrainState.updates`."""
+    from gvpo_jax import train_step
+
+    run_fields = {f.name for f in dataclasses.fields(assemble.Run)}
+    state_fields = {f.name for f in dataclasses.fields(train_step.TrainState)}
+    assert "settings" in run_fields and "step" not in run_fields
+    assert "updates" in state_fields and "step" not in state_fields
+    assert "step" in {f.name for f in dataclasses.fields(rl_step.LoopState)}
+
+
 def _imported_names(text: str) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(text)):

@@ -276,7 +276,7 @@ def _check_step_on_mesh(unsharded, cfg, shape):
         loss_fn, tx, 2, mesh=mesh, state_shardings=shardings, rules=rules
     )
     new, metrics = update(state, device_batch)
-    assert state.step.is_deleted()  # donated
+    assert state.updates.is_deleted()  # donated
     _check_placement(new.params, mesh)
     # fp32 with highest matmul precision: layouts differ only in summation order, so gradients
     # agree to ~1e-7 relative (a few ulps of sums over <= 64 rows x 12 tokens). The clipped

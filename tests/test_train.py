@@ -417,3 +417,22 @@ def test_demo_config_trains_with_each_new_preset_without_a_non_finite_value(tmp_
             bad = [k for k, v in r.items() if isinstance(v, float) and not np.isfinite(v)]
             assert not bad, (algo, bad)
             assert r["skipped_updates"] == 0 and r["loss"] != 0 and r["entropy"] > 0, algo
+
+
+def test_a_checkpoint_that_named_the_update_count_step_restores_into_updates():
+    """`TrainState.updates` was `step` (the RL step's name): a checkpoint written in that layout
+    restores, its count, parameters and moments into the current state."""
+    from gvpo_jax import resume
+
+    c = toy_config("grpo")
+    run, state, loop, ref = make_run(c)
+    written = state.replace(updates=jnp.int32(7), rng=state.rng + 1)
+    loop.step = 3
+    resume.save(run, resume.StepNamedState.of(written), loop, ref)
+    run.ckpt.wait()
+    fresh = jax.tree.map(jnp.copy, state)
+    got, got_ref, resumed = resume.restore(run, fresh, assemble.start_loop(run))
+    assert resumed and isinstance(got, train_step.TrainState) and int(got.updates) == 7
+    np.testing.assert_array_equal(_flat(got.params), _flat(written.params))
+    np.testing.assert_array_equal(np.asarray(got.rng), np.asarray(written.rng))
+    assert (got_ref is None) == (ref is None)
