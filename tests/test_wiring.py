@@ -495,7 +495,7 @@ def test_nonfinite_gradient_with_finite_loss_is_skipped(faults):
     for name in p1:
         np.testing.assert_array_equal(p2[name], p1[name], err_msg=name)  # step 2 changed nothing
     assert any(not np.array_equal(p3[k], p2[k]) for k in p2)  # and step 3 went on
-    assert [int(ckpts[s]["state"]["step"]) for s in (1, 2, 3)] == [1, 1, 2]  # updates applied
+    assert [int(ckpts[s]["state"]["updates"]) for s in (1, 2, 3)] == [1, 1, 2]  # updates applied
     assert [int(ckpts[s]["state"]["bad_steps"]) for s in (1, 2, 3)] == [0, 1, 0]
 
 
@@ -507,7 +507,7 @@ def test_max_bad_steps_stops_the_run_and_keeps_the_last_good_checkpoint(faults):
     assert faults["rows"][5]["skipped_updates"] == 1 and faults["rows"][5]["grad_norm"] is None
     last = faults["ckpts"][4]
     assert last["meta"]["step"] == 4
-    assert int(last["state"]["step"]) == 2 and int(last["state"]["bad_steps"]) == 1
+    assert int(last["state"]["updates"]) == 2 and int(last["state"]["bad_steps"]) == 1
     params = flat(last["state"]["params"])
     assert all(np.isfinite(v).all() for v in params.values())
     before = flat(faults["ckpts"][3]["state"]["params"])
