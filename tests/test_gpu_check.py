@@ -1,0 +1,62 @@
+"""The GPU check's tiny mode (benchmarks/gpu/check.py): every part runs on the CPU with tiny
+shapes, so the check a short GPU lease runs cannot rot between leases."""
+
+import ast
+import json
+import math
+import sys
+
+from benchmarks.gpu import check
+
+
+def test_gpu_test_ids_name_existing_test_functions():
+    """Each id of the GPU subset is a test function of its file (a renamed test fails here)."""
+    for test_id in check.GPU_TESTS:
+        path, name = test_id.split("::")
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert name in names, test_id
+
+
+def test_tiny_parts_report_their_measures():
+    """Rollout, update and attention in this process (tiny shapes): finite, positive measures;
+    EOS off so every row decodes to the end; the kernels agree with dense."""
+    env = dict(bf16_matmul_tflops=1.0, copy_gb_s=10.0)
+    rollout = check.run_part("rollout:tiny", True, env)
+    assert rollout["rows"] == 4 and rollout["new_tokens"] == 8
+    assert rollout["tokens_per_s"] > 0 and 0 < rollout["share_of_floor"] < 1
+    assert rollout["compile_s"] > 0 and rollout["first_call_s"] > rollout["median_s"]
+    update = check.run_part("update:tiny", True, env)
+    assert math.isfinite(update["first_loss"]) and update["programs"] == 1
+    assert 0 < update["mfu"] < 1 and update["tflop_per_update"] > 0
+    attention = check.run_part("attention", True, env)
+    assert attention["auto"] == "blocked"  # dense at tiny CPU shapes: blocked stands in
+    assert attention["value_rel_err"] < 1e-2 and attention["grad_rel_err"] < 1e-2
+
+
+def test_runner_records_each_part_as_it_finishes_and_skips_what_the_budget_cuts(tmp_path):
+    """The runner: one JSON line per part, in order; env's figures reach later parts; a part
+    that dies or times out is recorded as failed and the runner goes on; past the budget the
+    remaining parts are recorded as skipped."""
+    out = tmp_path / "out"
+    rc = check.main(["--tiny", "--out", str(out), "--only", "env,hf:tiny"])
+    records = [json.loads(line) for line in (out / "check.jsonl").read_text().splitlines()]
+    assert rc == 0 and [r["part"] for r in records] == ["env", "hf:tiny"]
+    assert all(r["ok"] for r in records) and records[0]["copy_gb_s"] > 0
+    assert (
+        records[1]["tokens_per_s"] > 0 and "===== hf:tiny =====" in (out / "check.log").read_text()
+    )
+
+    died = check._run_child([sys.executable, "-c", "raise SystemExit(3)"], 10, "x", str(out / "l"))
+    assert died == dict(died, ok=False, error="the process died")
+    hung = check._run_child(
+        [sys.executable, "-c", "import time; time.sleep(30)"], 1, "y", str(out / "l")
+    )
+    assert hung["ok"] is False and hung["error"] == "timed out after 1 s"
+
+    cut = tmp_path / "cut"
+    assert check.main(["--tiny", "--out", str(cut), "--budget", "5"]) == 1
+    records = [json.loads(line) for line in (cut / "check.jsonl").read_text().splitlines()]
+    assert [r["part"] for r in records] == check.parts(check.TINY)
+    assert all(r["error"].startswith("skipped") for r in records)
