@@ -26,8 +26,10 @@ finishes, so a run cut off at any point still reports what it did:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,7 +82,7 @@ TINY = dict(
     copy_gib=0.01,
 )
 # Seconds each part may take on the GPU (the whole check's budget cuts them further).
-LIMITS = {"env": 60, "tests": 150, "rollout": 90, "hf": 60, "update": 120, "attention": 60}
+LIMITS = {"env": 60, "tests": 180, "rollout": 90, "hf": 60, "update": 120, "attention": 60}
 
 
 def parts(shape: dict) -> list[str]:
@@ -166,42 +168,57 @@ def part_env(shape: dict, tiny: bool) -> dict:
     )
 
 
-def part_tests(shape: dict, tiny: bool) -> dict:
-    """The GPU subset of the suite, by pytest (tiny: collected only, so the ids cannot rot)."""
-    import xml.etree.ElementTree as ET
-
-    report = os.path.join(os.environ.get("GVPO_GPU_SCRATCH", "/tmp"), "gpu_tests.xml")
+def part_tests(shape: dict, tiny: bool, limit: float = 150.0) -> dict:
+    """The GPU subset of the suite, by pytest (tiny: collected only, so the ids cannot rot).
+    Each test's outcome is read from pytest's verbose lines as they come, so a run cut off at
+    `limit` still reports the tests it finished."""
     env = dict(os.environ)
     if not tiny:  # the suite's fake CPU devices and CPU compile flags do not apply here
         env.update(XLA_FLAGS="", GVPO_TEST_XLA_FLAGS="", JAX_PLATFORMS="")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-           GPU_TESTS_DESELECT, f"--junitxml={report}", *GPU_TESTS]  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", GPU_TESTS_DESELECT,
+           *GPU_TESTS]  # fmt: skip
     if tiny:
-        cmd.insert(3, "--collect-only")
+        cmd[3:3] = ["-q", "--collect-only"]
     else:  # one process per file: compiling is most of the tests' time, and the host has cores
-        cmd[3:3] = ["-n", str(min(len({t.split("::")[0] for t in GPU_TESTS}), os.cpu_count() or 1)),
-                    "--dist", "loadfile"]  # fmt: skip
+        files = len({t.split("::")[0] for t in GPU_TESTS})
+        cmd[3:3] = ["-v", "-n", str(min(files, os.cpu_count() or 1)), "--dist", "loadfile"]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    output, returncode = _run_group(cmd, limit, env=env)
     wall = time.perf_counter() - start
-    tail = (proc.stdout + proc.stderr)[-3000:]
     if tiny:
-        collected = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+        collected = [ln for ln in output.splitlines() if "::" in ln]
         files = {t.split("::")[0] + "::" + t.split("::")[1].split("[")[0] for t in collected}
         missing = [t for t in GPU_TESTS if t not in files]
-        return dict(returncode=proc.returncode, collected=len(collected), missing=missing,
-                    wall_s=wall, tail=tail if proc.returncode else "")  # fmt: skip
-    failures, counts = [], dict(tests=0, failures=0, errors=0, skipped=0)
-    if os.path.exists(report):
-        root = ET.parse(report).getroot()
-        for suite in root.iter("testsuite"):
-            for k in counts:
-                counts[k] += int(suite.get(k, 0))
-        for case in root.iter("testcase"):
-            for bad in list(case.findall("failure")) + list(case.findall("error")):
-                failures.append(dict(test=f"{case.get('classname')}::{case.get('name')}",
-                                     message=(bad.get("message") or "")[:400]))  # fmt: skip
-    return dict(returncode=proc.returncode, **counts, failed=failures, wall_s=wall, tail=tail)
+        return dict(returncode=returncode, collected=len(collected), missing=missing,
+                    wall_s=wall, tail=output[-3000:] if returncode else "")  # fmt: skip
+    outcomes = {}
+    for m in re.finditer(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (tests/\S+)", output):
+        outcomes[m.group(2)] = m.group(1)
+    counts = collections.Counter(outcomes.values())
+    return dict(returncode=returncode, tests=len(outcomes), passed=counts["PASSED"],
+                failures=counts["FAILED"], errors=counts["ERROR"], skipped=counts["SKIPPED"],
+                failed=[t for t, o in outcomes.items() if o in ("FAILED", "ERROR")],
+                finished=returncode is not None, wall_s=wall, tail=output[-4000:])  # fmt: skip
+
+
+def _run_group(cmd: list[str], limit: float, env: dict | None = None) -> tuple[str, int | None]:
+    """(stdout + stderr, return code or None if cut off) of `cmd` run for at most `limit`
+    seconds in its own process group: a cut-off kills the whole group (pytest's workers too),
+    so nothing it started keeps the GPU or the cores busy for the parts after it."""
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)  # fmt: skip
+        try:
+            returncode = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = None
+        out.seek(0)
+        return out.read(), returncode
 
 
 def _bytes_per_step(cfg, rows: int, context: float, dtype_bytes: int = 2) -> float:
@@ -411,8 +428,8 @@ def run_part(name: str, tiny: bool, env: dict) -> dict:
     kind, _, preset = name.partition(":")
     if kind == "env":
         return part_env(shape, tiny)
-    if kind == "tests":
-        return part_tests(shape, tiny)
+    if kind == "tests":  # pytest stops 15 s before the part's limit, to report what it ran
+        return part_tests(shape, tiny, float(os.environ.get("GVPO_GPU_LIMIT", 165)) - 15)
     if kind == "attention":
         return part_attention(shape, tiny, env)
     fn = {"rollout": part_rollout, "hf": part_hf, "update": part_update}[kind]
@@ -468,21 +485,16 @@ def main(argv=None) -> int:
 
 
 def _run_child(cmd: list[str], limit: float, name: str, log_path: str) -> dict:
-    """Runs one part's process for at most `limit` seconds; its output goes to the log."""
+    """Runs one part's process (group) for at most `limit` seconds; its output goes to the
+    log, its record (the line it prints) is returned."""
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
-        output, timed_out = proc.stdout + proc.stderr, False
-    except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        output += (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        timed_out = True
+    output, returncode = _run_group(cmd, limit, env=dict(os.environ, GVPO_GPU_LIMIT=str(limit)))
     with open(log_path, "a") as f:
         f.write(f"===== {name} =====\n{output}\n")
     for line in output.splitlines():
         if line.startswith("GPU-CHECK-RECORD "):
             return json.loads(line[len("GPU-CHECK-RECORD ") :])
-    why = f"timed out after {limit:.0f} s" if timed_out else "the process died"
+    why = f"timed out after {limit:.0f} s" if returncode is None else "the process died"
     return dict(part=name, ok=False, error=why, wall_s=time.perf_counter() - start,
                 tail=output[-1500:])  # fmt: skip
 
@@ -501,9 +513,10 @@ def summary(record: dict) -> str:
         if "collected" in record:
             text = f"{record['collected']} collected, missing {record['missing']}"
         else:
-            bad = [f["test"] for f in record["failed"]]
-            text = (f"{record['tests']} run, {record['failures']} failed, {record['errors']} "
-                    f"errors, {record['skipped']} skipped {bad}")  # fmt: skip
+            bad = record["failed"]
+            text = (f"{record['passed']} passed, {record['failures']} failed, "
+                    f"{record['errors']} errors, {record['skipped']} skipped"
+                    f"{'' if record['finished'] else ' (cut off)'} {bad}")  # fmt: skip
     elif kind in ("rollout", "hf"):
         text = f"{record['tokens_per_s']:.0f} tokens/s (median of {record['rows']} rows)"
         if kind == "rollout":
