@@ -1,9 +1,10 @@
 # One-command set-up and run. `make demo` trains the default config; `make test` runs lint + tests.
 VENV ?= .venv
+VENV_NEXT ?= .venv-next
 PY := $(VENV)/bin/python
 WORKDIR ?= runs/arith_tiny
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint format bench newer-stack clean
 
 setup: $(VENV)/.installed
 
@@ -34,5 +35,10 @@ format: setup
 test: lint
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
+# The newer stack: Python 3.12 and the newest jax, jaxlib, flax, optax, orbax-checkpoint (every
+# dependency unpinned) in $(VENV_NEXT), then the core test files. CI stays on the pinned stack.
+newer-stack:
+	VENV_NEXT=$(VENV_NEXT) bash tools/newer_stack.sh
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEXT) runs .pytest_cache

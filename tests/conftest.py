@@ -8,7 +8,9 @@ for fusions (`--xla_cpu_use_fusion_emitters=false`; with XLA's default, the MLIR
 emitters, the trainer's programs took 2.5x as long to compile). The programs are the same HLO,
 fused and scheduled the same way; only the CPU machine code differs. A first run with an empty
 cache took 10 min 46 s of pytest with XLA's defaults and 5 min 11 s with these flags
-(BENCHMARKS.md, "Test suite time").
+(BENCHMARKS.md, "Test suite time"). jaxlib 0.11.1 removed the elemental emitter and its flag,
+and XLA aborts at start-up on a flag it does not know, so the second flag is passed only to an
+older jaxlib (the pinned one; `make newer-stack` runs the newest).
 `GVPO_TEST_XLA_FLAGS=""` runs the suite on the programs exactly as the trainer compiles them.
 Subprocesses the tests start take the same flags through `child_env`.
 
@@ -21,10 +23,26 @@ is never used; deleting the directory only costs time.
 """
 
 import os
+import re
+from importlib import metadata
+
+
+def _knows_fusion_emitters_flag() -> bool:
+    """Whether the installed jaxlib's XLA has `--xla_cpu_use_fusion_emitters` (removed in 0.11.1),
+    read from the package metadata: jax must not be imported before XLA_FLAGS is set."""
+    try:
+        release = metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return True
+    numbers = tuple(int(n) for n in re.findall(r"\d+", release)[:3])
+    return numbers < (0, 11, 1)
+
 
 # The suite's compile flags (see above), for this process and every subprocess (`child_env`).
 TEST_XLA_FLAGS = os.environ.get(
-    "GVPO_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    "GVPO_TEST_XLA_FLAGS",
+    "--xla_backend_optimization_level=0"
+    + (" --xla_cpu_use_fusion_emitters=false" if _knows_fusion_emitters_flag() else ""),
 )
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
