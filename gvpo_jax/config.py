@@ -95,6 +95,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.compute_dtype = "float32"  # float32 | bfloat16 (bf16 on TPU/GPU; fp32 is faster on CPU)
     c.model.allow_bf16_params = False  # opt in to training bf16-stored parameters (lossy updates)
     c.model.remat = False  # gradient checkpointing per layer
+    # The blocks' parameters stacked [L, ...] and run by one scan: compile time flat in depth
+    # (docs/models.md); False: one block per layer, unrolled.
+    c.model.scan_layers = True
     # Attention kernel for prefill and the update (decode steps are always dense): auto | dense |
     # blocked (flash-style, O(T) memory) | xla (jax.nn.dot_product_attention) | splash (TPU).
     c.model.attention = "auto"

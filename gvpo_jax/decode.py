@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import with_logical_constraint
 
+from gvpo_jax.models.cache import per_layer
 from gvpo_jax.sampling_ops import select_tokens, token_keys
 
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -244,7 +245,7 @@ def static_batch(
     final = append(start, logits_BxV)
     for j, slots in enumerate(sizes):
         if j:
-            final = final.replace(cache=[layer.grow(slots) for layer in final.cache])
+            final = final.replace(cache=per_layer(lambda c, n=slots: c.grow(n), final.cache))
         final = jax.lax.while_loop(functools.partial(keep_going, slots=slots), decode_step, final)
     if len(levels) > 1:
         final = _shed_batch(graphdef, state, final, lens_B, caps_B, settings, levels)
@@ -267,7 +268,7 @@ def _shed_batch(
     columns (masked by position), not over its segment's."""
     b, n, g = levels[0], settings.max_new_tokens, settings.group_size
     eos_ids, select = settings.eos_ids, settings.select
-    layers = [c.as_slots() for c in s.cache]  # slot b continues prompt b // G
+    layers = per_layer(lambda c: c.as_slots(), s.cache)  # slot b continues prompt b // G
     row_K = jnp.arange(b, dtype=jnp.int32)  # the output row of each compacted slot (b: none)
     done_K = s.done_B
     s = s.replace(cache=None)  # the static rows' cache is not carried on
@@ -325,15 +326,13 @@ def _shed_batch(
         pick_K = jnp.minimum(pick_K, done_K.shape[0] - 1)
         row_K = jnp.where(valid_K, row_K[pick_K], b)
         done_K = ~valid_K
-        layers = [
-            c.replace(
-                k=c.k[pick_K],
-                v=c.v[pick_K],
-                pos=c.pos[pick_K],
-                prefix_index=(jnp.minimum(row_K, b - 1) // g)[None],
-            )
-            for c in layers
-        ]
+        prefix_1xK = (jnp.minimum(row_K, b - 1) // g)[None]
+        layers = per_layer(
+            lambda c: c.replace(
+                k=c.k[pick_K], v=c.v[pick_K], pos=c.pos[pick_K], prefix_index=prefix_1xK
+            ),
+            layers,
+        )
         nxt = levels[j + 1] if j + 1 < len(levels) else 0
 
         def go(carry, nxt=nxt):
@@ -473,7 +472,7 @@ def continuous_batch(
         prompt_DxS = item_DxS // g
         positions_DxS = jnp.take_along_axis(lens_DxP, prompt_DxS, axis=1) + st.pos_DxS - 1
         column_S = jnp.clip(st.pos_DxS - 1, 0, columns - 1).reshape(slots)
-        layers = [layer.replace(prefix_index=prompt_DxS) for layer in st.cache]
+        layers = per_layer(lambda c: c.replace(prefix_index=prompt_DxS), st.cache)
         logits_Sx1xV, layers = nnx.merge(graphdef, state)(
             jnp.where(active_DxS, st.fed_DxS, 0).reshape(slots, 1),
             positions_DxS.reshape(slots, 1),

@@ -149,7 +149,7 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
             fields["vocab_size"] = len(char_tokenizer.SPECIAL_TOKENS) + len(char_tokenizer.CHARS)
         fields.update(dtypes)
         cfg = models.ModelConfig(**fields)
-    return cfg.replace(remat=bool(c.remat), attention=c.attention)
+    return cfg.replace(remat=bool(c.remat), attention=c.attention, scan_layers=c.scan_layers)
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int) -> jax.sharding.AbstractMesh:
@@ -297,10 +297,13 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     # the cotangent, XLA CPU keeps about one layer's gathered weights (docs/sharding.md).
     gathered = 0
     if fsdp > 1:
-        layer = nnx.state(policy_model(config, cfg).layers[0], nnx.Param)
+        layers = policy_model(config, cfg).layers
+        # Stacked blocks (scan_layers): one layer is 1/L of them (their layers axis is whole).
+        layer = nnx.state(layers if cfg.scan_layers else layers[0], nnx.Param)
         if c.mode == "eval":
             layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, cfg.compute_dtype), layer)
         gathered = tree_bytes(layer, abstract_mesh(data, 1, tensor), rules)
+        gathered //= cfg.num_layers if cfg.scan_layers else 1
     P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
     Tp = c.data.max_prompt_len
     micro_rows = P * G // (c.algo.num_minibatches * c.optim.micro_batches)

@@ -100,6 +100,7 @@ def restore(run_: assemble.Run, state, loop: LoopState):
     newest = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
     if newest is not None:
         check_lora_layout(run_, *newest)
+        check_layers_layout(run_, *newest)
     found = checkpoint.restore_newest(
         run_.ckpt,
         run_.config.restore_from or None,
@@ -184,6 +185,29 @@ def check_lora_layout(run_: assemble.Run, directory, step: int) -> None:
     raise checkpoint.CheckpointError(
         f"the checkpoint {Path(directory) / str(step)} holds a fully trained model, not LoRA "
         "adapters; set --config.lora.enabled=False to resume or evaluate it."
+    )
+
+
+def check_layers_layout(run_: assemble.Run, directory, step: int) -> None:
+    """A checkpoint's blocks are stacked [L, ...] (`model.scan_layers`) or one per layer; a run
+    of the other layout is refused before any read (CheckpointError naming the setting), read
+    off the names in the checkpoint's tree metadata."""
+    path = Path(directory) / str(step) / "state" / "_METADATA"
+    try:
+        names = json.loads(path.read_text())["tree_metadata"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unreadable: the restore itself reports it
+    layered = [n for n in names if "'layers'" in n]
+    if not layered:
+        return
+    unrolled = any("'layers', '0'," in n for n in layered)
+    scanned = bool(run_.config.model.scan_layers)
+    if unrolled == (not scanned):
+        return
+    held = "one block per layer" if unrolled else "its blocks stacked (scanned layers)"
+    raise checkpoint.CheckpointError(
+        f"the checkpoint {Path(directory) / str(step)} holds {held}; set "
+        f"--config.model.scan_layers={not scanned} to resume or evaluate it."
     )
 
 

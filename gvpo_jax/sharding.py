@@ -54,6 +54,7 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("length", None),
     ("cache_length", None),
+    ("layers", None),  # stacked blocks (ModelConfig.scan_layers): each device keeps every layer
 )
 
 # Model-config field behind each sharded parameter axis (for the divisibility checks).

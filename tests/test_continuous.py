@@ -27,7 +27,10 @@ from flax import nnx
 from gvpo_jax import assemble, data, decode, models, sampler, sharding
 from gvpo_jax import config as config_lib
 from gvpo_jax import eval as eval_lib
+from gvpo_jax.models.cache import layer as layer_cache
+from gvpo_jax.models.cache import per_layer
 from gvpo_jax.sampler import SamplingSettings
+from tests.helpers import scale_matrices
 
 VOCAB = 300  # > 256: both levels of the two-level draw
 CFG = models.ModelConfig(
@@ -58,7 +61,7 @@ def _model(scale: float, seed: int = 0, norm: float = 1.0):
     norm by `norm` (larger: more peaked next-token distributions)."""
     model = models.Transformer(CFG, rngs=nnx.Rngs(seed))
     graphdef, state = nnx.split(model)
-    state = jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, state)
+    state = scale_matrices(state, scale, model.config.scan_layers)
     model = nnx.merge(graphdef, state)
     model.final_norm.scale[...] = model.final_norm.scale[...] * norm
     return model
@@ -253,7 +256,7 @@ def test_bf16_compute_continuous_equals_static(peaked):
     """bf16 compute (fp32 masters cast in the graph): a bf16 slot cache, and the same tokens."""
     model16 = models.with_compute_dtype(peaked, jnp.bfloat16)
     cache = model16.slot_cache(model16.init_cache(2, 4), 2, 3)
-    assert cache[0].k.dtype == cache[0].prefix_k.dtype == jnp.bfloat16
+    assert layer_cache(cache, 0).k.dtype == layer_cache(cache, 0).prefix_k.dtype == jnp.bfloat16
     ids, lens = sampler.pad_prompts(PROMPTS, (16,))
     kw = dict(max_new_tokens=N, temperature=1.0, top_k=20)
     ref = _run(model16, ids, lens, jax.random.key(8), 0, **kw)
@@ -334,7 +337,7 @@ def test_slot_cache_attention_equals_the_full_forward():
         nonlocal cache
         prefix_S = (np.arange(2)[:, None] * 2 + index_DxS).reshape(4)
         tokens_S = rng.integers(1, VOCAB, 4)
-        layers = [c.replace(prefix_index=jnp.asarray(index_DxS)) for c in cache]
+        layers = per_layer(lambda c: c.replace(prefix_index=jnp.asarray(index_DxS)), cache)
         logits, cache = decode(model, jnp.asarray(tokens_S), jnp.asarray(lens_P[prefix_S] +
                                columns_S), layers, jnp.asarray(columns_S, jnp.int32))  # fmt: skip
         for s in range(4):
@@ -368,7 +371,7 @@ def test_sharded_continuous_equals_one_device():
     rules = sharding.logical_rules(mesh, cfg)
     model = sharding.init_sharded(cfg, mesh, seed=1)
     graphdef, state = nnx.split(model)
-    state = jax.tree.map(lambda x: x * 12.0 if x.ndim > 1 else x, state)
+    state = scale_matrices(state, 12.0, model.config.scan_layers)
     model = nnx.merge(graphdef, state)
     host = nnx.merge(graphdef, jax.device_put(jax.device_get(state), jax.devices()[0]))
     prompts = PROMPTS + [[3, 3], [8, 1, 2, 200], [17], [60, 61, 62]]

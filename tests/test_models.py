@@ -14,6 +14,7 @@ import transformers
 from flax import nnx
 
 from gvpo_jax import models, sampler
+from gvpo_jax.models.cache import layer as layer_cache
 
 TOL = 1e-4
 
@@ -157,7 +158,10 @@ def test_cache_prefill_then_decode_equals_full_forward(checkpoints, kind):
 
     graphdef, state = nnx.split(model)
     cache = model.init_cache(2, s)
-    assert cache[0].k.shape == (2, 2, s, model.config.head_dim) and cache[0].valid.dtype == bool
+    assert (
+        layer_cache(cache, 0).k.shape == (2, 2, s, model.config.head_dim)
+        and layer_cache(cache, 0).valid.dtype == bool
+    )
     logits, cache = step(graphdef, state, prompt, prompt_pos, prompt_mask, cache, 0)
     decoded = []
     for n in range(steps):
@@ -193,10 +197,12 @@ def test_shared_prefix_cache_decode_equals_full_forward(checkpoints, decode, kin
     cache = model.share_prefix_cache(cache, g, steps, decode=decode)
     if decode:  # keys and values slot-last: [P, K, H, J] and [P, K, R, H, S]
         h = model.config.head_dim
-        assert cache[0].prefix_k.shape == (p, 2, h, tp)
-        assert cache[0].k.shape == cache[0].v.shape == (p, 2, g, h, steps)
+        assert layer_cache(cache, 0).prefix_k.shape == (p, 2, h, tp)
+        assert layer_cache(cache, 0).k.shape == layer_cache(cache, 0).v.shape == (p, 2, g, h, steps)
     else:
-        assert cache[0].prefix_k.shape[0] == p and cache[0].k.shape[:4] == (p, 2, g, steps)
+        assert layer_cache(cache, 0).prefix_k.shape[0] == p and layer_cache(cache, 0).k.shape[
+            :4
+        ] == (p, 2, g, steps)
     cont = _tokens((p * g, steps), seed=6)
     decoded = []
     for n in range(steps):
@@ -268,7 +274,9 @@ def test_hidden_with_cache_and_unembed_match_call(checkpoints):
     hidden, cache = model.hidden(tokens, pos, cache=model.init_cache(2, 8), cache_index=0)
     logits, _ = model(tokens, pos, cache=model.init_cache(2, 8), cache_index=0)
     np.testing.assert_allclose(model.unembed(hidden), logits, atol=1e-6)
-    assert bool(cache[1].valid[:, :5].all()) and not bool(cache[1].valid[:, 5:].any())
+    assert bool(layer_cache(cache, 1).valid[:, :5].all()) and not bool(
+        layer_cache(cache, 1).valid[:, 5:].any()
+    )
     with pytest.raises(ValueError, match="positions_BxT"):
         model(tokens, cache=cache, cache_index=5)
 
@@ -626,14 +634,15 @@ def test_logical_axis_names_map_onto_a_mesh():
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     # nnx passes unmapped names through, so rules name every axis (None = replicated).
     rules = (("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"), ("embed", "fsdp"))
-    rules += (("kv_heads", None), ("head_dim", None), ("norm", None))
+    rules += (("kv_heads", None), ("head_dim", None), ("norm", None), ("layers", None))
     assert {r[0] for r in rules} == set(models.PARAM_AXES)
     with nnx.logical_axis_rules(rules):
         specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     P = jax.sharding.PartitionSpec
     assert specs["embedding"].get_value() == P("tensor", "fsdp")
-    assert specs["layers"][0]["attn"]["q_kernel"].get_value() == P("fsdp", "tensor", None)
-    assert specs["layers"][0]["mlp"]["down_kernel"].get_value() == P("tensor", "fsdp")
+    # the blocks stacked [L, ...] (scan_layers): the layers axis is never split
+    assert specs["layers"]["attn"]["q_kernel"].get_value() == P(None, "fsdp", "tensor", None)
+    assert specs["layers"]["mlp"]["down_kernel"].get_value() == P(None, "tensor", "fsdp")
     assert specs["final_norm"]["scale"].get_value() == P(None)
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = jnp.asarray(_tokens((4, 8), vocab=cfg.vocab_size, seed=8))
@@ -757,17 +766,18 @@ def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints, ki
     cfg = models.from_pretrained(path).config
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rules = (("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"), ("embed", "fsdp"))
-    rules += (("kv_heads", None), ("head_dim", None), ("norm", None))
+    rules += (("kv_heads", None), ("head_dim", None), ("norm", None), ("layers", None))
     with nnx.logical_axis_rules(rules):
         abstract = nnx.state(models.abstract_model(cfg), nnx.Param)
         shardings = nnx.get_named_sharding(abstract, mesh)
     model = models.from_pretrained(path, shardings=shardings)
     P = jax.sharding.PartitionSpec
     assert model.lm_head.get_value().sharding.spec == P("tensor", "fsdp")
-    up = model.layers[1].mlp.up_kernel.get_value()
-    assert up.sharding.spec == P("fsdp", "tensor") and len(up.addressable_shards) == 8
+    # the blocks stacked [L, ...] (scan_layers): the layers axis is never split
+    up = model.layers.mlp.up_kernel.get_value()
+    assert up.sharding.spec == P(None, "fsdp", "tensor") and len(up.addressable_shards) == 8
     if cfg.qk_norm:  # the QK-norm scales are `norm` parameters: replicated
-        assert model.layers[1].attn.k_norm.scale.get_value().sharding.spec == P(None)
+        assert model.layers.attn.k_norm.scale.get_value().sharding.spec == P(None, None)
     tokens = _tokens((2, 5), seed=10)
     np.testing.assert_allclose(
         np.asarray(model(jnp.asarray(tokens))),

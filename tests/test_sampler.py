@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from gvpo_jax import decode, models, sampler, sampling_ops
+from gvpo_jax.models.cache import layer as layer_cache
 from gvpo_jax.sampler import SamplingSettings
 
 VOCAB = 300  # > 256, not a multiple of it: exercises both levels and the padding of `draw`
@@ -159,7 +160,7 @@ def test_bf16_greedy_matches_transformers_in_bf16(hf_and_model):
     assert compared >= n * len(PROMPTS) // 2, compared
     # The bf16 cache really is bf16 (half the memory of the fp32 one).
     cache = model16.init_cache(1, 4)
-    assert cache[0].k.dtype == jnp.bfloat16
+    assert layer_cache(cache, 0).k.dtype == jnp.bfloat16
 
 
 def _reference_dist(logits_V, temperature, top_k, top_p, min_p):

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from gvpo_jax import assemble, models, plan, sampler, sharding, train_step
 from gvpo_jax import config as config_lib
 from tests import mp_worker
+from tests.helpers import scale_matrices
 
 MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]  # (data, fsdp, tensor)
 G, NUM_PROMPTS, TP, NEW = 4, 16, 6, 6  # group size, prompts, prompt slots, response slots
@@ -58,6 +59,8 @@ def _check_placement(state, mesh):
     for path, value in nnx.to_flat_state(state):
         arr = value.get_value()
         want = EXPECTED_SPECS[path[-1]]
+        if path[0] == "layers":  # the blocks stacked [L, ...]: the layers axis is never split
+            want = P(None, *want)
         assert arr.sharding.spec == want, (path, arr.sharding.spec)
         local = tuple(
             d // (1 if a is None else sizes[a])
@@ -259,8 +262,8 @@ def _check_step_on_mesh(unsharded, cfg, shape):
     tx, loss_fn = mp_worker.gvpo_pieces(graphdef, group_size=G, prompt_len=TP)
     key = jax.random.key_data(jax.random.key(0))
     state, shardings = train_step.init_state_sharded(params, tx, key, mesh, rules)
-    trace = state.opt_state[1][0].trace["layers"][0]["mlp"]["down_kernel"].get_value()
-    assert trace.sharding.spec == P("tensor", "fsdp")  # momentum sharded like the params
+    trace = state.opt_state[1][0].trace["layers"]["mlp"]["down_kernel"].get_value()
+    assert trace.sharding.spec == P(None, "tensor", "fsdp")  # momentum sharded like the params
     device_batch = sharding.shard_batch(batch, mesh, group_size=G, micro_batches=2)
     logp = train_step.jit_logprobs(
         graphdef,
@@ -305,7 +308,7 @@ def test_greedy_sampling_under_a_mesh_matches_one_device():
     model = sharding.init_sharded(cfg, mesh, seed=1)
     graphdef, state = nnx.split(model)
     # Larger weights than the 0.02 init so greedy decoding does not repeat one token.
-    state = jax.tree.map(lambda x: x * 12.0 if x.ndim > 1 else x, state)
+    state = scale_matrices(state, 12.0, model.config.scan_layers)
     model = nnx.merge(graphdef, state)
     host = nnx.merge(graphdef, jax.device_put(jax.device_get(state), jax.devices()[0]))
     rng = np.random.default_rng(0)
@@ -371,8 +374,11 @@ def test_planner_matches_the_bytes_of_the_initialised_state():
     total = models.param_count(model) * 4
     assert report.params < total / 3  # split 4 ways (fsdp x tensor) but for the norm scales
     # FSDP gathers a layer's weights where they are used: fsdp = 2 shards of them, assembled.
-    layer0 = nnx.state(model.layers[0], nnx.Param)
-    assert report.gathered == pytest.approx(2 * _max_device_bytes(layer0), rel=0.05)
+    # (one layer: 1/L of the stacked blocks, whose layers axis is never split)
+    layers = nnx.state(model.layers, nnx.Param)
+    assert report.gathered == pytest.approx(
+        2 * _max_device_bytes(layers) / cfg.num_layers, rel=0.05
+    )
     # The reference copy appears exactly when the run needs one (GVPO anchor="ref").
     c.algo.anchor = "ref"
     assert plan.plan_memory(c, num_devices=8).reference == report.params

@@ -29,6 +29,21 @@ CACHE_AXES = ("batch", "kv_heads", "cache_length", "head_dim")
 DECODE_CACHE_AXES = ("batch", "kv_heads", "head_dim", "cache_length")
 
 
+def per_layer(fn, cache):
+    """`fn` applied to each layer's cache: a list of per-layer caches (unrolled layers), or one
+    cache whose arrays are stacked [L, ...] (`ModelConfig.scan_layers`; `fn` is vmapped)."""
+    if isinstance(cache, (list, tuple)):
+        return [fn(c) for c in cache]
+    return jax.vmap(fn)(cache)
+
+
+def layer(cache, index: int):
+    """Layer `index`'s cache of a list of per-layer caches or of a stacked one."""
+    if isinstance(cache, (list, tuple)):
+        return cache[index]
+    return jax.tree.map(lambda a: a[index], cache)
+
+
 @struct.dataclass
 class KVCache:
     """Keys and values of every row: k, v [B, K, S, H] (compute dtype), valid bool [B, S], and

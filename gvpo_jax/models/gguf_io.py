@@ -275,7 +275,14 @@ def check_file(path) -> None:
     _open(Path(path), "float32", "float32")
 
 
-def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_tokenizer: bool = True):
+def from_gguf(
+    path,
+    param_dtype="float32",
+    compute_dtype="float32",
+    *,
+    load_tokenizer: bool = True,
+    scan_layers: bool = True,
+):
     """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama, Qwen2, Qwen3 or Gemma 3).
 
     Tensors are dequantised one at a time with `gguf.quants.dequantize` (numpy, fp32) and cast
@@ -286,6 +293,7 @@ def from_gguf(path, param_dtype="float32", compute_dtype="float32", *, load_toke
     """
     path = Path(path)
     cfg, tensors = _open(path, param_dtype, compute_dtype)
+    cfg = cfg.replace(scan_layers=scan_layers)  # the parameters' layout (`ModelConfig`)
     shapes = {name: tuple(int(x) for x in t.shape) for name, t in tensors.items()}
 
     def read(t, name):

@@ -214,7 +214,10 @@ def load_tensors(
     graphdef, state = nnx.split(abstract_model(cfg))
     flat = dict(nnx.to_flat_state(state))
     target = None if shardings is None else dict(nnx.to_flat_state(shardings))
-    for m in maps:
+    stacked: dict[tuple, list] = {}  # scan_layers: a parameter's layers until the last is read
+    # Stacked parameters are read parameter by parameter (all its layers, then the next), so
+    # the host holds one stacked parameter at a time.
+    for m in sorted(maps, key=lambda m: state_path(cfg, m.path)) if cfg.scan_layers else maps:
         arr = read[m.hf_name]()
         if tuple(arr.shape) != m.hf_shape:
             raise CheckpointError(
@@ -222,14 +225,30 @@ def load_tensors(
                 f"implies {m.hf_shape}; the config does not match the weights."
             )
         value = np.asarray(m.to_model(arr)).astype(cfg.param_dtype)
+        path, layer = state_path(cfg, m.path)
+        if layer is not None:
+            layers = stacked.setdefault(path, [None] * cfg.num_layers)
+            layers[layer] = value
+            if any(x is None for x in layers):
+                continue
+            value = np.stack(stacked.pop(path))
         if target is None:
             placed = jnp.asarray(value)
         else:
-            sharding = target[m.path]
+            sharding = target[path]
             sharding = sharding.get_value() if isinstance(sharding, nnx.Variable) else sharding
             placed = jax.device_put(value, sharding)
-        flat[m.path] = flat[m.path].replace(placed)
+        flat[path] = flat[path].replace(placed)
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
+
+
+def state_path(cfg: ModelConfig, path: tuple) -> tuple[tuple, int | None]:
+    """(the model state's path of a per-layer parameter path ('layers', i, ...), the layer
+    index within its stacked array or None): with `scan_layers` the blocks' parameters are
+    stacked [L, ...] under ('layers', ...)."""
+    if cfg.scan_layers and path[0] == "layers":
+        return ("layers", *path[2:]), path[1]
+    return path, None
 
 
 def hf_model_config(
@@ -246,7 +265,13 @@ def hf_model_config(
 
 
 def from_pretrained(
-    hf_dir, param_dtype="float32", compute_dtype="float32", *, remat: bool = False, shardings=None
+    hf_dir,
+    param_dtype="float32",
+    compute_dtype="float32",
+    *,
+    remat: bool = False,
+    scan_layers: bool = True,
+    shardings=None,
 ):
     """Loads a Qwen2/Qwen2.5/Qwen3/Llama HF checkpoint directory (config.json + *.safetensors).
 
@@ -271,7 +296,7 @@ def from_pretrained(
     cfg = config_from_hf(
         hf_config, param_dtype=param_dtype, compute_dtype=compute_dtype, source=str(config_path)
     )
-    cfg = cfg.replace(remat=remat)
+    cfg = cfg.replace(remat=remat, scan_layers=scan_layers)
     files = _open_checkpoint(hf_dir)
     read = {name: (lambda name=name, f=f: f.read(name)) for name, f in files.items()}
     return load_tensors(cfg, read, source=str(hf_dir), shardings=shardings)
@@ -304,9 +329,20 @@ def save_pretrained(
     if dtype_name not in ("float32", "bfloat16"):
         raise ValueError(f"save_pretrained: dtype={dtype!r}; use 'float32' or 'bfloat16'.")
     dtype = np.dtype(jnp.dtype(dtype_name))
-    sources = []
-    for m in tensor_maps(cfg):
-        produce = lambda m=m: m.to_hf(np.asarray(jax.device_get(flat[m.path].get_value())))
+    sources, fetched = [], {}
+
+    def fetch(path):  # one stacked parameter on the host at a time
+        if path not in fetched:
+            fetched.clear()
+            fetched[path] = np.asarray(jax.device_get(flat[path].get_value()))
+        return fetched[path]
+
+    maps = tensor_maps(cfg)
+    for m in sorted(maps, key=lambda m: state_path(cfg, m.path)) if cfg.scan_layers else maps:
+        path, layer = state_path(cfg, m.path)
+        produce = lambda m=m, path=path, layer=layer: m.to_hf(
+            fetch(path) if layer is None else fetch(path)[layer]
+        )
         sources.append((m.hf_name, m.hf_shape, dtype, produce))
     shards, current, current_bytes = [], [], 0
     for src in sources:

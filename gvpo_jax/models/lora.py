@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from gvpo_jax.models import safetensors_io
-from gvpo_jax.models.transformer import Transformer, abstract_model
+from gvpo_jax.models.transformer import Transformer, abstract_model, stack_blocks
 
 # Target name (as PEFT and transformers name the modules) -> (sub-module, attribute stem).
 TARGETS = {
@@ -87,7 +87,11 @@ class Adapter(nnx.Module):
 
     def delta(self) -> jax.Array:
         """fp32 scale * A @ B in the kernel's own shape [*in_shape, *out_shape]."""
-        return self.scale * jnp.tensordot(self.a[...], self.b[...], axes=1)
+        return self.product(self.a[...], self.b[...], self.scale)
+
+    @staticmethod
+    def product(a, b, scale) -> jax.Array:
+        return scale * jnp.tensordot(a, b, axes=1)
 
 
 def _kernel(module, stem: str):
@@ -110,22 +114,31 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
     the model built without LoRA.
     """
     rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 0x10A))  # not the base's
-    for block in model.layers:
+    stacked = model.config.scan_layers  # one Block of stacked [L, ...] kernels
+    blocks = [model.layers] * model.config.num_layers if stacked else list(model.layers)
+    made = {name: [] for name in spec.targets}
+    for block in blocks:  # layer by layer, target by target: the same draws either way
         for name in spec.targets:
             part, stem = TARGETS[name]
             module = getattr(block, part)
             kernel = _kernel(module, stem)
-            k, axes = _input_dims(stem), _axes(kernel)
+            k, axes = _input_dims(stem) + stacked, _axes(kernel)[stacked:]
             adapter = Adapter(
-                kernel.shape[:k],
+                kernel.shape[stacked:k],
                 kernel.shape[k:],
-                axes[:k],
-                axes[k:],
+                axes[: k - stacked],
+                axes[k - stacked :],
                 rank=spec.rank,
                 scale=spec.scale,
                 rngs=rngs,
             )
-            setattr(module, f"{stem}_lora", adapter)
+            made[name].append(adapter)
+            if not stacked:
+                setattr(module, f"{stem}_lora", adapter)
+    if stacked:  # each target's adapters stacked like the kernels they adapt
+        for name, per_layer in made.items():
+            part, stem = TARGETS[name]
+            setattr(getattr(model.layers, part), f"{stem}_lora", stack_blocks(per_layer))
     return model
 
 
@@ -142,10 +155,12 @@ def _abstract_split(cfg, spec: LoRASpec):
     )
 
 
-def adapters(model: Transformer) -> list[tuple[int, str, Adapter]]:
-    """(layer, target name, adapter) of every adapter attached to `model`."""
+def adapters(model: Transformer) -> list[tuple[int | None, str, Adapter]]:
+    """(layer, target name, adapter) of every adapter attached to `model`; with `scan_layers`
+    one adapter per target whose A and B are stacked [L, ...], and layer None."""
     out = []
-    for i, block in enumerate(model.layers):
+    stacked = model.config.scan_layers
+    for i, block in [(None, model.layers)] if stacked else enumerate(model.layers):
         for name, (part, stem) in TARGETS.items():
             adapter = getattr(getattr(block, part), f"{stem}_lora", None)
             if adapter is not None:
@@ -192,9 +207,20 @@ def merged(model: Transformer, dtype=None) -> Transformer:
         if not adapter.enabled:
             continue
         part, stem = TARGETS[name]
-        path = ("layers", i, part, f"{stem}_kernel")
+        path = (
+            ("layers", part, f"{stem}_kernel")
+            if i is None
+            else ("layers", i, part, f"{stem}_kernel")
+        )
         w = flat[path].get_value()
-        out = (w.astype(jnp.float32) + adapter.delta()).astype(dtype or w.dtype)
+        delta = (
+            adapter.delta()
+            if i is not None
+            else jax.vmap(Adapter.product, (0, 0, None))(
+                adapter.a[...], adapter.b[...], adapter.scale
+            )
+        )
+        out = (w.astype(jnp.float32) + delta).astype(dtype or w.dtype)
         flat[path] = flat[path].replace(out)
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
 
@@ -209,14 +235,24 @@ def save_peft(model: Transformer, out_dir, spec: LoRASpec, *, base_model: str = 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = []
+    per_layer = []  # (layer, name, A shape, B shape, A, B): A [*in, r], B [r, *out] on demand
     for i, name, adapter in adapters(model):
+        a_shape, b_shape = adapter.a.shape[i is None :], adapter.b.shape[i is None :]
+        if i is not None:
+            per_layer.append((i, name, a_shape, b_shape, adapter.a.get_value, adapter.b.get_value))
+            continue
+        stacked_a, stacked_b = _host_once(adapter.a), _host_once(adapter.b)  # [L, ...]
+        for j in range(model.config.num_layers):
+            per_layer.append((j, name, a_shape, b_shape, lambda j=j, x=stacked_a: x()[j],
+                              lambda j=j, x=stacked_b: x()[j]))  # fmt: skip
+    order = lambda x: (x[0], list(TARGETS).index(x[1]))
+    for i, name, a_shape, b_shape, get_a, get_b in sorted(per_layer, key=order):
         part, _ = TARGETS[name]
         prefix = f"base_model.model.model.layers.{i}.{_HF_PARENT[part]}.{name}"
-        r = adapter.a.shape[-1]
-        a = lambda adapter=adapter, r=r: np.asarray(adapter.a.get_value()).reshape(-1, r).T
-        b = lambda adapter=adapter, r=r: np.asarray(adapter.b.get_value()).reshape(r, -1).T
-        a_shape = (r, math.prod(adapter.a.shape[:-1]))
-        b_shape = (math.prod(adapter.b.shape[1:]), r)
+        r = a_shape[-1]
+        a = lambda get_a=get_a, r=r: np.asarray(get_a()).reshape(-1, r).T
+        b = lambda get_b=get_b, r=r: np.asarray(get_b()).reshape(r, -1).T
+        a_shape, b_shape = (r, math.prod(a_shape[:-1])), (math.prod(b_shape[1:]), r)
         sources.append((f"{prefix}.lora_A.weight", a_shape, np.dtype(np.float32), a))
         sources.append((f"{prefix}.lora_B.weight", b_shape, np.dtype(np.float32), b))
     safetensors_io.write_file(out_dir / "adapter_model.safetensors", sources)
@@ -236,6 +272,11 @@ def save_peft(model: Transformer, out_dir, spec: LoRASpec, *, base_model: str = 
     }
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def _host_once(param):
+    """A function returning `param`'s value as one host array, fetched at its first call."""
+    return functools.cache(lambda: np.asarray(jax.device_get(param.get_value())))
 
 
 def fingerprint(params) -> float:

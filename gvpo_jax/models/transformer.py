@@ -23,7 +23,7 @@ from gvpo_jax.models.remat import block_forward, block_forward_remat
 # Logical axis names. Parameters carry them as `out_sharding` metadata (read them with
 # `nnx.get_partition_spec(state)` under `nnx.logical_axis_rules(rules)`); activations are
 # constrained with them, which is a no-op unless logical axis rules and a mesh are active.
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers")
 ACTIVATION_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")
 
 
@@ -300,6 +300,35 @@ class Block(nnx.Module):
         return constrain(x_BxTxD, ("batch", "length", "embed")), layer_cache
 
 
+def layer_kind(cfg: ModelConfig, layer: int) -> tuple:
+    """What makes a layer attend differently from another: its sliding window and RoPE."""
+    return cfg.window(layer), cfg.rope(layer)
+
+
+def as_layer(block: Block, cfg: ModelConfig, layer: int) -> Block:
+    """`block` (one layer's parameters, merged inside the scan) attending as `layer`: its
+    static sliding window and RoPE base (the only per-layer settings of a block)."""
+    block.attn.window = cfg.window(layer)
+    block.attn.rope_theta, block.attn.rope_scaling = cfg.rope(layer)
+    return block
+
+
+def _stack(trees: list):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def stack_blocks(blocks: list[Block]) -> Block:
+    """One Block whose parameters are the blocks' stacked along a new leading axis [L, ...],
+    named `layers` in their sharding metadata (never split: `sharding.LOGICAL_RULES`)."""
+    graphdef, _ = nnx.split(blocks[0])
+    state = _stack([nnx.state(b) for b in blocks])
+    for _, variable in nnx.to_flat_state(state):
+        axes = variable.get_metadata().get("out_sharding")
+        if axes is not None:
+            variable.set_metadata(out_sharding=("layers", *axes))
+    return nnx.merge(graphdef, state)
+
+
 class Transformer(nnx.Module):
     """Token ids -> fp32 logits. docs/models.md tabulates the calling conventions.
 
@@ -312,7 +341,10 @@ class Transformer(nnx.Module):
         self.embedding = _param(
             rngs, _normal, (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype, ("vocab", "embed")
         )
-        self.layers = nnx.List([Block(cfg, rngs, i) for i in range(cfg.num_layers)])
+        blocks = [Block(cfg, rngs, i) for i in range(cfg.num_layers)]
+        # scan_layers: one Block whose parameters are stacked [L, ...] (the same values as the
+        # unrolled blocks, drawn in the same order), run by one `lax.scan` (`_scan_layers`).
+        self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg, rngs)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -325,15 +357,17 @@ class Transformer(nnx.Module):
                 ("vocab", "embed"),
             )
 
-    def init_cache(self, batch_size: int, max_len: int) -> list[caches.KVCache]:
-        """An empty `KVCache` per layer: k, v [B, K, S, H] in the compute dtype, valid [B, S]."""
+    def init_cache(self, batch_size: int, max_len: int):
+        """An empty `KVCache` per layer: k, v [B, K, S, H] in the compute dtype, valid [B, S];
+        with `scan_layers` one `KVCache` whose arrays are stacked [L, ...] (`caches.per_layer`
+        maps a function over either form)."""
         cfg = self.config
-        return [
-            caches.KVCache.empty(
-                batch_size, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        empty = lambda: caches.KVCache.empty(
+            batch_size, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype
+        )
+        if cfg.scan_layers:
+            return jax.tree.map(lambda a: jnp.zeros((cfg.num_layers, *a.shape), a.dtype), empty())
+        return [empty() for _ in range(cfg.num_layers)]
 
     def share_prefix_cache(
         self,
@@ -351,10 +385,8 @@ class Transformer(nnx.Module):
         steps (the sampler's layout); the update's multi-token forward (`hidden_shared_prefix`)
         uses the default one.
         """
-        return [
-            caches.SharedPrefixCache.share(c, group_size, max_len, slot_last=decode)
-            for c in prefix_cache
-        ]
+        share = lambda c: caches.SharedPrefixCache.share(c, group_size, max_len, slot_last=decode)
+        return caches.per_layer(share, prefix_cache)
 
     def slot_cache(
         self, prefix_cache: list[caches.KVCache], num_slots: int, max_len: int, queues: int = 1
@@ -362,7 +394,8 @@ class Transformer(nnx.Module):
         """Decode cache for `num_slots` continuous-batching slots that each continue one of P
         prefilled prefixes, in `queues` equal queues (`cache.SlotCache`). Calls pass
         `cache_index` as int32 [B], each slot's own write column."""
-        return [caches.SlotCache.share(c, num_slots, max_len, queues) for c in prefix_cache]
+        share = lambda c: caches.SlotCache.share(c, num_slots, max_len, queues)
+        return caches.per_layer(share, prefix_cache)
 
     def hidden(
         self, tokens_BxT, positions_BxT=None, mask_BxT=None, *, cache=None, cache_index=None
@@ -401,16 +434,57 @@ class Transformer(nnx.Module):
         x_BxTxD = constrain(x_BxTxD, ("batch_data", "length", "embed"))
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
         # remat only matters under differentiation (training); decoding runs the same ops.
-        forward = block_forward_remat if cfg.remat else block_forward
-        new_cache = []
-        for layer_index, block in enumerate(self.layers):
-            layer_cache = None if cache is None else cache[layer_index]
-            x_BxTxD, layer_cache = forward(
-                block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index
+        if cfg.scan_layers:
+            x_BxTxD, new_cache = self._scan_layers(
+                x_BxTxD, positions_BxT, valid_BxT, cache, cache_index
             )
-            new_cache.append(layer_cache)
+        else:
+            forward = block_forward_remat if cfg.remat else block_forward
+            new_cache = []
+            for layer_index, block in enumerate(self.layers):
+                layer_cache = None if cache is None else cache[layer_index]
+                x_BxTxD, layer_cache = forward(
+                    block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index
+                )
+                new_cache.append(layer_cache)
         hidden_BxTxD = self.final_norm(x_BxTxD)
         return hidden_BxTxD if cache is None else (hidden_BxTxD, new_cache)
+
+    def _scan_layers(self, x_BxTxD, positions_BxT, valid_BxT, cache, cache_index):
+        """The stacked blocks over x by one `lax.scan` over the layers (a stacked cache [L, ...]
+        scanned alongside, the updated one returned stacked; None without a cache). Layers of
+        several kinds (`layer_kind`: Gemma 3's sliding and full layers) take one branch per
+        kind, picked per layer by `lax.switch` on a scanned index: the body holds each kind's
+        code once, with its static window and RoPE base, and the scan still slices the stacked
+        parameters and cache layer by layer. (A body over a period of layers would index its
+        slice of them, and the backward pass would keep those copies of the parameters.)
+
+        `remat`: the body is a `jax.checkpoint`, so the backward pass keeps each layer's inputs
+        alone (slices of the scan's own inputs and carry: no copies) and recomputes the layer
+        in its iteration of the backward loop; a loop iteration cannot be hoisted, so the
+        ordering `models/remat.py` needs for unrolled layers holds by construction."""
+        cfg = self.config
+        graphdef, state = nnx.split(self.layers)
+        layers = range(cfg.num_layers)
+        kinds = list(dict.fromkeys(layer_kind(cfg, i) for i in layers))
+
+        def run(x_BxTxD, layer_state, layer_cache, layer):
+            block = as_layer(nnx.merge(graphdef, layer_state), cfg, layer)
+            return block(x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index)
+
+        first = [next(i for i in layers if layer_kind(cfg, i) == kind) for kind in kinds]
+        branches = [lambda x, s, c, layer=layer: run(x, s, c, layer) for layer in first]
+        kind_L = jnp.asarray([kinds.index(layer_kind(cfg, i)) for i in layers], jnp.int32)
+
+        def body(x_BxTxD, xs):
+            kind, layer_state, layer_cache = xs
+            if len(branches) == 1:
+                return branches[0](x_BxTxD, layer_state, layer_cache)
+            return jax.lax.switch(kind, branches, x_BxTxD, layer_state, layer_cache)
+
+        if cfg.remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        return jax.lax.scan(body, x_BxTxD, (kind_L, state, cache))
 
     def hidden_shared_prefix(self, tokens_BxS, mask_BxS, *, prefix_len: int, group_size: int):
         """`hidden(tokens_BxS, None, mask_BxS)` for rows that share their prefix in groups.
@@ -466,7 +540,7 @@ class Transformer(nnx.Module):
             cache=self.init_cache(r, j),
             cache_index=0,
         )
-        packed = [caches.PackedPrefixCache.share(c, segments_RxW) for c in cache]
+        packed = caches.per_layer(lambda c: caches.PackedPrefixCache.share(c, segments_RxW), cache)
         new_RxWxD, _ = self.hidden(
             tokens_RxS[:, j:], positions_RxS[:, j:], valid_RxS[:, j:], cache=packed, cache_index=0
         )
@@ -524,6 +598,11 @@ def with_config(model: Transformer, **changes) -> Transformer:
     cfg = model.config.replace(**changes)
     if cfg == model.config:
         return model
+    if cfg.scan_layers != model.config.scan_layers:
+        raise ValueError(
+            "with_config cannot change scan_layers (the parameters' layout); build or load the "
+            "model with the layout wanted (from_pretrained / from_gguf take scan_layers)."
+        )
     graphdef, _ = nnx.split(abstract_model(cfg))
     return nnx.merge(graphdef, nnx.state(model))
 

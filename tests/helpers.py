@@ -1,0 +1,15 @@
+"""Small helpers shared by test files."""
+
+import jax
+
+
+def scale_matrices(state, factor: float, stacked: bool):
+    """Every parameter that is a matrix or more per layer (kernels and biases, not the norm
+    scales) times `factor`. `stacked`: the model's blocks are stacked [L, ...] (scan_layers),
+    so the leaves under `layers` have one more dimension than a layer's."""
+
+    def scale(path, x):
+        per_layer = x.ndim - (stacked and "'layers'" in jax.tree_util.keystr(path))
+        return x * factor if per_layer > 1 else x
+
+    return jax.tree_util.tree_map_with_path(scale, state)

@@ -1,0 +1,190 @@
+"""Layers under one scan (`ModelConfig.scan_layers`): the same model as the unrolled one (values,
+gradients, samples), the same files in and out, and programs whose size does not grow with
+depth."""
+
+import json
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from gvpo_jax import checkpoint, models, resume, sampler
+from gvpo_jax.models import lora
+from gvpo_jax.models.config import gemma3_layer_types
+from gvpo_jax.models.transformer import layer_kind
+
+TINY = models.PRESETS["tiny"]
+FAMILIES = {
+    "qwen2": TINY,
+    "qwen3": TINY.replace(architecture="qwen3", qk_norm=True, attention_bias=False),
+    "llama": TINY.replace(architecture="llama", attention_bias=False, tie_word_embeddings=False),
+    # 8 layers: Gemma 3's pattern (5 sliding + 1 full) and two sliding layers after it
+    "gemma3": TINY.replace(
+        architecture="gemma3", qk_norm=True, attention_bias=False, num_layers=8,
+        layer_types=gemma3_layer_types(8), sliding_window=4, query_pre_attn_scalar=16,
+    ),
+}  # fmt: skip
+
+
+def _pair(cfg, seed=0):
+    unrolled = models.Transformer(cfg.replace(scan_layers=False), rngs=nnx.Rngs(seed))
+    return unrolled, models.Transformer(cfg.replace(scan_layers=True), rngs=nnx.Rngs(seed))
+
+
+def _stacked(unrolled_state):
+    """An unrolled model's parameters in the scanned layout (layers stacked [L, ...])."""
+    flat = dict(nnx.to_flat_state(unrolled_state))
+    out, layers = {}, {}
+    for path, v in flat.items():
+        if path[0] == "layers":
+            layers.setdefault(("layers", *path[2:]), []).append((path[1], v.get_value()))
+        else:
+            out[path] = v.get_value()
+    for path, items in layers.items():
+        out[path] = np.stack([np.asarray(x) for _, x in sorted(items)])
+    return out
+
+
+def _values(state) -> dict:
+    return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
+
+
+def _batch(vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(1, vocab, (4, 12)), jnp.int32)
+    mask = jnp.asarray(np.arange(12)[None] >= np.array([0, 2, 0, 3])[:, None])
+    return tokens, mask
+
+
+def test_layer_kinds_are_one_for_uniform_layers_and_two_for_gemma3():
+    kinds = lambda cfg: {layer_kind(cfg, i) for i in range(cfg.num_layers)}
+    assert len(kinds(TINY)) == 1
+    assert len(kinds(FAMILIES["gemma3"])) == 2  # sliding (window 4, base 1e4), full
+    assert len(kinds(models.PRESETS["gemma3-1b"])) == 2
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scanned_equals_unrolled_values_gradients_and_samples(family):
+    """Same seed, same parameters (stacked); logits and the shared-prefix forward to fp32
+    rounding, the log-prob gradient to 1e-6 of its largest entry, and identical greedy and
+    sampled tokens from the static, continuous and shedding decodes."""
+    cfg = FAMILIES[family]
+    unrolled, scanned = _pair(cfg)
+    want, got = _stacked(nnx.state(unrolled, nnx.Param)), _values(nnx.state(scanned, nnx.Param))
+    assert want.keys() == got.keys()
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
+    tokens, mask = _batch(cfg.vocab_size)
+    logits = jax.jit(lambda m: m(tokens, None, mask))
+    np.testing.assert_allclose(logits(scanned), logits(unrolled), atol=2e-5)
+    shared = jax.jit(
+        lambda m: m.hidden_shared_prefix(tokens, mask * 0 + 1, prefix_len=5, group_size=2)
+    )
+    np.testing.assert_allclose(shared(scanned), shared(unrolled), atol=2e-5)
+    grad = jax.jit(nnx.grad(lambda m: models.token_logprobs(m, tokens, mask).sum()))
+    g_want, g_got = _stacked(grad(unrolled)), _values(grad(scanned))
+    scale = max(np.abs(x).max() for x in g_want.values())
+    for path in g_want:
+        np.testing.assert_allclose(g_got[path], g_want[path], atol=1e-6 * scale, err_msg=str(path))
+    prompts, lens = tokens[:2, :6], jnp.asarray([6, 4], jnp.int32)
+    for temperature in (0.0, 1.0):
+        for kw in (dict(), dict(num_slots=3), dict(shed=1)):
+            settings = sampler.SamplingSettings(
+                max_new_tokens=7, group_size=2, eos_ids=(3,), temperature=temperature, **kw
+            )
+            a, b = (sampler.generate(m, prompts, lens, settings, rng=jax.random.key(1))
+                    for m in (unrolled, scanned))  # fmt: skip
+            np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN, err_msg=str(kw))
+            np.testing.assert_allclose(a.logp_BxN, b.logp_BxN, atol=2e-5)
+
+
+def test_lora_on_scanned_layers_equals_lora_on_unrolled_layers(tmp_path):
+    """Adapters drawn alike (layer by layer), stacked like the kernels: the same adapted logits,
+    the same merged kernels, byte-identical PEFT files."""
+    spec = lora.LoRASpec(rank=2, alpha=4.0, targets=("q_proj", "o_proj", "down_proj"))
+    models_ = [lora.attach(m, spec, seed=3) for m in _pair(TINY)]
+    for m in models_:  # B = 0 gives the base: move it so the adapters count
+        for _, _, adapter in lora.adapters(m):
+            adapter.b[...] = 0.1 * jnp.ones_like(adapter.b[...])
+    unrolled, scanned = models_
+    tokens, mask = _batch(TINY.vocab_size)
+    np.testing.assert_allclose(scanned(tokens, None, mask), unrolled(tokens, None, mask), atol=2e-5)
+    merged = [lora.merged(m) for m in models_]
+    want, got = _stacked(nnx.state(merged[0], nnx.Param)), _values(nnx.state(merged[1], nnx.Param))
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], atol=1e-6, err_msg=str(path))
+    for name, m in zip(("u", "s"), models_, strict=True):
+        lora.save_peft(m, tmp_path / name, spec)
+    assert (tmp_path / "u/adapter_model.safetensors").read_bytes() == (
+        tmp_path / "s/adapter_model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_scanned_layout_exports_and_imports_the_same_files(family, tmp_path):
+    """save_pretrained writes the unrolled model's tensors from the stacked one (parameter by
+    parameter: the file's order differs), and from_pretrained(scan_layers=True) stacks them back."""
+    unrolled, scanned = _pair(FAMILIES[family])
+    models.save_pretrained(unrolled, tmp_path / "u")
+    models.save_pretrained(scanned, tmp_path / "s")
+    assert (tmp_path / "u/config.json").read_bytes() == (tmp_path / "s/config.json").read_bytes()
+    want, got = (safetensors.numpy.load_file(tmp_path / d / "model.safetensors") for d in "us")
+    assert want.keys() == got.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    loaded = models.from_pretrained(tmp_path / "u", scan_layers=True)
+    assert loaded.config.scan_layers
+    want, got = _values(nnx.state(scanned, nnx.Param)), _values(nnx.state(loaded, nnx.Param))
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
+
+
+def _ops(lowered) -> int:
+    """Operations in a lowered program's StableHLO text (nested functions included)."""
+    return len(re.findall(r"^\s*(?:%\S+ = )?\"?stablehlo\.", lowered.as_text(), re.M))
+
+
+def _programs(layers: int, scan: bool) -> dict[str, int]:
+    cfg = TINY.replace(num_layers=layers, scan_layers=scan)
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens, mask = _batch(cfg.vocab_size)
+    update = jax.jit(nnx.grad(lambda m: models.token_logprobs(m, tokens, mask).sum()))
+    logprobs = jax.jit(lambda m: models.token_logprobs(m, tokens, mask))
+    settings = sampler.SamplingSettings(max_new_tokens=5, group_size=2, eos_ids=(3,))
+    decode = jax.jit(lambda m, key: sampler.generate(m, tokens[:2, :6], jnp.asarray([6, 4]),
+                                                     settings, rng=key))  # fmt: skip
+    return dict(
+        update=_ops(update.lower(model)),
+        logprobs=_ops(logprobs.lower(model)),
+        decode=_ops(decode.lower(model, jax.random.key(0))),
+    )
+
+
+def test_programs_have_the_same_ops_at_2_and_8_layers_when_scanned():
+    """The update (log-prob gradient), log-prob and decode programs hold each layer's code
+    once: as many operations at 8 layers as at 2. Unrolled, they grow with depth."""
+    scanned = {n: _programs(n, True) for n in (2, 8)}
+    assert scanned[2] == scanned[8], scanned
+    unrolled = {n: _programs(n, False) for n in (2, 8)}
+    for name in unrolled[2]:
+        assert unrolled[8][name] > 2 * unrolled[2][name] > 0, (name, unrolled)
+
+
+def test_a_checkpoint_of_the_other_layout_is_refused_in_one_sentence(tmp_path):
+    """The run's layout against the names in the checkpoint's tree metadata, before any read."""
+    for held, scan in (("'layers', '0', 'attn'", True), ("'layers', 'attn'", False)):
+        step = tmp_path / str(scan) / "5" / "state"
+        step.mkdir(parents=True)
+        names = {f"('state', 'params', {held}, 'q_kernel', 'value')": {}, "('state', 'rng')": {}}
+        (step / "_METADATA").write_text(json.dumps({"tree_metadata": names}))
+        run_ = types.SimpleNamespace(config=types.SimpleNamespace(model=types.SimpleNamespace(
+            scan_layers=scan)))  # fmt: skip
+        with pytest.raises(checkpoint.CheckpointError, match=f"scan_layers={not scan} to resume"):
+            resume.check_layers_layout(run_, tmp_path / str(scan), 5)
+        run_.config.model.scan_layers = not scan  # the matching layout passes
+        resume.check_layers_layout(run_, tmp_path / str(scan), 5)
