@@ -61,7 +61,7 @@ ALGOS = ("grpo", "gvpo")
 
 
 def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0,
-               pack: bool = False, shed: int = 0):  # fmt: skip
+               pack: bool = False, shed: int = 0, unrolled: bool = False):  # fmt: skip
     """configs/smollm2_arith.py with the benchmark's settings (or a tiny random model)."""
     from configs import smollm2_arith
 
@@ -89,6 +89,7 @@ def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0,
     # padding between them; shed: the decode batch halves (32 -> 16 -> 8) as rows end.
     c.optim.pack_groups = bool(pack and c.optim.length_buckets)
     c.rollout.shed = shed
+    c.model.scan_layers = not unrolled  # +unrolled: one block per layer (before issue 51)
     c.train.eval_every = 0
     c.train.log_every = 10**6
     c.train.sample_log_every = 0
@@ -215,7 +216,8 @@ def ours_worker(args) -> None:
     from gvpo_jax import assemble, resume, train
 
     settings = json.loads(args.settings)
-    c = our_config(settings, args.algo, args.quick, args.length_buckets, args.pack, args.shed)
+    c = our_config(settings, args.algo, args.quick, args.length_buckets, args.pack, args.shed,
+                   args.unrolled)  # fmt: skip
     if args.total_steps > c.train.steps:  # the loop (and its learning-rate schedule) ends there
         raise SystemExit(
             f"--total_steps {args.total_steps} is more than the config's train.steps "
@@ -490,8 +492,9 @@ def main(argv=None) -> dict:
     p.add_argument("--only", default="ours,trl,tunix", help="comma list of ours, trl, tunix")
     p.add_argument("--quick", action="store_true", help="tiny random model, our side only")
     p.add_argument("--ours", default=",".join(f"{a}:{LENGTH_BUCKETS}{OURS}" for a in ALGOS),
-                   help="our workers, algo:length_buckets[+pack][+shedL] each (0: full-width "
-                        "passes; +pack: packed groups; +shed2: decode halving twice)")  # fmt: skip
+                   help="our workers, algo:length_buckets[+pack][+shedL][+unrolled] each (0: "
+                        "full-width passes; +pack: packed groups; +shed2: decode halving twice; "
+                        "+unrolled: model.scan_layers off)")  # fmt: skip
     p.add_argument("--alone", action="store_true",
                    help="run the workers one after another (each alone: for workers that do "
                         "not fit in memory together), then the first one again")  # fmt: skip
@@ -514,7 +517,8 @@ def main(argv=None) -> dict:
             name = f"gvpo_jax {algo}" + ("" if k else " (full width)")
             name += "".join(f" +{e}" for e in extras)
             wargs = ["ours", "--algo", algo, "--length_buckets", str(k), "--shed", str(shed),
-                     *(["--pack"] if "pack" in extras else []), *common]  # fmt: skip
+                     *(["--pack"] if "pack" in extras else []),
+                     *(["--unrolled"] if "unrolled" in extras else []), *common]  # fmt: skip
             specs.append((name, sys.executable, wargs))
     for peer in ("trl", "tunix"):
         if peer in only:
@@ -575,6 +579,7 @@ def worker_main(argv: list[str]) -> dict:
     p.add_argument("--length_buckets", type=int, default=0)
     p.add_argument("--pack", action="store_true")
     p.add_argument("--shed", type=int, default=0)
+    p.add_argument("--unrolled", action="store_true")
     p.add_argument("--dir", required=True)
     p.add_argument("--settings", required=True)
     p.add_argument("--total_steps", type=int, required=True)
