@@ -43,7 +43,7 @@ def run_config(preset: str, layers: int, scan: bool, *, quick: bool):
     c = config_lib.base_config()
     c.model.preset = preset
     c.model.overrides.num_layers = layers
-    c.model.scan_layers = scan
+    c.model.scan_layers = "true" if scan else "false"
     c.model.compute_dtype = "bfloat16"
     c.algo.name = "grpo"
     p, g, prompt, new = (2, 2, 8, 8) if quick else (P, G, PROMPT, NEW)

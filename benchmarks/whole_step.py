@@ -89,7 +89,7 @@ def our_config(settings: dict, algo: str, quick: bool, length_buckets: int = 0,
     # padding between them; shed: the decode batch halves (32 -> 16 -> 8) as rows end.
     c.optim.pack_groups = bool(pack and c.optim.length_buckets)
     c.rollout.shed = shed
-    c.model.scan_layers = not unrolled  # +unrolled: one block per layer (before issue 51)
+    c.model.scan_layers = "false" if unrolled else "true"  # +unrolled: one block per layer
     c.train.eval_every = 0
     c.train.log_every = 10**6
     c.train.sample_log_every = 0

@@ -297,7 +297,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     if c.hf_dir:
         cfg = models.hf_model_config(c.hf_dir, param_dtype, c.compute_dtype)
         config_lib.check_vocab(config, cfg.vocab_size, tokenizer)  # before the weights load
-        cfg = cfg.replace(remat=c.remat, scan_layers=c.scan_layers)
+        cfg = cfg.replace(remat=c.remat, scan_layers=config_lib.scan_layers(config))
         rules = sharding.logical_rules(mesh, cfg)
         shardings = sharding.param_shardings(models.abstract_model(cfg), mesh, rules)
         model = models.from_pretrained(
@@ -305,7 +305,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
             param_dtype,
             c.compute_dtype,
             remat=c.remat,
-            scan_layers=c.scan_layers,
+            scan_layers=cfg.scan_layers,
             shardings=shardings,
         )
         return models.with_config(model, attention=c.attention), tokenizer, rules
@@ -313,7 +313,10 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
         from gvpo_jax.config import resolve_gguf
 
         model, gguf_tok = models.from_gguf(
-            resolve_gguf(c.gguf), param_dtype, c.compute_dtype, scan_layers=c.scan_layers
+            resolve_gguf(c.gguf),
+            param_dtype,
+            c.compute_dtype,
+            scan_layers=config_lib.scan_layers(config),
         )
         config_lib.check_vocab(config, model.config.vocab_size, tokenizer or gguf_tok)
         model = models.with_config(model, remat=c.remat, attention=c.attention)
@@ -326,7 +329,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     fields.setdefault("param_dtype", param_dtype)
     fields.setdefault("compute_dtype", c.compute_dtype)
     fields.setdefault("remat", c.remat)
-    fields.setdefault("scan_layers", c.scan_layers)
+    fields.setdefault("scan_layers", config_lib.scan_layers(config))
     fields.setdefault("attention", c.attention)
     cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
     config_lib.check_vocab(config, cfg.vocab_size, tokenizer)

@@ -95,9 +95,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.compute_dtype = "float32"  # float32 | bfloat16 (bf16 on TPU/GPU; fp32 is faster on CPU)
     c.model.allow_bf16_params = False  # opt in to training bf16-stored parameters (lossy updates)
     c.model.remat = False  # gradient checkpointing per layer
-    # The blocks' parameters stacked [L, ...] and run by one scan: compile time flat in depth
-    # (docs/models.md); False: one block per layer, unrolled.
-    c.model.scan_layers = True
+    # Layers under one scan: the blocks' parameters stacked [L, ...], compile time flat in depth
+    # (docs/models.md). auto: on for TPU and GPU, off on CPU (where XLA copies each layer's
+    # weights per decode step: BENCHMARKS.md section 18); true | false force it.
+    c.model.scan_layers = "auto"
     # Attention kernel for prefill and the update (decode steps are always dense): auto | dense |
     # blocked (flash-style, O(T) memory) | xla (jax.nn.dot_product_attention) | splash (TPU).
     c.model.attention = "auto"
@@ -274,6 +275,26 @@ def set_fields(c: ml_collections.ConfigDict, changes) -> ml_collections.ConfigDi
 
 def _fail(msg: str):
     raise ConfigError(msg)
+
+
+SCAN_LAYERS = {"auto": None, "true": True, "on": True, "false": False, "off": False}
+
+
+def scan_layers(c, *, accelerator: bool | None = None) -> bool:
+    """Whether the run's model stacks its layers under one scan: `model.scan_layers` (a bool,
+    or true / false / auto), auto resolved for the platform jax runs on (TPU and GPU: on), or
+    for an accelerator when `accelerator` says so (the planner plans TPU and GPU runs)."""
+    value = c.model.scan_layers
+    if isinstance(value, bool):
+        return value
+    choice = SCAN_LAYERS[str(value).lower()]
+    if choice is None:
+        if accelerator is not None:
+            return accelerator
+        import jax
+
+        return jax.default_backend() in ("tpu", "gpu", "cuda", "rocm")
+    return choice
 
 
 def algorithm(c: ml_collections.ConfigDict) -> losses.Algorithm:
@@ -553,6 +574,13 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(
             f"config.model.attention is {c.model.attention!r}; use one of "
             f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (auto picks per platform and length)."
+        )
+    if not isinstance(c.model.scan_layers, bool) and (
+        str(c.model.scan_layers).lower() not in SCAN_LAYERS
+    ):
+        _fail(
+            f"config.model.scan_layers is {c.model.scan_layers!r}; use auto (on for TPU and GPU, "
+            "off on CPU), true or false."
         )
     for path in ("model.param_dtype", "model.compute_dtype"):
         if _get(c, path) not in ("float32", "bfloat16"):

@@ -149,7 +149,8 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
             fields["vocab_size"] = len(char_tokenizer.SPECIAL_TOKENS) + len(char_tokenizer.CHARS)
         fields.update(dtypes)
         cfg = models.ModelConfig(**fields)
-    return cfg.replace(remat=bool(c.remat), attention=c.attention, scan_layers=c.scan_layers)
+    scan = config_lib.scan_layers(config, accelerator=True)  # plans are for TPU and GPU runs
+    return cfg.replace(remat=bool(c.remat), attention=c.attention, scan_layers=scan)
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int) -> jax.sharding.AbstractMesh:

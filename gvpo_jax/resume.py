@@ -21,6 +21,7 @@ import numpy as np
 from flax import struct
 
 from gvpo_jax import assemble, checkpoint, sharding, train_step
+from gvpo_jax import config as config_lib
 from gvpo_jax.models import lora
 from gvpo_jax.rl_step import LoopState
 
@@ -201,7 +202,7 @@ def check_layers_layout(run_: assemble.Run, directory, step: int) -> None:
     if not layered:
         return
     unrolled = any("'layers', '0'," in n for n in layered)
-    scanned = bool(run_.config.model.scan_layers)
+    scanned = config_lib.scan_layers(run_.config)
     if unrolled == (not scanned):
         return
     held = "one block per layer" if unrolled else "its blocks stacked (scanned layers)"

@@ -27,6 +27,10 @@ def test_tiny_parts_report_their_measures():
     assert rollout["rows"] == 4 and rollout["new_tokens"] == 8
     assert rollout["tokens_per_s"] > 0 and 0 < rollout["share_of_floor"] < 1
     assert rollout["compile_s"] > 0 and rollout["first_call_s"] > rollout["median_s"]
+    assert (
+        rollout["scan_layers"]
+        and not check.run_part("rollout-unrolled:tiny", True, env)["scan_layers"]
+    )
     update = check.run_part("update:tiny", True, env)
     assert math.isfinite(update["first_loss"]) and update["programs"] == 1
     assert 0 < update["mfu"] < 1 and update["tflop_per_update"] > 0
