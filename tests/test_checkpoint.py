@@ -397,5 +397,5 @@ def test_new_families_train_state_round_trips_bit_identical(tmp_path, arch):
         got, _, _ = ckpt.restore(_abstract(state))
     _assert_bit_identical(state, got)
     names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(got.params)}
-    assert "layers/attn/q_norm/scale" in names  # the blocks stacked [L, ...] (scan_layers)
-    assert ("layers/post_mlp_norm/scale" in names) == (arch == "gemma3")
+    assert "layers/0/attn/q_norm/scale" in names
+    assert ("layers/1/post_mlp_norm/scale" in names) == (arch == "gemma3")

@@ -20,37 +20,34 @@ def test_gpu_test_ids_name_existing_test_functions():
 
 
 def test_tiny_parts_report_their_measures():
-    """Rollout, update and attention in this process (tiny shapes): finite, positive measures;
-    EOS off so every row decodes to the end; the kernels agree with dense."""
+    """The unrolled rollout, the update, transformers' generate and the attention in this
+    process (tiny shapes): finite, positive measures; the kernels agree with dense."""
     env = dict(bf16_matmul_tflops=1.0, copy_gb_s=10.0)
-    rollout = check.run_part("rollout:tiny", True, env)
-    assert rollout["rows"] == 4 and rollout["new_tokens"] == 8
-    assert rollout["tokens_per_s"] > 0 and 0 < rollout["share_of_floor"] < 1
-    assert rollout["compile_s"] > 0 and rollout["first_call_s"] > rollout["median_s"]
-    assert (
-        rollout["scan_layers"]
-        and not check.run_part("rollout-unrolled:tiny", True, env)["scan_layers"]
-    )
+    unrolled = check.run_part("rollout-unrolled:tiny", True, env)  # (the scanned one: below)
+    assert not unrolled["scan_layers"] and unrolled["rows"] == 4 and unrolled["new_tokens"] == 8
     update = check.run_part("update:tiny", True, env)
     assert math.isfinite(update["first_loss"]) and update["programs"] == 1
     assert 0 < update["mfu"] < 1 and update["tflop_per_update"] > 0
+    hf = check.run_part("hf:tiny", True, env)  # transformers.generate of the same shapes
+    assert hf["rows"] == 4 and hf["tokens_per_s"] > 0
     attention = check.run_part("attention", True, env)
     assert attention["auto"] == "blocked"  # dense at tiny CPU shapes: blocked stands in
     assert attention["value_rel_err"] < 1e-2 and attention["grad_rel_err"] < 1e-2
 
 
 def test_runner_records_each_part_as_it_finishes_and_skips_what_the_budget_cuts(tmp_path):
-    """The runner: one JSON line per part, in order; env's figures reach later parts; a part
-    that dies or times out is recorded as failed and the runner goes on; past the budget the
-    remaining parts are recorded as skipped."""
+    """The runner (env and the scanned rollout, each in its own process): one JSON line per
+    part, in order, each with its measures; a part that dies or times out is recorded as failed
+    and the runner goes on; past the budget the remaining parts are recorded as skipped."""
     out = tmp_path / "out"
-    rc = check.main(["--tiny", "--out", str(out), "--only", "env,hf:tiny"])
+    rc = check.main(["--tiny", "--out", str(out), "--only", "env,rollout:tiny"])
     records = [json.loads(line) for line in (out / "check.jsonl").read_text().splitlines()]
-    assert rc == 0 and [r["part"] for r in records] == ["env", "hf:tiny"]
+    assert rc == 0 and [r["part"] for r in records] == ["env", "rollout:tiny"]
     assert all(r["ok"] for r in records) and records[0]["copy_gb_s"] > 0
-    assert (
-        records[1]["tokens_per_s"] > 0 and "===== hf:tiny =====" in (out / "check.log").read_text()
-    )
+    rollout = records[1]
+    assert rollout["scan_layers"] and rollout["tokens_per_s"] > 0
+    assert 0 < rollout["share_of_floor"] < 1 and rollout["compile_s"] > 0
+    assert "===== rollout:tiny =====" in (out / "check.log").read_text()
 
     died = check._run_child([sys.executable, "-c", "raise SystemExit(3)"], 10, "x", str(out / "l"))
     assert died == dict(died, ok=False, error="the process died")

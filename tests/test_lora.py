@@ -212,10 +212,10 @@ def test_sharded_lora_step_on_8_fake_devices_equals_the_one_device_step():
         new, metrics = update(state, device_batch)
         results.append((_flat(new.params), jax.device_get(metrics)))
         if shape == (2, 2, 2):
-            attn = new.params["layers"]["attn"]  # stacked [L, ...]: layers never split
-            assert attn["q_lora"]["a"].get_value().sharding.spec == P(None, "fsdp", None)
-            assert attn["q_lora"]["b"].get_value().sharding.spec == P(None, None, "tensor", None)
-            assert attn["o_lora"]["a"].get_value().sharding.spec == P(None, "tensor", None, None)
+            attn = new.params["layers"][0]["attn"]
+            assert attn["q_lora"]["a"].get_value().sharding.spec == P("fsdp", None)
+            assert attn["q_lora"]["b"].get_value().sharding.spec == P(None, "tensor", None)
+            assert attn["o_lora"]["a"].get_value().sharding.spec == P("tensor", None, None)
     (ref, m_ref), (got, m_got) = results
     np.testing.assert_allclose(float(m_got["loss"]), float(m_ref["loss"]), rtol=1e-6)
     np.testing.assert_allclose(float(m_got["grad_norm"]), float(m_ref["grad_norm"]), rtol=1e-6)

@@ -640,9 +640,8 @@ def test_logical_axis_names_map_onto_a_mesh():
         specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     P = jax.sharding.PartitionSpec
     assert specs["embedding"].get_value() == P("tensor", "fsdp")
-    # the blocks stacked [L, ...] (scan_layers): the layers axis is never split
-    assert specs["layers"]["attn"]["q_kernel"].get_value() == P(None, "fsdp", "tensor", None)
-    assert specs["layers"]["mlp"]["down_kernel"].get_value() == P(None, "tensor", "fsdp")
+    assert specs["layers"][0]["attn"]["q_kernel"].get_value() == P("fsdp", "tensor", None)
+    assert specs["layers"][0]["mlp"]["down_kernel"].get_value() == P("tensor", "fsdp")
     assert specs["final_norm"]["scale"].get_value() == P(None)
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = jnp.asarray(_tokens((4, 8), vocab=cfg.vocab_size, seed=8))
@@ -773,11 +772,10 @@ def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints, ki
     model = models.from_pretrained(path, shardings=shardings)
     P = jax.sharding.PartitionSpec
     assert model.lm_head.get_value().sharding.spec == P("tensor", "fsdp")
-    # the blocks stacked [L, ...] (scan_layers): the layers axis is never split
-    up = model.layers.mlp.up_kernel.get_value()
-    assert up.sharding.spec == P(None, "fsdp", "tensor") and len(up.addressable_shards) == 8
+    up = model.layers[1].mlp.up_kernel.get_value()
+    assert up.sharding.spec == P("fsdp", "tensor") and len(up.addressable_shards) == 8
     if cfg.qk_norm:  # the QK-norm scales are `norm` parameters: replicated
-        assert model.layers.attn.k_norm.scale.get_value().sharding.spec == P(None, None)
+        assert model.layers[1].attn.k_norm.scale.get_value().sharding.spec == P(None)
     tokens = _tokens((2, 5), seed=10)
     np.testing.assert_allclose(
         np.asarray(model(jnp.asarray(tokens))),

@@ -71,8 +71,9 @@ def test_layer_kinds_are_one_for_uniform_layers_and_two_for_gemma3():
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_scanned_equals_unrolled_values_gradients_and_samples(family):
     """Same seed, same parameters (stacked); logits and the shared-prefix forward to fp32
-    rounding, the log-prob gradient to 1e-6 of its largest entry, and identical greedy and
-    sampled tokens from the static, continuous and shedding decodes."""
+    rounding, the log-prob gradient to 1e-6 of its largest entry, and (Qwen2 and Gemma 3, whose
+    sliding layers take the scan's other branch) identical greedy and sampled tokens from the
+    static, continuous and shedding decodes."""
     cfg = FAMILIES[family]
     unrolled, scanned = _pair(cfg)
     want, got = _stacked(nnx.state(unrolled, nnx.Param)), _values(nnx.state(scanned, nnx.Param))
@@ -92,15 +93,17 @@ def test_scanned_equals_unrolled_values_gradients_and_samples(family):
     for path in g_want:
         np.testing.assert_allclose(g_got[path], g_want[path], atol=1e-6 * scale, err_msg=str(path))
     prompts, lens = tokens[:2, :6], jnp.asarray([6, 4], jnp.int32)
-    for temperature in (0.0, 1.0):
-        for kw in (dict(), dict(num_slots=3), dict(shed=1)):
-            settings = sampler.SamplingSettings(
-                max_new_tokens=7, group_size=2, eos_ids=(3,), temperature=temperature, **kw
-            )
-            a, b = (sampler.generate(m, prompts, lens, settings, rng=jax.random.key(1))
-                    for m in (unrolled, scanned))  # fmt: skip
-            np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN, err_msg=str(kw))
-            np.testing.assert_allclose(a.logp_BxN, b.logp_BxN, atol=2e-5)
+    if family in ("qwen3", "llama"):  # their caches and decode loops are qwen2's
+        return
+    # greedy in the static batch, sampled with continuous batching and with a shedding decode
+    for temperature, kw in ((0.0, {}), (1.0, dict(num_slots=3)), (1.0, dict(shed=1))):
+        settings = sampler.SamplingSettings(
+            max_new_tokens=7, group_size=2, eos_ids=(3,), temperature=temperature, **kw
+        )
+        a, b = (sampler.generate(m, prompts, lens, settings, rng=jax.random.key(1))
+                for m in (unrolled, scanned))  # fmt: skip
+        np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN, err_msg=str(kw))
+        np.testing.assert_allclose(a.logp_BxN, b.logp_BxN, atol=2e-5)
 
 
 def test_lora_on_scanned_layers_equals_lora_on_unrolled_layers(tmp_path):

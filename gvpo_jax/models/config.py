@@ -85,7 +85,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False
-    scan_layers: bool = True  # blocks stacked [L, ...] and run by one scan (flat compile time)
+    scan_layers: bool = False  # blocks stacked [L, ...] and run by one scan (flat compile time)
     attention: str = "auto"  # auto | dense | blocked | xla | splash (see models/attention.py)
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None

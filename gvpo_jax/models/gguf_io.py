@@ -281,7 +281,7 @@ def from_gguf(
     compute_dtype="float32",
     *,
     load_tokenizer: bool = True,
-    scan_layers: bool = True,
+    scan_layers: bool = False,
 ):
     """(Transformer, tokenizer) from a llama.cpp GGUF file (Llama, Qwen2, Qwen3 or Gemma 3).
 

@@ -270,7 +270,7 @@ def from_pretrained(
     compute_dtype="float32",
     *,
     remat: bool = False,
-    scan_layers: bool = True,
+    scan_layers: bool = False,
     shardings=None,
 ):
     """Loads a Qwen2/Qwen2.5/Qwen3/Llama HF checkpoint directory (config.json + *.safetensors).
