@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 
 import jax
 import numpy as np
@@ -286,3 +287,16 @@ def test_train_run_hands_each_rl_step_to_on_step_and_ends_where_it_says(tmp_path
         "eval_end" in summary
         and (tmp_path / "eval_outcomes" / "step_000002_eval_end.json").exists()
     )
+
+
+def test_compile_depth_quick_compiles_every_program_both_ways_and_times_them(capsys):
+    """benchmarks.compile_depth --quick: the update, log-prob and decode programs compiled
+    unrolled and scanned (one row of seconds each), then each timed once compiled."""
+    from benchmarks import compile_depth
+
+    compile_depth.main(["--quick", "--repeats", "1"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| tiny | 2 |"))
+    assert all(float(x) > 0 for x in row.strip("|").split("|")[2:])
+    for name in ("update", "logprobs", "decode"):
+        assert re.search(rf"^\| {name} \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ ", out, re.M), name
