@@ -290,8 +290,8 @@ def test_train_run_hands_each_rl_step_to_on_step_and_ends_where_it_says(tmp_path
 
 
 def test_compile_depth_quick_compiles_every_program_both_ways_and_times_them(capsys):
-    """benchmarks.compile_depth --quick: the update, log-prob and decode programs compiled
-    unrolled and scanned (one row of seconds each), then each timed once compiled."""
+    """benchmarks.compile_depth --quick: the log-prob and decode programs compiled unrolled and
+    scanned (one row of seconds), then the update, log-prob and decode timed once compiled."""
     from benchmarks import compile_depth
 
     compile_depth.main(["--quick", "--repeats", "1"])
