@@ -256,6 +256,7 @@ class Updater:
             donate_argnames=("state",),  # (the gradients have no output to alias)
         )
         self._zeros = None
+        self.ahead = None  # `programs.Ahead` compiling this updater's programs (compile_ahead)
 
     @property
     def packed(self) -> bool:
@@ -273,12 +274,69 @@ class Updater:
         return {name: f._cache_size() for name, f in jitted.items()}
 
     def _zero_acc(self, params, first_batch):
+        self._ready("zeros")
+        return self._zeros_fn(params, first_batch)(params)
+
+    def _zeros_fn(self, params, first_batch):
         if self._zeros is None:  # the aux keys and shapes are the same for every width
             aux = jax.eval_shape(lambda p, b: self._loss_fn(p, b)[1], params, first_batch)
             self._zeros = jax.jit(
                 lambda p: train_step.zero_accumulator(p, aux), out_shardings=self._acc_shardings
             )
-        return self._zeros(params)
+        return self._zeros
+
+    def _ready(self, *key) -> None:
+        """Waits for the program under `key` when it is being compiled ahead."""
+        if self.ahead is not None:
+            self.ahead.ready(key)
+
+    def compile_ahead(self, ahead, state, example: UpdateBatch, passes=(False,)) -> None:
+        """Hands every program the passes can meet to `ahead` (a `programs.Ahead`), widest
+        first: the accumulation at each width, the optimizer step (and the token-mean
+        normalisation), and the log-prob pass at each width for each flag of `passes` (False:
+        the policy, also the frozen reference copy; True: LoRA's adapters off; () when the
+        step runs no log-prob pass). `example` is a host micro-batch of zeros with the step's
+        fields at full width (`rl_step.example_batch`), `state` the train state; only their
+        shapes, dtypes and shardings are read, here, so the state may be donated meanwhile.
+        From then on each call of one of these programs waits for its compile."""
+        self.ahead = ahead
+        state = sharding.abstract(state)
+        params = state.params
+        rows = np.arange(len(example.rewards))
+        G, J = self.group_size, self.prompt_len
+
+        def batch_at(width):
+            if self.packed:
+                return to_device(pack(example, rows, width, J, G), self.mesh, G)
+            return to_device(trim(example, rows, width, J), self.mesh, G)
+
+        first = batch_at(max(self.widths))
+        acc = self._zeros_fn(params, first).eval_shape(params)  # with the shardings
+        ahead.submit(("zeros",), lambda: self._zeros.lower(params).compile())
+        for width in sorted(self.widths, reverse=True):
+            mb = sharding.abstract(batch_at(width))
+            ahead.submit(
+                ("accumulate", width),
+                lambda mb=mb: self._accumulate.lower(params, acc, mb).compile(),
+            )
+            if width == max(self.widths):
+                ahead.submit(("apply",), lambda: self._apply.lower(state, acc).compile())
+                if self.token_weighted:
+                    ahead.submit(("normalize",), lambda: self._normalize.lower(acc).compile())
+            for off in passes:
+                args = (mb.packed,) if self.packed else (mb.tokens, mb.valid)
+                args += (True,) if off else ()
+                ahead.submit(
+                    ("logprobs", width, off),
+                    lambda args=args: self._logprobs.lower(params, *args).compile(),
+                )
+
+    def end_compile_ahead(self) -> None:
+        """Drops the programs `compile_ahead` has not started compiling; each call compiles
+        its own again."""
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
 
     def _plan(self, valid, chunks: int):
         """`plan_chunks` of host rows, on the response part of their valid mask (what the
@@ -316,8 +374,10 @@ class Updater:
         for _, mb in self._device_chunks(batch, M):
             if acc is None:
                 acc = self._zero_acc(params, mb)
+            self._ready("accumulate", mb_width(mb))
             acc = self._accumulate(params, acc, mb)
         if self.token_weighted:  # the minibatch's exact token mean (see the module doc)
+            self._ready("normalize")
             acc = self._normalize(acc)
         return acc, self.computed_slots(batch.valid, M) / np.asarray(batch.loss_mask).size
 
@@ -326,6 +386,7 @@ class Updater:
         metrics["update_slot_frac"] is the share of the response slots computed,
         ["update_pad_ratio"] the slots computed per real response token (1: no padding)."""
         acc, slot_frac = self.accumulated(state.params, batch)
+        self._ready("apply")
         state, metrics = self._apply(state, acc)
         computed = slot_frac * np.asarray(batch.loss_mask).size
         ratio = computed / real_tokens(batch.valid, self.prompt_len)
@@ -348,6 +409,7 @@ class Updater:
         off = (True,) if reference else ()  # LoRA: the adapters off
         for rows, dev in self._device_chunks(sequences, self.chunks):
             # dispatch every chunk, then wait for all of them
+            self._ready("logprobs", mb_width(dev), reference)
             if self.packed:
                 parts.append((rows, self._logprobs(params, dev.packed, *off)))
             else:
@@ -357,6 +419,11 @@ class Updater:
             logp = sharding.gather(logp)
             out[rows, : logp.shape[1]] = logp
         return out
+
+
+def mb_width(batch: UpdateBatch) -> int:
+    """The response width of a micro-batch (packed: its packed response slots)."""
+    return batch.packed.segments.shape[1] if batch.packed is not None else batch.loss_mask.shape[1]
 
 
 def real_tokens(valid, prompt_len: int) -> float:

@@ -225,6 +225,10 @@ def base_config() -> ml_collections.ConfigDict:
     # compared): ~0.25 s per GB of checkpoint, shared by the processes, once per resume.
     c.train.verify_checkpoints = True
     c.train.max_bad_steps = 5  # stop after this many consecutive non-finite steps
+    # Compile the update's and log-prob passes' programs for every width in background threads
+    # while the first evaluation and rollout run (docs/models.md): auto is on for TPU and GPU
+    # (idle host cores), off on CPU (the cores sample); true / false force it.
+    c.train.compile_ahead = "auto"
     c.train.reward_timeout_s = 5.0  # per-sample reward timeout (seconds)
     # Processes scoring the sympy-based rewards (math) with a hard timeout: -1 = one per core, at
     # most 8; 0 = in this process, for debugging only (an answer sympy cannot finish evaluating
@@ -277,17 +281,15 @@ def _fail(msg: str):
     raise ConfigError(msg)
 
 
-SCAN_LAYERS = {"auto": None, "true": True, "on": True, "false": False, "off": False}
+SWITCH = {"auto": None, "true": True, "on": True, "false": False, "off": False}
 
 
-def scan_layers(c, *, accelerator: bool | None = None) -> bool:
-    """Whether the run's model stacks its layers under one scan: `model.scan_layers` (a bool,
-    or true / false / auto), auto resolved for the platform jax runs on (TPU and GPU: on), or
-    for an accelerator when `accelerator` says so (the planner plans TPU and GPU runs)."""
-    value = c.model.scan_layers
+def switch(value, *, accelerator: bool | None = None) -> bool:
+    """A switch field's value (a bool, or true / on / false / off / auto), auto resolved for the
+    platform jax runs on (TPU and GPU: on, CPU: off), or as `accelerator` says when given."""
     if isinstance(value, bool):
         return value
-    choice = SCAN_LAYERS[str(value).lower()]
+    choice = SWITCH[str(value).lower()]
     if choice is None:
         if accelerator is not None:
             return accelerator
@@ -295,6 +297,19 @@ def scan_layers(c, *, accelerator: bool | None = None) -> bool:
 
         return jax.default_backend() in ("tpu", "gpu", "cuda", "rocm")
     return choice
+
+
+def scan_layers(c, *, accelerator: bool | None = None) -> bool:
+    """Whether the run's model stacks its layers under one scan: `model.scan_layers`, auto on
+    for TPU and GPU, or for an accelerator when `accelerator` says so (the planner plans TPU
+    and GPU runs)."""
+    return switch(c.model.scan_layers, accelerator=accelerator)
+
+
+def compile_ahead(c) -> bool:
+    """Whether the trainer compiles the update's and log-prob passes' programs ahead, in
+    background threads (`train.compile_ahead`; auto: on for TPU and GPU)."""
+    return switch(c.train.compile_ahead)
 
 
 def algorithm(c: ml_collections.ConfigDict) -> losses.Algorithm:
@@ -575,13 +590,13 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"config.model.attention is {c.model.attention!r}; use one of "
             f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (auto picks per platform and length)."
         )
-    if not isinstance(c.model.scan_layers, bool) and (
-        str(c.model.scan_layers).lower() not in SCAN_LAYERS
-    ):
-        _fail(
-            f"config.model.scan_layers is {c.model.scan_layers!r}; use auto (on for TPU and GPU, "
-            "off on CPU), true or false."
-        )
+    for path in ("model.scan_layers", "train.compile_ahead"):
+        value = _get(c, path)
+        if not isinstance(value, bool) and str(value).lower() not in SWITCH:
+            _fail(
+                f"config.{path} is {value!r}; use auto (on for TPU and GPU, off on CPU), true or "
+                "false."
+            )
     for path in ("model.param_dtype", "model.compute_dtype"):
         if _get(c, path) not in ("float32", "bfloat16"):
             _fail(f"config.{path} is {_get(c, path)!r}; use float32 or bfloat16.")

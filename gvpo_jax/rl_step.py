@@ -129,6 +129,50 @@ class LoopState:
         return f"{what}; their prompts are sampled again from stream position {self.data.position}."
 
 
+def logprob_passes(s: StepSettings) -> tuple[bool, ...]:
+    """The log-prob passes a step runs, by their adapters-off flag (`Updater.logprobs`'s
+    `reference`): False for pi_old, the frozen reference copy or the advantages' pi_old, True
+    for LoRA's reference (the adapters off); () when the update's own forward is pi_old and
+    nothing else is needed (step 4 below)."""
+    policy = (
+        s.spec.old_logp
+        or s.reference.kind == "copy"
+        or (s.spec.advantages and s.algorithm.advantages_need_old)
+    )
+    return (False,) * policy + (True,) * (s.reference.kind == "adapters_off")
+
+
+def example_batch(s: StepSettings, rows: int, max_new_tokens: int) -> UpdateBatch:
+    """A host update batch of `rows` rows (whole groups) of zeros carrying the fields, shapes
+    and dtypes of the batches `rl_step` builds, at full width: what `Updater.compile_ahead`
+    compiles the step's programs for."""
+    J, N, spec = s.prompt_len, max_new_tokens, s.spec
+
+    def zeros(*shape, dtype=np.float32):
+        return np.zeros(shape, dtype)
+
+    per_token = ("old_logp", "ref_logp", "behaviour_logp", "sampler_logp")
+    batch = UpdateBatch(
+        tokens=zeros(rows, J + N, dtype=np.int32),
+        valid=zeros(rows, J + N),
+        loss_mask=zeros(rows, N),
+        rewards=zeros(rows),
+        drawn=zeros(rows) if spec.sampler_logp else None,
+        **{k: zeros(rows, N) for k in per_token if getattr(spec, k)},
+    )
+    if spec.advantages:
+        old = zeros(rows, N) if s.algorithm.advantages_need_old else None
+        adv = s.algorithm.advantages(
+            rewards=batch.rewards,
+            mask=batch.loss_mask,
+            group_size=s.group_size,
+            old_logp=old,
+            ref_logp=batch.ref_logp,
+        )
+        batch = batch.replace(advantages=zeros(*np.shape(adv)))
+    return batch
+
+
 def rl_step(run, state, loop: LoopState, ref_params):
     """One RL step from `state` (a `train_step.TrainState`) and `loop` (advanced in place);
     `ref_params` is the frozen reference (None when the run needs none). Returns (state,

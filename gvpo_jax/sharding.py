@@ -207,6 +207,17 @@ def param_shardings(abstract_params_or_model, mesh: jax.sharding.Mesh, rules=LOG
     return state_shardings(tree, mesh, rules)
 
 
+def abstract(tree):
+    """Each array of `tree` as a ShapeDtypeStruct with its sharding (and weak type): what
+    `jit(...).lower` needs of it, without holding its buffers."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding, weak_type=x.aval.weak_type
+        ),
+        tree,
+    )
+
+
 def abstract_with_shardings(tree, shardings):
     """ShapeDtypeStructs carrying shardings (restore targets for Orbax, `jit(...).lower`)."""
     return jax.tree.map(

@@ -19,9 +19,21 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from gvpo_jax import assemble, checkpoint, export, metrics, models, resume, sharding, train_step
+from gvpo_jax import (
+    assemble,
+    checkpoint,
+    export,
+    metrics,
+    models,
+    programs,
+    resume,
+    sharding,
+    train_step,
+)
 from gvpo_jax import batch as batch_lib
+from gvpo_jax import config as config_lib
 from gvpo_jax import eval as eval_lib
+from gvpo_jax import rl_step as rl_step_lib
 from gvpo_jax.rl_step import LoopState, TrainingError, rl_step
 from gvpo_jax.rollout import next_examples
 
@@ -81,8 +93,9 @@ def train_rl(run_: assemble.Run, state, loop: LoopState, ref, summary: dict, on_
     """RL from `loop.step` to train.steps (or where `on_step` stops it) between two held-out
     evaluations, then the run's end (export, curves, summary)."""
     c = run_.config
+    ahead = compile_ahead(run_, state)  # while the first evaluation and rollout run
     _record_eval(summary, "eval_start", run_, state.params, step=loop.step)
-    state, preempted = rl_loop(run_, state, loop, ref, on_step=on_step)
+    state, preempted = rl_loop(run_, state, loop, ref, on_step=on_step, ahead=ahead)
     if preempted:
         summary["preempted_at"] = loop.step
         return summary
@@ -95,19 +108,48 @@ def train_rl(run_: assemble.Run, state, loop: LoopState, ref, summary: dict, on_
     return summary
 
 
-def rl_loop(run_: assemble.Run, state, loop: LoopState, ref, *, on_step=None):
+def compile_ahead(run_: assemble.Run, state) -> programs.Ahead | None:
+    """The RL update's and log-prob passes' programs, every width, compiling in background
+    threads (`programs.Ahead`, `Updater.compile_ahead`) when `train.compile_ahead` is on;
+    None when off."""
+    c, s = run_.config, run_.settings
+    if not config_lib.compile_ahead(c):
+        return None
+    ahead = programs.Ahead()
+    rows = s.prompts_per_step * s.group_size // run_.updater.chunks  # one micro-batch's
+    example = rl_step_lib.example_batch(s, rows, c.rollout.max_new_tokens)
+    run_.updater.compile_ahead(ahead, state, example, rl_step_lib.logprob_passes(s))
+    return ahead
+
+
+def rl_loop(run_: assemble.Run, state, loop: LoopState, ref, *, on_step=None, ahead=None):
     """RL steps loop.step + 1 .. train.steps, with logging, sample logs, periodic evaluation,
     checkpoints and preemption (SIGTERM: save and stop). `loop` is advanced in place.
 
     `on_step(step, state, metrics) -> bool`, when given, runs after each step before its
     metrics are written (it may add entries to `metrics`); True ends the loop there without a
-    checkpoint (e.g. the learning study's response budget). Returns (state, preempted).
+    checkpoint (e.g. the learning study's response budget). `ahead`: the programs compiling
+    ahead (`compile_ahead`, which the loop starts itself when not given). Every step's metrics
+    count the programs it met for the first time (`programs.Counter`). Returns (state,
+    preempted).
     """
+    if ahead is None:
+        ahead = compile_ahead(run_, state)
+    try:
+        with programs.Counter() as counter:
+            return _rl_steps(run_, state, loop, ref, on_step, counter, ahead)
+    finally:
+        if ahead is not None:
+            run_.updater.end_compile_ahead()
+
+
+def _rl_steps(run_: assemble.Run, state, loop: LoopState, ref, on_step, counter, ahead):
     c = run_.config
     guard = checkpoint.PreemptionGuard()
     bar = metrics.Progress(c.train.steps, loop.step, c.train.log_every)
     with guard:
         for step in range(loop.step + 1, c.train.steps + 1):
+            counter.take()  # from the step's start
             try:
                 state, m, completions, examples = rl_step(run_, state, loop, ref)
             except TrainingError as e:  # log the step that stopped the run, then stop
@@ -116,6 +158,9 @@ def rl_loop(run_: assemble.Run, state, loop: LoopState, ref, *, on_step=None):
                     run_.writer.flush()
                 bar.close()
                 raise TrainingError(f"step {step}: {e}", e.metrics) from e
+            m.update(counter.take())
+            if ahead is not None:
+                m["programs_compiled_ahead"] = float(ahead.compiled)
             loop.step = step
             done = bool(on_step(step, state, m)) if on_step is not None else False
             if step % c.train.log_every == 0:

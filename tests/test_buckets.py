@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gvpo_jax import assemble, buckets, sampler, train_step
+from gvpo_jax import assemble, buckets, programs, rl_step, sampler, train_step
 from gvpo_jax.batch import UpdateBatch
-from gvpo_jax.rl_step import rl_step
 from gvpo_jax.rollout import collect_groups
 from tests.test_train import _flat, make_run, toy_config
 
@@ -170,6 +169,44 @@ def test_bucketed_steps_compile_at_most_one_shape_per_width():
     assert run.updater._logprobs._cache_size() <= widths
 
 
+@pytest.mark.parametrize(
+    "algo, changes",
+    [("dapo", {}), ("reinforce_pp", {"optim.pack_groups": True, "optim.length_buckets": 1})],
+    ids=["dapo-buckets", "reinforce_pp-packed"],
+)
+def test_programs_compiled_ahead_serve_every_width_without_a_new_program(algo, changes):
+    """`Updater.compile_ahead` compiles each width's accumulation and log-prob pass, the token
+    mean's normalisation and the optimizer step from a batch of zeros (`rl_step.example_batch`);
+    the passes over real batches of varied lengths then lower no program at all."""
+    c = _bucketed(algo, **{"algo.num_epochs": 2, "train.kl_ref_metric": False, **changes})
+    run, state, loop, ref = make_run(c)
+    batches = []
+    for seed in range(3):
+        batch = _varied_batch(run, state, ref, seed=seed)
+        if algo == "reinforce_pp":  # its whole-batch advantages, [B, N], as the trainer gives
+            old = full_logprobs(run, state.params, batch.tokens, batch.valid)
+            adv = run.algorithm.advantages(rewards=batch.rewards, mask=batch.loss_mask,
+                                           group_size=c.rollout.group_size, old_logp=old,
+                                           ref_logp=batch.ref_logp)  # fmt: skip
+            batch = batch.replace(advantages=np.asarray(adv, np.float32))
+        batches.append(batch)
+    rows = len(batches[0].rewards) // run.updater.chunks
+    example = rl_step.example_batch(run.settings, rows, N)
+    ahead = programs.Ahead(threads=2)
+    passes = rl_step.logprob_passes(run.settings)
+    run.updater.compile_ahead(ahead, state, example, passes)
+    ahead.close(wait=True)
+    widths = len(run.updater.widths)
+    assert not ahead.failed and ahead.compiled == 3 + 2 * widths
+    with programs.Counter() as counter:
+        for batch in batches:
+            batch = batch.replace(old_logp=run.updater.logprobs(state.params, batch.tokens,
+                                                                batch.valid))  # fmt: skip
+            state, _ = run.updater.update(state, batch)
+        met = counter.take()
+    assert met["new_programs"] == 0, met
+
+
 @pytest.mark.parametrize("algo", ["gvpo", "grpo"])
 def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
     """rl_step with optim.length_buckets: the pi_old and reference passes and every update go
@@ -189,7 +226,7 @@ def test_trainer_step_runs_its_passes_and_updates_through_the_buckets(algo):
 
     run.updater.update, run.updater.logprobs = update, logprobs
     before = _flat(state.params)
-    state, metrics, _, _ = rl_step(run, state, loop, ref)
+    state, metrics, _, _ = rl_step.rl_step(run, state, loop, ref)
     assert calls == {"update": 4, "logprobs": 1 + (ref is not None)}
     assert 0 < metrics["update_slot_frac"] <= 1 and np.isfinite(metrics["loss"])
     assert np.abs(_flat(state.params) - before).max() > 1e-5

@@ -92,7 +92,9 @@ def record_replay_states(monkeypatch) -> dict[str, list]:
 # ----------------------------------------------------------------------------------------------
 # Outputs of a run: metrics.jsonl, Orbax checkpoints, the exported model.
 
-VOLATILE = ("time", "tokens_per_s")  # wall-clock metrics differ between identical runs
+# Wall-clock metrics, and the programs a run meets (a later run in the same process finds them
+# compiled), differ between identical runs.
+VOLATILE = ("time", "tokens_per_s", "new_programs", "programs_compiled_ahead")
 # Every compilation starts by lowering to MLIR, also when the persistent compilation cache (the
 # suite runs with one, see conftest.py) then supplies the executable.
 COMPILE_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -243,6 +245,7 @@ def gvpo_config():
             "train.steps": GVPO_STEPS,
             "train.checkpoint_every": 100,  # no scheduled save: a preemption save is the only one
             "train.export": True,
+            "train.compile_ahead": "true",
         },
     )
 
@@ -375,6 +378,13 @@ def test_no_compilation_once_the_replay_buffer_is_full(gvpo_runs):
     by_step = {s: gvpo_runs["compiles"].count(s) for s in range(1, GVPO_STEPS + 2)}
     assert by_step[1] > 0  # the listener does see compilations
     assert all(by_step[s] == 0 for s in range(3, GVPO_STEPS + 1)), by_step
+    # The run compiles its update and log-prob programs ahead (train.compile_ahead), and each
+    # step's metrics count the programs it met for the first time: the sampler's at step 1 and
+    # at step 2 (fewer fresh prompts), none after.
+    rows = rl_rows(gvpo_runs["straight"])
+    assert rows[1]["programs_compiled_ahead"] == 4  # zeros, accumulate, apply, log-probs
+    assert rows[1]["new_programs"] > 0 and rows[2]["new_programs"] > 0
+    assert all(rows[s]["new_programs"] == 0 for s in range(3, GVPO_STEPS + 1)), rows
 
 
 # ----------------------------------------------------------------------------------------------
