@@ -40,6 +40,7 @@ class CompareError(BadInputError):
 
 # A bootstrap draws resamples x problems indices at once (int64): bound it to ~800 MB.
 MAX_DRAWS = 100_000_000
+RESAMPLES = 10_000  # bootstrap resamples by default (the learning studies' too)
 
 
 def _show(value) -> str:
@@ -158,7 +159,9 @@ def _check_settings(metric: str, resamples, seed, level) -> None:
     if metric not in ("mean", "greedy"):
         raise CompareError(f"--metric is {_show(metric)}; use mean or greedy.")
     if _whole(resamples) is None or resamples < 1:
-        raise CompareError(f"--resamples is {_show(resamples)}; give at least 1 (10000 default).")
+        raise CompareError(
+            f"--resamples is {_show(resamples)}; give at least 1 ({RESAMPLES} default)."
+        )
     if _whole(seed) is None or seed < 0:
         raise CompareError(f"--seed is {_show(seed)}; give a whole number >= 0.")
     if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0 < level < 1:
@@ -186,7 +189,7 @@ def mcnemar_p(a_only: int, b_only: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-def paired_difference(a, b, *, resamples: int = 10_000, seed: int = 0, level: float = 0.95):
+def paired_difference(a, b, *, resamples: int = RESAMPLES, seed: int = 0, level: float = 0.95):
     """Mean of b - a over paired problems and its bootstrap interval (percentile method, the
     problems resampled with replacement `resamples` times from a fixed seed)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -217,7 +220,7 @@ def compare(
     metric: str = "mean",
     step_a=None,
     step_b=None,
-    resamples: int = 10_000,
+    resamples: int = RESAMPLES,
     seed: int = 0,
     level: float = 0.95,
 ) -> dict:
@@ -335,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--metric", choices=("mean", "greedy"), default="mean")
     parser.add_argument("--step_a", type=int, default=None, help="A's training-time evaluation")
     parser.add_argument("--step_b", type=int, default=None, help="B's training-time evaluation")
-    parser.add_argument("--resamples", type=int, default=10_000)
+    parser.add_argument("--resamples", type=int, default=RESAMPLES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--level", type=float, default=0.95, help="the interval's confidence")
     parser.add_argument("--json", default="", help="also write the result to this JSON file")

@@ -1,7 +1,8 @@
-"""Learning-study statistics, tables and plots: per-cell summaries over seeds (final accuracy,
-AUC, divergence, KL, gradient clipping), 95% intervals over seeds and over the held-out problem
-set, the data a difference would need to be resolved, and accuracy-vs-budget curves.
-Pure functions of run records (`studies.runs`)."""
+"""Learning-study tables and plots from run records (`studies.runs`): per-cell summaries over
+seeds (final accuracy, AUC, divergence, KL, gradient clipping), the differences between cells
+with their 95% intervals over seeds and held-out problems and the data they would need
+(`studies.stats` on the records: paired by seed where runs share their first rollouts), and
+accuracy-vs-budget curves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import json
 import os
 
 import numpy as np
-from scipy import stats
+
+from studies import stats
+from studies.stats import ci95
 
 DIVERGE_RATIO = 0.5  # final accuracy below this times the start's counts as a collapse
 
@@ -73,10 +76,6 @@ def _step_mean(recs: list[dict], key: str) -> float:
     return float(vals.mean()) if vals.size else float("nan")
 
 
-# ----------------------------------------------------------------------------------------------
-# Intervals: over seeds, over the held-out problems, and the data a difference needs
-
-
 def logp_gap(recs: list[dict]) -> float:
     """Median over the runs' steps of `sampler_logp_gap_max`: the largest per-token gap (nats)
     between the log-prob the sampler drew a token with and the one the update recomputes. At
@@ -86,67 +85,91 @@ def logp_gap(recs: list[dict]) -> float:
     return float(np.median(vals)) if vals else float("nan")
 
 
-def ci95(x) -> float:
-    """Half-width of the 95% confidence interval of the mean of x (Student's t over seeds)."""
-    x = np.asarray(x, np.float64)
-    if len(x) < 2:
-        return float("nan")
-    return float(stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
+# ----------------------------------------------------------------------------------------------
+# Differences between cells: over seeds, over the held-out problems, and the data they need
+
+CURVES = (("curve", "greedy"), ("curve_sampled", "avg@n"))  # a record's final accuracies
 
 
-def diff_ci95(a, b) -> tuple[float, float]:
-    """mean(a) - mean(b) and the half-width of its 95% interval (Welch's t, the seeds of two
-    cells as independent samples, at the Welch-Satterthwaite degrees of freedom, fractional as
-    they are: rounding them down widens the interval). The difference is resolved when
-    |diff| > half-width."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    se = np.sqrt(va + vb)
-    if se == 0:
-        return float(a.mean() - b.mean()), 0.0
-    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    return float(a.mean() - b.mean()), float(stats.t.ppf(0.975, dof) * se)
+def shares_first_rollouts(recs_a: list[dict], recs_b: list[dict]) -> bool:
+    """Whether two cells' runs pair by seed: as many runs in each, and run i of both drew the
+    same first rollout, as runs with the same seed from the same start do when what their
+    arms change acts only from the first update on (the method, its beta, the updates per
+    rollout; not the staleness, which changes the sampler's stream). A record keeps each
+    step's mean reward, so the same first rollout shows as the same first reward."""
+    if len(recs_a) != len(recs_b) or len(recs_a) < 2:
+        return False
+    first = [[(r.get("rewards") or [None])[0] for r in recs] for recs in (recs_a, recs_b)]
+    return None not in first[0] and first[0] == first[1]
 
 
-def problems_ci95(pa: float, pb: float, problems: int) -> float:
-    """Half-width of the 95% interval that the finite held-out set alone puts on a difference of
-    two accuracies pa - pb, each measured on `problems` problems (normal approximation of the
-    binomial). It treats the two as independent, which over-states it: both cells are scored on
-    the same problems, and a problem one method finds hard the other tends to find hard too."""
-    return float(1.96 * np.sqrt((pa * (1 - pa) + pb * (1 - pb)) / problems))
+def problem_scores(recs: list[dict], curve: str = "curve"):
+    """(problem ids, scores_SxP): each run's score per held-out problem at its final evaluation
+    (greedy 0/1 for "curve", correct / n for "curve_sampled"), or None when a run kept no
+    per-problem outcomes. AssertionError for runs scored on other problems."""
+    if not recs or not all(r.get("outcomes") for r in recs):
+        return None
+    ids = recs[0]["outcomes"]["ids"]
+    rows = []
+    for r in recs:
+        o = r["outcomes"]
+        assert o["ids"] == ids, "records scored on other problems"
+        if curve == "curve":
+            rows.append(np.asarray(o["greedy"], np.float64))
+        else:
+            rows.append(np.asarray(o["correct"], np.float64) / o["n"])
+    return ids, np.stack(rows)
 
 
-def data_to_resolve(a, b, problems: int) -> tuple[float, float, int, int]:
-    """How much data would resolve mean(a) - mean(b) if it is real: seeds per cell at the two
-    cells' seed spread and held-out problems at their accuracies, with the two sources sharing
-    the combined 95% interval equally (each half-width <= |d| / sqrt(2); normal quantiles, so
-    an under-estimate for few seeds). Returns (difference, the pooled seed std, seeds, problems);
-    both counts are at least the data already used (3 seeds, `problems`)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    d = float(a.mean() - b.mean())
-    seed_var = a.var(ddof=1) + b.var(ddof=1)
-    pa, pb = float(a.mean()), float(b.mean())
-    prob_var = pa * (1 - pa) + pb * (1 - pb)
-    if d == 0:
-        return d, float(np.sqrt(seed_var / 2)), 10**9, 10**9
-    z2 = 2 * 1.96**2 / d**2
-    seeds = max(int(np.ceil(z2 * seed_var)), len(a), len(b))
-    return d, float(np.sqrt(seed_var / 2)), seeds, max(int(np.ceil(z2 * prob_var)), problems)
+def difference(recs_a: list[dict], recs_b: list[dict], curve: str = "curve",
+               problems: int | None = None) -> dict | None:  # fmt: skip
+    """mean(a) - mean(b) of two cells' final `curve` values (one per run), or None when a cell
+    has no run recording it. The one comparison every study's tables show:
 
+    - over seeds: paired by seed when the runs share their first rollouts
+      (`shares_first_rollouts`), else Welch's (`stats.seeds_ci95`: "seeds_ci95", "paired"),
+      and the seeds per cell that would resolve a real difference of this size at 80% power
+      ("seeds_needed", `stats.seeds_needed`);
+    - over seeds and problems, when every run kept its per-problem outcomes: the two-stage
+      bootstrap ("lo", "hi", `stats.two_stage_interval`) and the problems on which each cell's
+      seed-mean score is higher ("a_higher", "b_higher"); else, given the held-out set's size
+      `problems`, the binomial interval the finite set adds ("problems_ci95").
 
-def spread_ratio(a, b) -> tuple[float, float, float]:
-    """Seed std of a over that of b, with the 95% interval of the ratio (the F distribution of
-    two normal samples' variance ratio, (len(a) - 1, len(b) - 1) degrees of freedom). The
-    spreads differ when the interval excludes 1; with 3 seeds each it spans a factor of 39 in
-    variance (6.2 in std) either way."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    da, db = len(a) - 1, len(b) - 1
-    va, vb = a.var(ddof=1), b.var(ddof=1)
-    if va == 0 or vb == 0:
-        return float("nan"), float("nan"), float("nan")
-    f = va / vb
-    lo, hi = f / stats.f.ppf(0.975, da, db), f * stats.f.ppf(0.975, db, da)
-    return float(np.sqrt(f)), float(np.sqrt(lo)), float(np.sqrt(hi))
+    "verdict": "resolved" when the seeds' interval excludes 0 and so does the problems' (the
+    two-stage interval, or the binomial one combined with the seeds' by root sum of squares);
+    "resolved on these problems" when only the seeds' does; else "not resolved". With neither
+    outcomes nor `problems`, the seeds' interval alone decides. With one run in a cell the
+    seeds' interval and the seeds needed are nan (no spread measured)."""
+    ra, rb = [r for r in recs_a if r.get(curve)], [r for r in recs_b if r.get(curve)]
+    if not ra or not rb:
+        return None
+    xa = np.array([r[curve][-1][1] for r in ra], np.float64)
+    xb = np.array([r[curve][-1][1] for r in rb], np.float64)
+    paired = shares_first_rollouts(ra, rb)
+    if min(len(xa), len(xb)) < 2:
+        d, h = float(xa.mean() - xb.mean()), float("nan")
+    else:
+        d, h = stats.seeds_ci95(xa, xb, paired=paired)
+    out = {"diff": d, "seeds_ci95": h, "paired": paired,
+           "seeds_needed": stats.seeds_needed(xa, xb, d, paired=paired)}  # fmt: skip
+    seeds_resolve = abs(d) > h
+    sa, sb = problem_scores(ra, curve), problem_scores(rb, curve)
+    if sa is not None and sb is not None:
+        assert sa[0] == sb[0], "records scored on other problems"
+        _, lo, hi = stats.two_stage_interval(sa[1], sb[1], paired=paired)
+        ma, mb = sa[1].mean(axis=0), sb[1].mean(axis=0)
+        out.update(lo=lo, hi=hi, a_higher=int((ma > mb).sum()), b_higher=int((mb > ma).sum()))
+        problems_resolve = lo > 0 or hi < 0
+    elif problems is not None:
+        out["problems_ci95"] = stats.problems_ci95(float(xa.mean()), float(xb.mean()), problems)
+        problems_resolve = abs(d) > np.hypot(h, out["problems_ci95"])
+    else:
+        problems_resolve = True
+    if seeds_resolve:
+        out["verdict"] = "resolved" if problems_resolve else "resolved on these problems"
+    else:
+        out["verdict"] = "not resolved"
+    return out
 
 
 def _recorded_pairs(records: dict[str, list[dict]], pairs, curve: str = "curve"):
@@ -161,10 +184,11 @@ def _recorded_pairs(records: dict[str, list[dict]], pairs, curve: str = "curve")
 
 def spread_lines(records: dict[str, list[dict]], pairs) -> list[str]:
     """Per recorded pair, the ratio of the two cells' seed spreads of final greedy accuracy
-    (`spread_ratio`) and whether 3 seeds resolve it: is one method more stable across seeds?"""
+    (`stats.spread_ratio`) and whether 3 seeds resolve it: is one method more stable across
+    seeds?"""
     out = []
     for a, b, xa, xb in _recorded_pairs(records, pairs):
-        ratio, lo, hi = spread_ratio(xa, xb)
+        ratio, lo, hi = stats.spread_ratio(xa, xb)
         if not np.isfinite(ratio):
             continue
         verdict = "resolved" if hi < 1 or lo > 1 else "not resolved"
@@ -175,38 +199,28 @@ def spread_lines(records: dict[str, list[dict]], pairs) -> list[str]:
 
 def diff_lines(records: dict[str, list[dict]], pairs, problems: int | None = None) -> list[str]:
     """Final-accuracy differences of the (first, second) cell `pairs` with at least 2 recorded
-    seeds each (greedy and avg@n when recorded), with 95% intervals; 'resolved' when the
-    interval excludes 0.
+    seeds each (greedy and avg@n when recorded), with 95% intervals (`difference`).
 
-    The seeds' interval (Welch) says whether the difference holds on the evaluated problems.
-    With `problems` (the held-out set's size) each line also gives the interval the finite
-    problem set adds (`problems_ci95`), and a difference counts as resolved only when it
-    exceeds both combined (their root sum of squares); one that only the seeds resolve is
-    'resolved on these problems'.
+    The seeds' interval, "paired" (by seed: the runs share their first rollouts) or "Welch",
+    says whether the difference holds for a new seed on the evaluated problems. With
+    per-problem outcomes each line also gives the two-stage bootstrap's interval over seeds and
+    problems; without them, given `problems` (the held-out set's size), the binomial interval
+    the finite set adds. A difference counts as resolved only when both resolve it; one that
+    only the seeds resolve is 'resolved on these problems'.
     """
     out = []
     for a, b in pairs:
-        if len(records.get(a, ())) < 2 or len(records.get(b, ())) < 2:
-            continue
         parts = []
-        for curve, label in (("curve", "greedy"), ("curve_sampled", "avg@n")):
-            xa = [r[curve][-1][1] for r in records[a] if r.get(curve)]
-            xb = [r[curve][-1][1] for r in records[b] if r.get(curve)]
-            if len(xa) < 2 or len(xb) < 2:
+        for curve, label in CURVES:
+            x = difference(records.get(a, []), records.get(b, []), curve, problems)
+            if x is None or not np.isfinite(x["seeds_ci95"]):  # fewer than 2 runs in a cell
                 continue
-            d, h = diff_ci95(xa, xb)
-            if problems is None:
-                verdict = "resolved" if abs(d) > h else "not resolved"
-                parts.append(f"{label} {d:+.3f} +- {h:.3f} ({verdict})")
-                continue
-            hp = problems_ci95(float(np.mean(xa)), float(np.mean(xb)), problems)
-            if abs(d) > np.hypot(h, hp):
-                verdict = "resolved"
-            elif abs(d) > h:
-                verdict = "resolved on these problems"
-            else:
-                verdict = "not resolved"
-            parts.append(f"{label} {d:+.3f} +- {h:.3f} seeds, +- {hp:.3f} problems ({verdict})")
+            seeds = f"+- {x['seeds_ci95']:.3f} seeds {'paired' if x['paired'] else 'Welch'}"
+            if "lo" in x:
+                seeds += f", [{x['lo']:+.3f}, {x['hi']:+.3f}] seeds and problems"
+            elif "problems_ci95" in x:
+                seeds += f", +- {x['problems_ci95']:.3f} problems"
+            parts.append(f"{label} {x['diff']:+.3f} {seeds} ({x['verdict']})")
         if parts:
             out.append(f"- {a} - {b}: " + "; ".join(parts))
     return out
@@ -221,17 +235,26 @@ def chance_note(comparisons: int) -> str:
     )
 
 
+def count(n: float, unit: str) -> str:
+    """'~n unit', or 'more than MOST_SEEDS unit' past `stats.seeds_needed`'s search."""
+    return f"~{n:.0f} {unit}" if np.isfinite(n) else f"more than {stats.MOST_SEEDS:,} {unit}"
+
+
 def needs_lines(records: dict[str, list[dict]], pairs, problems: int) -> list[str]:
     """For each recorded pair whose greedy difference `diff_lines` does not resolve: the seeds
-    and problems `data_to_resolve` says a difference of that size would need."""
+    and problems `stats.data_to_resolve` says a real difference of that size would need to be
+    resolved with 80% power."""
     out = []
-    for a, b, xa, xb in _recorded_pairs(records, pairs):
-        d, h = diff_ci95(xa, xb)
-        if abs(d) > np.hypot(h, problems_ci95(float(np.mean(xa)), float(np.mean(xb)), problems)):
-            continue  # already resolved
-        d, sd, seeds, probs = data_to_resolve(xa, xb, problems)
-        out.append(f"- {a} - {b}: {d:+.3f} at a seed std of {sd:.3f}: ~{seeds} seeds per cell "
-                   f"and ~{probs} problems")  # fmt: skip
+    for a, b in pairs:
+        x = difference(records.get(a, []), records.get(b, []), "curve", problems)
+        if x is None or not np.isfinite(x["seeds_ci95"]) or x["verdict"] == "resolved":
+            continue
+        xa = [r["curve"][-1][1] for r in records[a] if r.get("curve")]
+        xb = [r["curve"][-1][1] for r in records[b] if r.get("curve")]
+        d, sd, seeds, probs = stats.data_to_resolve(xa, xb, problems, paired=x["paired"])
+        spread = "the seed differences' std" if x["paired"] else "a seed std"
+        out.append(f"- {a} - {b}: {d:+.3f} at {spread} of {sd:.3f}: "
+                   f"{count(seeds, 'seeds per cell')} and {count(probs, 'problems')}")  # fmt: skip
     return out
 
 

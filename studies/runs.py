@@ -74,6 +74,12 @@ def record_tag(key: str, budget: int, seed: int) -> str:
     return f"{zlib.crc32((key + str(budget)).encode()):08x}_s{seed}"
 
 
+def record_path(root: str, key: str, budget: int, seed: int) -> str:
+    """Where a study keeps a run's record: root/records/<record_tag>.json (root: the study's
+    results folder or its work directory)."""
+    return os.path.join(root, "records", f"{record_tag(key, budget, seed)}.json")
+
+
 def with_overrides(c, overrides, seed: int):
     c = config_lib.set_fields(c.copy_and_resolve_references(), overrides)
     c.seed = seed

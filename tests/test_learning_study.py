@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from studies import report, runs
+from studies import report, runs, stats
 from studies.smollm2 import study as smol
 from studies.toy import study as ls
 from tests.conftest import child_env
@@ -94,6 +94,17 @@ def test_smollm2_records_are_the_cells_records():
             for c in smol.smol_cells() for seed in (0, 1, 2)}  # fmt: skip
     recorded = {p[: -len(".json")] for p in os.listdir(os.path.join(smol.OUT, "records"))}
     assert recorded == tags
+    # results.md's differences and the data they need are the records', recomputed here
+    records = {}
+    for c in smol.smol_cells():
+        key = runs.config_key(c, c.load(), config)
+        for seed in (0, 1, 2):
+            with open(runs.record_path(smol.OUT, key, budget, seed)) as fh:
+                records.setdefault(c.name, []).append(json.load(fh))
+    md = open(os.path.join(smol.OUT, "results.md")).read()
+    lines = report.diff_lines(records, smol.SMOL_PAIRS, problems=config.data.eval_size)
+    lines += report.needs_lines(records, smol.SMOL_PAIRS, config.data.eval_size)
+    assert len(lines) == 21 and all(line in md.splitlines() for line in lines)
 
 
 def test_with_overrides_sets_nested_fields_and_leaves_the_base_alone():
@@ -178,42 +189,178 @@ def test_quick_study_runs_every_code_path_and_writes_tables_and_plots(tmp_path):
 
 def test_confidence_intervals_use_students_t_over_seeds():
     # x = 0, 1, 2: mean 1, sample std 1; t(0.975, 2 dof) = 4.303
-    assert report.ci95([0.0, 1.0, 2.0]) == pytest.approx(4.303 / np.sqrt(3), rel=1e-4)
-    assert np.isnan(report.ci95([0.5]))
+    assert stats.ci95([0.0, 1.0, 2.0]) == pytest.approx(4.303 / np.sqrt(3), rel=1e-4)
+    assert np.isnan(stats.ci95([0.5]))
     # Equal variances and sizes: Welch's dof = 2 (n - 1) = 4, t = 2.776, se = sqrt(2 / 3)
-    d, h = report.diff_ci95([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
+    d, h = stats.diff_ci95([1.0, 2.0, 3.0], [0.0, 1.0, 2.0])
     assert d == pytest.approx(1.0) and h == pytest.approx(2.776 * np.sqrt(2 / 3), rel=1e-3)
     # Unequal spreads: fractional Welch dof (here 3.19), not rounded down to 2 (which widens
     # the interval); the half-width equals scipy's Welch interval.
-    from scipy import stats
+    from scipy import stats as sp
 
     a, b = [0.0, 1.0, 2.0, 3.0], [0.0, 0.2, 0.4]
-    d, h = report.diff_ci95(a, b)
-    lo, hi = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    d, h = stats.diff_ci95(a, b)
+    lo, hi = sp.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
     assert d == pytest.approx((lo + hi) / 2) and h == pytest.approx((hi - lo) / 2)
     se = np.sqrt(np.var(a, ddof=1) / 4 + np.var(b, ddof=1) / 3)
-    assert h < stats.t.ppf(0.975, 3) * se
+    assert h < sp.t.ppf(0.975, 3) * se
     lines = report.diff_lines({"a": [{"curve": [(0, 0.1), (9, x)]} for x in (0.50, 0.52, 0.51)],
                            "b": [{"curve": [(0, 0.1), (9, x)]} for x in (0.30, 0.31, 0.29)]},
                           [("a", "b")])  # fmt: skip
-    assert lines == ["- a - b: greedy +0.210 +- 0.023 (resolved)"]
+    assert lines == ["- a - b: greedy +0.210 +- 0.023 seeds Welch (resolved)"]
+
+
+def _power_by_formula(diff, n, xa, xb, paired):
+    """The t test's power written out: noncentral t at the measured spread (paired: n - 1 dof
+    over the seed differences; Welch: the Welch-Satterthwaite dof at n seeds each)."""
+    from scipy import stats as sp
+
+    if paired:
+        var, dof = np.var(np.subtract(xa, xb), ddof=1), n - 1
+    else:
+        va, vb = np.var(xa, ddof=1), np.var(xb, ddof=1)
+        var, dof = va + vb, (n - 1) * (va + vb) ** 2 / (va**2 + vb**2)
+    crit, nc = sp.t.ppf(0.975, dof), abs(diff) * np.sqrt(n / var)
+    return sp.nct.sf(crit, dof, nc) + sp.nct.cdf(-crit, dof, nc)
+
+
+def test_seeds_needed_is_the_fewest_with_80_percent_power_by_brute_force():
+    """`stats.seeds_needed` (a doubling and bisection search) against a scan of every n of the
+    t test's power formula, paired and Welch's; the formula against simulated t tests."""
+    from scipy import stats as sp
+
+    xa, xb = np.array([0.50, 0.62, 0.55, 0.70]), np.array([0.45, 0.52, 0.56, 0.58])
+    for diff, paired in ((0.08, True), (0.08, False), (0.03, True), (0.2, False)):
+        scan = next(n for n in range(2, 5000) if _power_by_formula(diff, n, xa, xb, paired) >= 0.8)
+        assert stats.seeds_needed(xa, xb, diff, paired=paired) == scan, (diff, paired)
+        assert _power_by_formula(diff, scan - 1, xa, xb, paired) < 0.8 or scan == 2
+    # the formula is the power: 20,000 simulated paired t tests at the n it gives
+    n = int(stats.seeds_needed(xa, xb, 0.08, paired=True))
+    sd = np.std(xa - xb, ddof=1)
+    d = np.random.default_rng(0).normal(0.08, sd, size=(20_000, n))
+    t = d.mean(1) / (d.std(1, ddof=1) / np.sqrt(n))
+    simulated = np.mean(np.abs(t) > sp.t.ppf(0.975, n - 1))
+    assert simulated == pytest.approx(stats.t_power(0.08, n, xa, xb, paired=True), abs=0.015)
+    assert stats.t_power(0.08, n, xa, xb, paired=True) >= 0.8
+    # a zero difference needs infinitely many, no spread 2, one seed is no measured spread,
+    # and the search stops at `most`
+    assert stats.seeds_needed(xa, xb, 0.0, paired=True) == np.inf
+    assert stats.seeds_needed([0.5, 0.5], [0.4, 0.4], 0.1, paired=False) == 2
+    assert np.isnan(stats.seeds_needed([0.5], [0.4, 0.5], 0.1, paired=False))
+    assert stats.seeds_needed(xa, xb, 1e-4, paired=False, most=100) == np.inf
 
 
 def test_data_to_resolve_counts_seeds_and_problems_for_an_unresolved_difference():
-    # d = 0.1, seed variances 0.01 + 0.01; (1.96 / (0.1 / sqrt 2))^2 = 768.3
-    d, sd, seeds, probs = report.data_to_resolve([0.5, 0.6, 0.7], [0.4, 0.5, 0.6], 200)
+    # d = 0.1, each source resolving 0.1 / sqrt 2 with 80% power: seeds by the t test's power
+    # (Welch's here: no record says the seeds share rollouts), problems by the normal test's,
+    # (1.96 + 0.8416)^2 * (0.6 * 0.4 + 0.5 * 0.5) / 0.005 = 769.2
+    a, b = [0.5, 0.6, 0.7], [0.4, 0.5, 0.6]
+    d, sd, seeds, probs = stats.data_to_resolve(a, b, 200, paired=False)
     assert d == pytest.approx(0.1) and sd == pytest.approx(0.1)
-    assert seeds == 16  # ceil(768.3 * 0.02)
-    assert probs == 377  # ceil(768.3 * (0.6 * 0.4 + 0.5 * 0.5))
+    half = 0.1 / np.sqrt(2)
+    assert seeds == next(n for n in range(2, 999) if _power_by_formula(half, n, a, b, False) >= 0.8)
+    assert seeds == 33 and probs == 770
+    # paired: the spread is the seed differences' (here none: 2 seeds would do, 3 were used)
+    assert stats.data_to_resolve(a, b, 200, paired=True)[1:3] == (0.0, 3)
     # never fewer than the data already used
-    assert report.data_to_resolve([0.9, 0.9, 0.91], [0.1, 0.1, 0.11], 200)[2:] == (3, 200)
+    assert stats.data_to_resolve([0.9, 0.9, 0.91], [0.1, 0.1, 0.11], 200, paired=False)[2:] == (
+        3, 200)  # fmt: skip
     rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
     recs = {"gvpo 4mbx1ep": rec((0.5, 0.6, 0.7)), "grpo 4mbx1ep": rec((0.4, 0.5, 0.6)),
             "dr_grpo 4mbx1ep": rec((0.10, 0.11, 0.12))}  # fmt: skip
     lines = report.needs_lines(recs, smol.SMOL_PAIRS, 200)
     # gvpo - dr_grpo and grpo - dr_grpo are resolved; pairs with unrecorded cells are left out
-    assert lines == ["- gvpo 4mbx1ep - grpo 4mbx1ep: +0.100 at a seed std of 0.100: ~16 seeds "
-                     "per cell and ~377 problems"]  # fmt: skip
+    assert lines == ["- gvpo 4mbx1ep - grpo 4mbx1ep: +0.100 at a seed std of 0.100: ~33 seeds "
+                     "per cell and ~770 problems"]  # fmt: skip
+
+
+def _enumerate_two_stage(a, b, paired):
+    """Every equally likely outcome of the two-stage bootstrap, enumerated: (values, weights)."""
+    import itertools
+
+    seeds = lambda s: list(itertools.product(range(s), repeat=s))  # noqa: E731
+    draws_a = seeds(len(a))
+    pairs = [(x, x) for x in draws_a] if paired else list(
+        itertools.product(draws_a, seeds(len(b))))  # fmt: skip
+    values = []
+    for sa, sb in pairs:
+        for q in itertools.product(range(a.shape[1]), repeat=a.shape[1]):
+            q = list(q)
+            values.append(a[list(sa)][:, q].mean() - b[list(sb)][:, q].mean())
+    return np.array(values)
+
+
+def test_two_stage_bootstrap_is_seeds_then_problems_by_enumeration_and_a_direct_loop():
+    """The vectorised two-stage bootstrap against a per-resample loop over the same draws, and
+    its distribution and interval against an enumeration of every draw on a tiny case."""
+    a = np.array([[1.0, 0.0, 1.0], [1.0, 1.0, 0.5]])  # 2 seeds x 3 problems
+    b = np.array([[0.0, 0.0, 1.0], [0.5, 1.0, 0.0]])
+    c = np.array([[0.0, 0.0, 0.0], [1.0, 0.5, 0.0], [0.0, 1.0, 1.0]])  # 3 seeds
+    for x, y, paired in ((a, b, True), (a, c, False)):
+        means = stats.two_stage_means(x, y, paired=paired, resamples=4000, seed=3)
+        # the loop: seeds first (shared when paired), then problems shared by every run
+        rng = np.random.default_rng(3)
+        sx = rng.integers(0, len(x), (4000, len(x)))
+        sy = sx if paired else rng.integers(0, len(y), (4000, len(y)))
+        q = rng.integers(0, 3, (4000, 3))
+        loop = [x[sx[r]][:, q[r]].mean() - y[sy[r]][:, q[r]].mean() for r in range(4000)]
+        np.testing.assert_allclose(means, loop, atol=1e-12)
+        exact = _enumerate_two_stage(x, y, paired)  # 4 x 27 or 4 x 27 x 27 outcomes
+        assert means.mean() == pytest.approx(exact.mean(), abs=0.01)
+        assert means.std() == pytest.approx(exact.std(), rel=0.04)
+        atoms = np.unique(exact)  # the bootstrap's CDF is the enumeration's, within noise
+        cdf = lambda v: (v[:, None] <= atoms + 1e-12).mean(0)  # noqa: E731
+        assert np.abs(cdf(means) - cdf(exact)).max() < 0.025
+        d, lo, hi = stats.two_stage_interval(x, y, paired=paired, resamples=4000, seed=3)
+        assert d == pytest.approx(x.mean() - y.mean())
+        assert np.quantile(exact, 0.015) <= lo <= np.quantile(exact, 0.035)
+        assert np.quantile(exact, 0.965) <= hi <= np.quantile(exact, 0.985)
+    with pytest.raises(ValueError, match="do not pair"):
+        stats.two_stage_means(a, c, paired=True)
+
+
+def test_differences_pair_runs_that_share_their_first_rollouts():
+    """`report.difference`: the seeds' interval is paired (Student's t over the seed
+    differences) when each seed's first reward agrees, else Welch's; with per-problem outcomes
+    the problems' interval is the two-stage bootstrap, and the verdict needs both."""
+    from scipy import stats as sp
+
+    def run(final, reward, greedy=None):
+        r = {"curve": [(0, 0.1), (9, final)], "rewards": [reward, 0.5]}
+        if greedy is not None:
+            r["outcomes"] = {"ids": ["p0", "p1", "p2", "p3"], "n": 1, "greedy": greedy,
+                             "correct": greedy}  # fmt: skip
+        return r
+
+    xa, xb = [0.50, 0.60, 0.72], [0.42, 0.50, 0.66]
+    a = [run(x, r) for x, r in zip(xa, (0.1, 0.2, 0.3), strict=True)]
+    b = [run(x, r) for x, r in zip(xb, (0.1, 0.2, 0.3), strict=True)]
+    assert report.shares_first_rollouts(a, b) and not report.shares_first_rollouts(a, b[::-1])
+    assert not report.shares_first_rollouts(a, b[:2])
+    x = report.difference(a, b)
+    lo, hi = sp.ttest_rel(xa, xb).confidence_interval(0.95)
+    assert x["paired"] and x["diff"] == pytest.approx(0.08)
+    assert x["seeds_ci95"] == pytest.approx((hi - lo) / 2) and x["verdict"] == "resolved"
+    y = report.difference(a, b[::-1])  # other first rollouts: Welch's
+    lo, hi = sp.ttest_ind(xa, xb[::-1], equal_var=False).confidence_interval(0.95)
+    assert not y["paired"] and y["seeds_ci95"] == pytest.approx((hi - lo) / 2)
+    # with outcomes: the two-stage interval over the runs' per-problem scores
+    ga = [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+    gb = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+    a = [run(np.mean(g), r, g) for g, r in zip(ga, (0.1, 0.2, 0.3), strict=True)]
+    b = [run(np.mean(g), r, g) for g, r in zip(gb, (0.1, 0.2, 0.3), strict=True)]
+    x = report.difference(a, b, problems=4)
+    assert (x["lo"], x["hi"]) == stats.two_stage_interval(ga, gb, paired=True)[1:]
+    assert (x["a_higher"], x["b_higher"], "problems_ci95" in x) == (2, 0, False)
+    resolved_by_seeds = abs(x["diff"]) > x["seeds_ci95"]
+    boot = x["lo"] > 0 or x["hi"] < 0
+    assert x["verdict"] == (
+        "resolved"
+        if resolved_by_seeds and boot
+        else "resolved on these problems"
+        if resolved_by_seeds
+        else "not resolved"
+    )
 
 
 def test_runs_table_has_a_row_per_run_with_its_greedy_curve():
@@ -227,11 +374,11 @@ def test_runs_table_has_a_row_per_run_with_its_greedy_curve():
 
 def test_spread_ratio_interval_is_the_f_distributions_and_says_what_3_seeds_resolve():
     # equal spreads, 3 seeds each: F(0.975; 2, 2) = 39, so the std ratio's interval is 39^-+0.5
-    ratio, lo, hi = report.spread_ratio([0.0, 1.0, 2.0], [5.0, 6.0, 7.0])
+    ratio, lo, hi = stats.spread_ratio([0.0, 1.0, 2.0], [5.0, 6.0, 7.0])
     assert ratio == pytest.approx(1.0) and lo == pytest.approx(39**-0.5, rel=1e-4)
     assert hi == pytest.approx(39**0.5, rel=1e-4)
     # 5 seeds against 3: F(0.975; 4, 2) = 39.25, F(0.975; 2, 4) = 10.65
-    ratio, lo, hi = report.spread_ratio([0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0])
+    ratio, lo, hi = stats.spread_ratio([0.0, 1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0])
     assert ratio == pytest.approx(np.sqrt(2.5))
     assert lo == pytest.approx(np.sqrt(2.5 / 39.25), rel=1e-3)
     assert hi == pytest.approx(np.sqrt(2.5 * 10.65), rel=1e-3)
@@ -269,7 +416,7 @@ def test_smollm2_figure_has_a_panel_per_question_with_the_recorded_cells(tmp_pat
 
 def test_differences_also_carry_the_held_out_sets_sampling_error():
     # p = 0.5 and 0.3 on 200 problems: 1.96 * sqrt((0.25 + 0.21) / 200) = 0.0940
-    assert report.problems_ci95(0.5, 0.3, 200) == pytest.approx(1.96 * np.sqrt(0.46 / 200))
+    assert stats.problems_ci95(0.5, 0.3, 200) == pytest.approx(1.96 * np.sqrt(0.46 / 200))
     rec = lambda xs: [{"curve": [(0, 0.1), (9, x)]} for x in xs]  # noqa: E731
     recs = {"a": rec((0.50, 0.52, 0.51)), "b": rec((0.30, 0.31, 0.29)),
             "c": rec((0.45, 0.46, 0.44)), "d": rec((0.40, 0.60, 0.50))}  # fmt: skip
@@ -278,7 +425,7 @@ def test_differences_also_carry_the_held_out_sets_sampling_error():
     assert len(lines) == 3
     by_pair = {line.split(":")[0]: line for line in lines}
     # 0.21 beyond the seeds' 0.023 and the problems' 0.094 combined
-    assert by_pair["- a - b"].endswith("+- 0.023 seeds, +- 0.094 problems (resolved)")
+    assert by_pair["- a - b"].endswith("+- 0.023 seeds Welch, +- 0.094 problems (resolved)")
     # 0.06: the seeds resolve it on these problems, the 200 problems do not
     assert by_pair["- a - c"].endswith("(resolved on these problems)")
     # seeds spread 0.4-0.6: not even resolved on these problems

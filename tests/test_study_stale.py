@@ -8,9 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from gvpo_jax import compare
-from studies import report as study_report
-from studies import runs
+from studies import runs, stats
 from studies.stale import study as study_stale
 from studies.stale_smollm2 import study as smol
 from tests.test_learning_study import child_env
@@ -74,7 +72,7 @@ def test_smollm2_stale_study_quick_records_runs_and_pairs_them_on_the_problems(t
     summary = json.loads((out / "results.json").read_text())
     assert set(summary["cells"]) == {"gvpo k=4", "grpo + token_tis k=4"}
     (diff,) = summary["diffs"]
-    assert (diff["a"], diff["b"]) == ("grpo + token_tis k=4", "gvpo k=4")
+    assert (diff["a"], diff["b"]) == ("gvpo k=4", "grpo + token_tis k=4")
     assert set(diff) == {"a", "b", "greedy", "avg@2"}
     config = smol.study_config(True)
     budget = summary["budget_responses"]
@@ -87,7 +85,7 @@ def test_smollm2_stale_study_quick_records_runs_and_pairs_them_on_the_problems(t
     assert (out / "stale_smollm2.png").stat().st_size > 1000
 
 
-def _record(greedy, correct, n, truncated, curve_sampled, kl=0.1):
+def _record(greedy, correct, n, truncated, curve_sampled, kl=0.1, first_reward=0.1):
     problems = len(greedy)
     return {
         "curve": [[0, 0.1], [960, float(np.mean(greedy))]],
@@ -95,64 +93,61 @@ def _record(greedy, correct, n, truncated, curve_sampled, kl=0.1):
         "outcomes": {"ids": [f"p{i}" for i in range(problems)], "n": n, "correct": correct,
                      "greedy": greedy, "truncated": truncated, "length_sum": [10 * n] * problems,
                      "greedy_truncated": [False] * problems},
-        "kl_start": kl, "losses": [0.1], "skipped": 0, "error": None,
+        "kl_start": kl, "losses": [0.1], "skipped": 0, "error": None, "rewards": [first_reward],
         "grad_clipped_frac": [0.5], "step_metrics": [], "cpu_s": 60.0, "time_s": 60.0,
     }  # fmt: skip
 
 
-def test_smollm2_stale_differences_are_over_seeds_and_paired_on_the_same_problems(tmp_path):
-    """compare_cells: the seeds' interval is Welch's over the final values; the paired one is
-    the bootstrap over problems of the seeds' mean per-problem score; the tables print them."""
+def test_smollm2_stale_differences_are_over_seeds_and_over_seeds_and_problems(tmp_path):
+    """compare_cells: the seeds' interval is Student's t over the seed differences when the
+    cells' seeds share their first rollouts (else Welch's); the other interval is the two-stage
+    bootstrap of the runs' per-problem scores; the tables print them."""
+    from scipy import stats as sp
+
     rng = np.random.default_rng(0)
     problems, n = 40, 8
     recs = {}
-    for name, p in (("a", 0.3), ("b", 0.36)):
+    for name, p in (("a", 0.36), ("b", 0.3)):
         recs[name] = []
-        for _ in range(3):
+        for seed in range(3):
             greedy = [bool(x) for x in rng.random(problems) < p]
             correct = [int(x) for x in rng.binomial(n, p, problems)]
             recs[name].append(_record(greedy, correct, n, [1] * problems,
-                                      sum(correct) / (n * problems)))  # fmt: skip
+                                      sum(correct) / (n * problems),
+                                      first_reward=0.1 * seed))  # fmt: skip
     d = smol.compare_cells(recs, "a", "b")
     for metric, per_problem in (
         ("greedy", lambda o: np.asarray(o["greedy"], float)),
         ("avg@8", lambda o: np.asarray(o["correct"], float) / n),
     ):
         end = "curve" if metric == "greedy" else "curve_sampled"
-        diff, h = study_report.diff_ci95([r[end][-1][1] for r in recs["b"]],
-                                         [r[end][-1][1] for r in recs["a"]])  # fmt: skip
-        assert d[metric]["diff"] == pytest.approx(diff) and d[metric]["seeds_ci95"] == h
-        sa = np.mean([per_problem(r["outcomes"]) for r in recs["a"]], axis=0)
-        sb = np.mean([per_problem(r["outcomes"]) for r in recs["b"]], axis=0)
-        paired = compare.paired_difference(sa, sb)
-        assert (d[metric]["paired_lo"], d[metric]["paired_hi"]) == (paired["lo"], paired["hi"])
-        assert d[metric]["paired_diff"] == pytest.approx(np.mean(sb - sa))
-        # the data that would resolve it: the seeds' and the problems' 95% half-widths shrink
-        # as 1/sqrt(n) to |diff| at those counts
         xa = np.array([r[end][-1][1] for r in recs["a"]])
         xb = np.array([r[end][-1][1] for r in recs["b"]])
-        m = int(d[metric]["seeds_needed"])
-        assert m >= 3, m  # so that m - 1 seeds is a measured spread too
-        for seeds, resolves in ((m, True), (m - 1, False)):  # Welch's at m seeds, not m - 1
-            a_, b_ = np.resize(xa, seeds), np.resize(xb, seeds)
-            a_ = (a_ - a_.mean()) * np.sqrt(xa.var(ddof=1) / a_.var(ddof=1)) + xa.mean()
-            b_ = (b_ - b_.mean()) * np.sqrt(xb.var(ddof=1) / b_.var(ddof=1)) + xb.mean()
-            assert (abs(diff) > study_report.diff_ci95(b_, a_)[1]) == resolves, (metric, seeds)
-        half = (paired["hi"] - paired["lo"]) / 2
-        q = d[metric]["problems_needed"]
-        assert half * np.sqrt(problems / q) <= abs(diff) < half * np.sqrt(problems / (q - 1))
-    # what would resolve an unresolved difference: both counts, or "more than" past the search
-    x = {"diff": 0.01, "seeds_ci95": 0.2, "paired_lo": -0.01, "paired_hi": 0.03,
-         "seeds_needed": 12.0, "problems_needed": 900.0}  # fmt: skip
+        lo, hi = sp.ttest_rel(xa, xb).confidence_interval(0.95)  # paired: the same first rewards
+        x = d[metric]
+        assert x["paired"] and x["diff"] == pytest.approx(np.mean(xa - xb))
+        assert x["seeds_ci95"] == pytest.approx((hi - lo) / 2)
+        sa = np.stack([per_problem(r["outcomes"]) for r in recs["a"]])
+        sb = np.stack([per_problem(r["outcomes"]) for r in recs["b"]])
+        assert (x["lo"], x["hi"]) == stats.two_stage_interval(sa, sb, paired=True)[1:]
+        assert x["diff"] == pytest.approx(sa.mean() - sb.mean())  # the outcomes are the finals
+        assert (x["a_higher"], x["b_higher"]) == ((sa.mean(0) > sb.mean(0)).sum(),
+                                                  (sb.mean(0) > sa.mean(0)).sum())  # fmt: skip
+        assert x["seeds_needed"] == stats.seeds_needed(xa, xb, x["diff"], paired=True)
+    # another seed's first rollout in one cell: Welch's
+    recs["c"] = recs["b"][::-1]
+    assert not smol.compare_cells(recs, "a", "c")["greedy"]["paired"]
+    # what would resolve an unresolved difference over seeds, or "more than" past the search
+    x = {"diff": 0.01, "seeds_ci95": 0.2, "lo": -0.01, "hi": 0.03, "seeds_needed": 12.0}
     line = smol.needs_lines([{"a": "a", "b": "b", "greedy": x}])[0]
-    assert "~12 seeds per cell or ~900 held-out problems" in line
+    assert line == "- a - b, greedy +0.010: ~12 seeds per cell"
     line = smol.needs_lines([{"a": "a", "b": "b", "greedy": {**x, "seeds_needed": np.inf}}])[0]
-    assert "more than 10,000 seeds per cell" in line
-    resolved = {**x, "seeds_ci95": 0.001, "paired_lo": 0.001}  # by both intervals: no line
+    assert line.endswith(f"more than {stats.MOST_SEEDS:,} seeds per cell")
+    resolved = {**x, "seeds_ci95": 0.001}  # by the seeds' interval: no line
     assert smol.needs_lines([{"a": "a", "b": "b", "greedy": resolved}]) == []
     table = smol.diff_table([d])
-    assert f"{d['greedy']['diff']:+.3f} +- {d['greedy']['seeds_ci95']:.3f}" in table
-    assert f"[{d['avg@8']['paired_lo']:+.3f}, {d['avg@8']['paired_hi']:+.3f}]" in table
+    assert f"{d['greedy']['diff']:+.3f} +- {d['greedy']['seeds_ci95']:.3f} paired" in table
+    assert f"[{d['avg@8']['lo']:+.3f}, {d['avg@8']['hi']:+.3f}]" in table
     for i, r in enumerate(recs["a"]):  # the sampler gap: median over every run's steps
         r["step_metrics"] = [{"sampler_logp_gap_max": 0.5 * i + j} for j in range(3)]
     s = smol.summarise(recs["a"])
@@ -187,6 +182,25 @@ def test_study_md_part_3_tables_are_the_recorded_runs():
     text = open(os.path.join(runs.REPO, "STUDY.md")).read()
     start = text.index(study_stale.BEGIN) + len(study_stale.BEGIN)
     assert text[start : text.index(study_stale.END)].strip() == block.strip()
+    _check_seed_intervals_by_hand(block, records, study_stale.pairs(), "{a} - {b}: ")
+
+
+def _check_seed_intervals_by_hand(block, records, pairs, row):
+    """Every pair's greedy interval over seeds, recomputed from the records' finals with
+    scipy: paired t where each seed's first reward agrees in both cells (the same first
+    rollout), else Welch's, and printed on the pair's row of `block`."""
+    from scipy import stats as sp
+
+    for a, b in pairs:
+        xa = [r["curve"][-1][1] for r in records[a]]
+        xb = [r["curve"][-1][1] for r in records[b]]
+        paired = [r["rewards"][0] for r in records[a]] == [r["rewards"][0] for r in records[b]]
+        test = sp.ttest_rel(xa, xb) if paired else sp.ttest_ind(xa, xb, equal_var=False)
+        lo, hi = test.confidence_interval(0.95)
+        line = next(x for x in block.splitlines() if row.format(a=a, b=b) in x)
+        kind = "paired" if paired else "Welch"
+        assert f"{np.mean(xa) - np.mean(xb):+.3f} +- {(hi - lo) / 2:.3f} {kind}" in line.replace(
+            " seeds ", " "), (a, b)  # fmt: skip
 
 
 def test_study_md_part_3_smollm2_tables_are_the_recorded_runs():
@@ -198,10 +212,17 @@ def test_study_md_part_3_smollm2_tables_are_the_recorded_runs():
     budget = smol.SMOL_STEPS * config.rollout.prompts_per_step * config.rollout.group_size
     records, runs_ = smol.load_records(smol.OUT, config, smol.cells(False), smol.SEEDS, budget)
     assert records, "no SmolLM2 part 3 run recorded"
-    _, _, block = smol.report_block(records, runs_, smol.SMOL_EVAL_N)
+    _, diffs, block = smol.report_block(records, runs_, smol.SMOL_EVAL_N)
     text = open(os.path.join(runs.REPO, "STUDY.md")).read()
     start = text.index(smol.BEGIN) + len(smol.BEGIN)
     assert text[start : text.index(smol.END)].strip() == block.strip()
+    _check_seed_intervals_by_hand(block, records, smol.PAIRS, "| {a} - {b} | greedy |")
+    for d in diffs:  # the two-stage interval: the records' per-problem greedy outcomes
+        scores = [np.array([r["outcomes"]["greedy"] for r in records[c]], float)
+                  for c in (d["a"], d["b"])]  # fmt: skip
+        paired = d["greedy"]["paired"]
+        _, lo, hi = stats.two_stage_interval(*scores, paired=paired)
+        assert f"| [{lo:+.3f}, {hi:+.3f}] (" in block, (d["a"], d["b"])
 
 
 def test_study_md_part_3_calibration_is_the_recorded_one():

@@ -34,7 +34,17 @@ from studies.report import (
     table,
     write_results,
 )
-from studies.runs import REPO, Cell, arm, config_key, held_out_both, record_tag, rl_run, save_record
+from studies.runs import (
+    REPO,
+    Cell,
+    arm,
+    config_key,
+    held_out_both,
+    record_path,
+    record_tag,
+    rl_run,
+    save_record,
+)
 from studies.smollm2.configs import base
 from studies.smollm2.configs.base import SMOL
 
@@ -139,7 +149,7 @@ def smol_study(args) -> dict:
         recs = []
         for seed in seeds:
             tag = record_tag(key, budget, seed)
-            cached = os.path.join(args.out, "records", f"{tag}.json")
+            cached = record_path(args.out, key, budget, seed)
             if os.path.exists(cached):
                 with open(cached) as fh:
                     recs.append(json.load(fh))
@@ -194,10 +204,13 @@ def smol_study(args) -> dict:
         "",
         sampled_table([(c.name, records[c.name]) for c in cells_done]),
         "",
-        "Differences of final accuracy (first - second cell): the 95% Welch interval over seeds "
-        f"(does the difference hold on these {config.data.eval_size} problems?) and the 95% "
-        "interval the finite problem set adds (binomial, the two cells taken as independent: an "
-        "over-estimate, since both are scored on the same problems). 'resolved' = beyond both "
+        "Differences of final accuracy (first - second cell): the 95% t interval over seeds, "
+        "paired by seed (every cell's seed i drew the same first rollout from the same start: "
+        "`studies.report.shares_first_rollouts`; Welch's where not), which asks whether the "
+        f"difference holds for a new seed on these {config.data.eval_size} problems, and the "
+        "95% interval the finite problem set adds (binomial, the two cells taken as "
+        "independent: an over-estimate, since both are scored on the same problems; these runs "
+        "kept no per-problem outcomes for the two-stage bootstrap). 'resolved' = beyond both "
         "combined; 'resolved on these problems' = beyond the seeds' interval only.",
         "",
         *diffs,
@@ -211,9 +224,10 @@ def smol_study(args) -> dict:
         "",
         chance_note(len(spreads)),
         "",
-        "What would resolve the unresolved greedy differences between methods, if they are real "
-        "(`data_to_resolve`: seeds per cell at the observed seed spread and held-out problems at "
-        "the observed accuracies, the two sharing the interval equally):",
+        "What would resolve the unresolved greedy differences, if they are real, with 80% "
+        "power (`studies.stats.data_to_resolve`: seeds per cell at the observed seed spread, "
+        "paired where the differences above are, and held-out problems at the observed "
+        "accuracies, the two sharing the combined interval equally):",
         "",
         *needs_lines(records, SMOL_PAIRS, config.data.eval_size),
         "",

@@ -38,14 +38,24 @@ import numpy as np
 from studies.report import (
     auc,
     chance_note,
-    ci95,
     diff_lines,
     diverged,
     logp_gap,
     write_results,
 )
-from studies.runs import REPO, Cell, arm, config_key, record_tag, rl_run, save_record, sft
+from studies.runs import (
+    REPO,
+    Cell,
+    arm,
+    config_key,
+    record_path,
+    record_tag,
+    rl_run,
+    save_record,
+    sft,
+)
 from studies.stale.configs import base
+from studies.stats import ci95
 
 OUT = os.path.join(REPO, "studies", "stale", "results")
 STALENESS = (0, 2, 4, 8)
@@ -174,8 +184,12 @@ def report_block(summary: dict, records: dict, problems: int) -> str:
         "Every cell:", "",
         report(summary), "",
         f"Differences of final accuracy (first - second cell; avg@n is avg@{summary['eval_n']} "
-        "at T = 1), 95% Welch intervals over seeds and the interval the "
-        f"{problems} held-out problems add (`studies.report.diff_lines`):", "",
+        "at T = 1) with 95% intervals (`studies.report.diff_lines`): over seeds, Student's t "
+        "paired by seed where the two cells' runs share their first rollouts (the same seed "
+        "and start: here every pair at one k), else Welch's; and the interval the "
+        f"{problems} held-out problems add, the two-stage bootstrap over seeds and problems "
+        "where both cells' runs kept per-problem outcomes, else binomial (no pair here: the "
+        "first 80 runs kept none):", "",
         *diffs, "", chance_note(sum(1 + line.count("; ") for line in diffs)),
     ])  # fmt: skip
 
@@ -257,6 +271,10 @@ def main(argv=None) -> dict:
         with open(meta, "w") as fh:
             json.dump(info, fh)
     start = json.load(open(meta)) if os.path.exists(meta) else None
+    if start is None and args.report_only:  # a fresh clone: the start the results recorded
+        kept_results = os.path.join(args.out, "results.json")
+        if os.path.exists(kept_results):
+            start = json.load(open(kept_results)).get("start")
     records = {}
     # Every recorded run is also kept beside the results (RECORDS, committed), so the report
     # rebuilds from a fresh clone, whose workdir has none.
@@ -265,7 +283,7 @@ def main(argv=None) -> dict:
         key = config_key(cell, cell.load(args.quick), config)
         for i, seed in enumerate(seeds):
             tag = record_tag(key, budget, seed)
-            cached = os.path.join(args.workdir, "records", f"{tag}.json")
+            cached = record_path(args.workdir, key, budget, seed)
             if not os.path.exists(cached):
                 if args.report_only:
                     if i < len(kept.get(cell.name, [])):

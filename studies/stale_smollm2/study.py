@@ -15,9 +15,9 @@ cap of CAP new tokens in training and evaluation, chosen by `--calibrate` on the
 (part 2b's 32-token cap cut 50-98% of replies). Cells: k in {0, 4} x {GVPO, GRPO + token_tis},
 4 seeds; each an arm's config in studies/stale_smollm2/configs (`grpo.py:k=4,tis`). Measured
 on 200 held-out problems: greedy every 1/5 of the budget, avg@8 at T = 1 and greedy at the
-start and the end with per-problem outcomes, so every method difference is given twice: over
-seeds (Welch) and paired on the same problems (bootstrap over problems of the seeds' mean
-score, `gvpo_jax.compare.paired_difference`).
+start and the end with per-problem outcomes, so every difference is given twice
+(`studies.report.difference`): over seeds (t, paired by seed where the cells' runs share their
+first rollouts) and over seeds and problems (a two-stage bootstrap of the outcomes).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import shutil
 import time
 
 import numpy as np
-from scipy import stats
 
-from gvpo_jax import assemble, compare
+from gvpo_jax import assemble
+from studies import stats
 from studies.report import (
     chance_note,
-    ci95,
-    diff_ci95,
+    count,
+    difference,
     diverged,
     logp_gap,
     runs_table,
@@ -49,7 +49,7 @@ from studies.runs import (
     config_key,
     held_out_both,
     problem_outcomes,
-    record_tag,
+    record_path,
     rl_run,
     save_record,
 )
@@ -57,6 +57,7 @@ from studies.smollm2.study import SMOL_EVAL_N, SMOL_EVAL_POINTS, SMOL_STEPS
 from studies.stale.study import plot_by_staleness, write_block
 from studies.stale_smollm2.configs import base
 from studies.stale_smollm2.configs.base import CAP, SETTINGS  # noqa: F401  (the study's settings)
+from studies.stats import ci95
 
 OUT = os.path.join(REPO, "studies", "stale_smollm2", "results")
 STALENESS = (0, 4)
@@ -144,70 +145,21 @@ def calibration_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def problem_scores(recs: list[dict], metric: str) -> tuple[list, np.ndarray]:
-    """(problem ids, the seeds' mean score per problem): avg@n's correct / n or greedy 0/1."""
-    ids = recs[0]["outcomes"]["ids"]
-    per_seed = []
-    for r in recs:
-        o = r["outcomes"]
-        assert o["ids"] == ids, "records scored on other problems"
-        if metric == "greedy":
-            per_seed.append(np.asarray(o["greedy"], np.float64))
-        else:
-            per_seed.append(np.asarray(o["correct"], np.float64) / o["n"])
-    return ids, np.mean(per_seed, axis=0)
-
-
 def end_values(recs: list[dict], metric: str) -> np.ndarray:
     curve = "curve" if metric == "greedy" else "curve_sampled"
     return np.array([r[curve][-1][1] for r in recs], np.float64)
 
 
 def compare_cells(records: dict, a: str, b: str) -> dict:
-    """b - a at the end: over seeds (Welch) and paired on the same problems (bootstrap), each
-    with the data that would resolve a difference of the measured size at the measured spread:
-    seeds per cell (`seeds_needed`) and problems (the paired interval narrows as
-    1 / sqrt(problems))."""
+    """a - b at the end, greedy and avg@n (`studies.report.difference`): over seeds (paired by
+    seed where the two cells' runs share their first rollouts, else Welch), over seeds and
+    problems (the two-stage bootstrap of the per-problem outcomes), and the seeds per cell at
+    which a real difference of the measured size is resolved over seeds with 80% power."""
     out = {"a": a, "b": b}
-    for metric in ("greedy", f"avg@{records[a][0]['outcomes']['n']}"):
-        m = "greedy" if metric == "greedy" else "mean"
-        xa, xb = end_values(records[a], metric), end_values(records[b], metric)
-        d, h = diff_ci95(xb, xa)
-        ids, sa = problem_scores(records[a], m)
-        _, sb = problem_scores(records[b], m)
-        paired = compare.paired_difference(sa, sb)
-        half = (paired["hi"] - paired["lo"]) / 2
-        out[metric] = {"diff": d, "seeds_ci95": h, "paired_lo": paired["lo"],
-                       "paired_hi": paired["hi"], "paired_diff": paired["diff"],
-                       "b_higher": paired["b_higher"], "a_higher": paired["a_higher"],
-                       "seeds_needed": seeds_needed(xa, xb, d),
-                       "problems_needed": _needed(len(ids) * half**2, paired["diff"])}  # fmt: skip
+    for curve, metric in (("curve", "greedy"),
+                          ("curve_sampled", f"avg@{records[a][0]['outcomes']['n']}")):  # fmt: skip
+        out[metric] = difference(records[a], records[b], curve)
     return out
-
-
-def seeds_needed(xa, xb, diff: float, most: int = 10_000) -> float:
-    """The fewest seeds per cell at which Welch's 95% interval, at the two cells' measured seed
-    variances, is narrower than |diff|: t quantile at the Welch-Satterthwaite degrees of
-    freedom for n seeds each, (n - 1) (va + vb)^2 / (va^2 + vb^2). nan with one seed in a cell
-    (no spread measured), inf for a zero difference or beyond `most`."""
-    if min(len(xa), len(xb)) < 2:
-        return float("nan")
-    va, vb = np.var(xa, ddof=1), np.var(xb, ddof=1)
-    if va + vb == 0:
-        return 2.0 if diff != 0 else float("inf")
-    for n in range(2, most + 1):
-        dof = (n - 1) * (va + vb) ** 2 / (va**2 + vb**2)
-        if stats.t.ppf(0.975, dof) * np.sqrt((va + vb) / n) < abs(diff):
-            return float(n)
-    return float("inf")
-
-
-def _needed(scale: float, diff: float) -> float:
-    """ceil(scale / diff^2): the sample size at which a 95% half-width shrinking as 1/sqrt(n)
-    reaches |diff| (inf for a zero difference, nan for an unknown spread)."""
-    if not np.isfinite(scale):
-        return float("nan")
-    return float(np.ceil(scale / diff**2)) if diff != 0 else float("inf")
 
 
 def summarise(recs: list[dict]) -> dict:
@@ -260,8 +212,11 @@ def cell_table(summary: dict, n: int) -> str:
 
 
 def diff_table(diffs: list[dict]) -> str:
-    lines = ["| second - first | metric | over seeds (95% Welch) | paired on the problems "
-             "(95% bootstrap) | problems higher (second / first) |",
+    """A row per (pair, metric): the difference over seeds (95% t, paired or Welch's) and over
+    seeds and problems (95% two-stage bootstrap), each with its verdict, and the problems on
+    which each cell's seed-mean score is higher."""
+    lines = ["| first - second | metric | over seeds (95% t, paired by seed or Welch's) | over "
+             "seeds and problems (95% two-stage bootstrap) | problems higher (first / second) |",
              "|---|---|---|---|---|"]  # fmt: skip
     for d in diffs:
         for metric in [k for k in d if k not in ("a", "b")]:
@@ -270,53 +225,46 @@ def diff_table(diffs: list[dict]) -> str:
                 seeds = "one seed in a cell"
             else:
                 seeds = "resolved" if abs(x["diff"]) > x["seeds_ci95"] else "not resolved"
-            paired = ("resolved" if x["paired_lo"] > 0 or x["paired_hi"] < 0
-                      else "not resolved")  # fmt: skip
+            boot = "resolved" if x["lo"] > 0 or x["hi"] < 0 else "not resolved"
             lines.append(
-                f"| {d['b']} - {d['a']} | {metric} | {x['diff']:+.3f} +- {_f(x['seeds_ci95'])} "
-                f"({seeds}) | {x['paired_diff']:+.3f} [{x['paired_lo']:+.3f}, "
-                f"{x['paired_hi']:+.3f}] ({paired}) | {x['b_higher']} / {x['a_higher']} |"
+                f"| {d['a']} - {d['b']} | {metric} | {x['diff']:+.3f} +- {_f(x['seeds_ci95'])} "
+                f"{'paired' if x['paired'] else 'Welch'} ({seeds}) | [{x['lo']:+.3f}, "
+                f"{x['hi']:+.3f}] ({boot}) | {x['a_higher']} / {x['b_higher']} |"
             )
     return "\n".join(lines)
 
 
-PAIRS = [
-    *[(f"grpo + token_tis k={k}", f"gvpo k={k}") for k in STALENESS],
-    *[(f"{m} k=0", f"{m} k=4") for m in METHODS],
+PAIRS = [  # (first, second): the difference first - second
+    *[(f"gvpo k={k}", f"grpo + token_tis k={k}") for k in STALENESS],
+    *[(f"{m} k=4", f"{m} k=0") for m in METHODS],
 ]
 BEGIN, END = "<!-- part3-smollm2:begin -->", "<!-- part3-smollm2:end -->"
 WHAT_WOULD_RESOLVE = (
-    "What would resolve the rest, if the differences are real and the spread is what was "
-    "measured here (seeds per cell for Welch's interval, or held-out problems for the paired "
-    "one):"
+    "What would resolve the rest over seeds, if the differences are real and the seeds spread "
+    "as they did here: the seeds per cell at which the t interval resolves a difference of "
+    "this size with 80% power (`studies.stats.seeds_needed`):"
 )
 
 
 def needs_lines(diffs: list[dict]) -> list[str]:
-    """For each difference an interval leaves unresolved, the data `compare_cells` says a
-    difference of its size would need at the spread measured."""
+    """For each difference the seeds' t interval leaves unresolved, the seeds per cell
+    `compare_cells` says a real difference of its size would need at the spread measured."""
     out = []
     for d in diffs:
         for metric in [k for k in d if k not in ("a", "b")]:
             x = d[metric]
-            parts = []
-            if not abs(x["diff"]) > x["seeds_ci95"] and not np.isnan(x["seeds_needed"]):
-                parts.append(f"~{x['seeds_needed']:.0f} seeds per cell" if np.isfinite(
-                    x["seeds_needed"]) else "more than 10,000 seeds per cell")  # fmt: skip
-            paired_resolved = x["paired_lo"] > 0 or x["paired_hi"] < 0
-            if not paired_resolved and np.isfinite(x["problems_needed"]):
-                parts.append(f"~{x['problems_needed']:.0f} held-out problems (paired)")
-            if parts:
-                out.append(f"- {d['b']} - {d['a']}, {metric} {x['diff']:+.3f}: "
-                           + " or ".join(parts))  # fmt: skip
+            if abs(x["diff"]) > x["seeds_ci95"] or np.isnan(x["seeds_needed"]):
+                continue
+            out.append(f"- {d['a']} - {d['b']}, {metric} {x['diff']:+.3f}: "
+                       f"{count(x['seeds_needed'], 'seeds per cell')}")  # fmt: skip
     return out
 
 
-def record_path(out: str, cell, config, budget: int, seed: int, quick: bool = False) -> str:
-    """Where a (cell, seed) run's record lives: its tag hashes the cell's resolved config and
-    the budget, so a record from other settings is never mistaken for this study's."""
-    tag = record_tag(config_key(cell, cell.load(quick), config), budget, seed)
-    return os.path.join(out, "records", f"{tag}.json")
+def cell_record_path(out: str, cell, config, budget: int, seed: int, quick: bool = False) -> str:
+    """Where a (cell, seed) run's record lives (`studies.runs.record_path`): its tag hashes the
+    cell's resolved config and the budget, so a record from other settings is never mistaken
+    for this study's."""
+    return record_path(out, config_key(cell, cell.load(quick), config), budget, seed)
 
 
 def load_records(
@@ -327,7 +275,7 @@ def load_records(
     records, runs = {}, []
     for cell in todo:
         for seed in seeds:
-            path = record_path(out, cell, config, budget, seed, quick)
+            path = cell_record_path(out, cell, config, budget, seed, quick)
             if os.path.exists(path):
                 with open(path) as fh:
                     rec = json.load(fh)
@@ -348,9 +296,12 @@ def report_block(records: dict, runs: list, n: int) -> tuple[dict, list, str]:
         "",
         cell_table(summary, n),
         "",
-        "Differences at the end (second - first cell), over seeds (Welch) and paired on the "
-        "same problems (the seeds' mean score per problem, 10,000 bootstrap resamples of the "
-        "problems):",
+        "Differences at the end (first - second cell): over seeds, Student's t paired by seed "
+        "where the two cells' runs share their first rollouts (the same seed and start, "
+        "`studies.report.shares_first_rollouts`: the methods at one k), else Welch's; and over "
+        "seeds and problems, the two-stage bootstrap of the per-problem outcomes "
+        f"({stats.RESAMPLES:,} resamples of the seeds, then of the problems; "
+        "`studies.stats.two_stage_interval`), which speaks about a new seed on new problems:",
         "",
         diff_table(diffs) if diffs else "(no pair recorded yet)",
         "",
@@ -400,7 +351,7 @@ def main(argv=None) -> dict:
     start = json.load(open(meta)) if os.path.exists(meta) else None
     for cell in todo:
         for seed in seeds:
-            cached = record_path(args.out, cell, config, budget, seed, args.quick)
+            cached = cell_record_path(args.out, cell, config, budget, seed, args.quick)
             if os.path.exists(cached) or args.report_only:
                 continue
             wd = os.path.join(args.workdir, "runs", os.path.basename(cached)[:-5])

@@ -37,6 +37,7 @@ from studies.runs import (
     Cell,
     arm,
     config_key,
+    record_path,
     record_tag,
     rl_run,
     save_record,
@@ -265,8 +266,7 @@ def main(argv=None) -> dict:
         recs = []
         for seed in seeds:
             cfg = cell.load(quick, seed)
-            tag = record_tag(key, budget, seed)
-            cached = os.path.join(args.workdir, "records", f"{tag}.json")
+            cached = record_path(args.workdir, key, budget, seed)
             if os.path.exists(cached):  # an interrupted study resumes at the first missing run
                 with open(cached) as fh:
                     recs.append(json.load(fh))
@@ -274,7 +274,7 @@ def main(argv=None) -> dict:
             if args.report_only:
                 continue
             start = get_start(cell.start)
-            wd = os.path.join(args.workdir, "runs", tag)
+            wd = os.path.join(args.workdir, "runs", record_tag(key, budget, seed))
             if os.path.exists(wd):
                 shutil.rmtree(wd)
             print(f"== {cell.exp} / {cell.name} / seed {seed}", flush=True)
