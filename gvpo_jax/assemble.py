@@ -308,7 +308,10 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
             scan_layers=cfg.scan_layers,
             shardings=shardings,
         )
-        return models.with_config(model, attention=c.attention), tokenizer, rules
+        model = models.with_config(
+            model, attention=c.attention, scan_decode=config_lib.scan_decode(config)
+        )
+        return model, tokenizer, rules
     if c.gguf:
         from gvpo_jax.config import resolve_gguf
 
@@ -319,7 +322,12 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
             scan_layers=config_lib.scan_layers(config),
         )
         config_lib.check_vocab(config, model.config.vocab_size, tokenizer or gguf_tok)
-        model = models.with_config(model, remat=c.remat, attention=c.attention)
+        model = models.with_config(
+            model,
+            remat=c.remat,
+            attention=c.attention,
+            scan_decode=config_lib.scan_decode(config),
+        )
         rules = sharding.logical_rules(mesh, model.config)
         return sharding.shard_model(model, mesh, rules), tokenizer or gguf_tok, rules
     base = models.PRESETS[c.preset] if c.preset else None
@@ -330,6 +338,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     fields.setdefault("compute_dtype", c.compute_dtype)
     fields.setdefault("remat", c.remat)
     fields.setdefault("scan_layers", config_lib.scan_layers(config))
+    fields.setdefault("scan_decode", config_lib.scan_decode(config))
     fields.setdefault("attention", c.attention)
     cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
     config_lib.check_vocab(config, cfg.vocab_size, tokenizer)

@@ -99,6 +99,10 @@ def base_config() -> ml_collections.ConfigDict:
     # (docs/models.md). auto: on for TPU and GPU, off on CPU (where XLA copies each layer's
     # weights per decode step: BENCHMARKS.md section 18); true | false force it.
     c.model.scan_layers = "auto"
+    # With scan_layers, whether the sampler scans too. auto: on for TPU and GPU, off on CPU, where
+    # the sampler slices the stacked blocks once per call and runs them unrolled instead (XLA CPU
+    # copies a scanned layer's weights at every decode step: 1.3-3x slower); true | false.
+    c.model.scan_decode = "auto"
     # Attention kernel for prefill and the update (decode steps are always dense): auto | dense |
     # blocked (flash-style, O(T) memory) | xla (jax.nn.dot_product_attention) | splash (TPU).
     c.model.attention = "auto"
@@ -304,6 +308,12 @@ def scan_layers(c, *, accelerator: bool | None = None) -> bool:
     for TPU and GPU, or for an accelerator when `accelerator` says so (the planner plans TPU
     and GPU runs)."""
     return switch(c.model.scan_layers, accelerator=accelerator)
+
+
+def scan_decode(c, *, accelerator: bool | None = None) -> bool:
+    """Whether the sampler of a model with scanned layers scans them too (`model.scan_decode`;
+    auto: on for TPU and GPU; off, it slices them once per call and runs them unrolled)."""
+    return switch(c.model.scan_decode, accelerator=accelerator)
 
 
 def compile_ahead(c) -> bool:
@@ -590,7 +600,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"config.model.attention is {c.model.attention!r}; use one of "
             f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (auto picks per platform and length)."
         )
-    for path in ("model.scan_layers", "train.compile_ahead"):
+    for path in ("model.scan_layers", "model.scan_decode", "train.compile_ahead"):
         value = _get(c, path)
         if not isinstance(value, bool) and str(value).lower() not in SWITCH:
             _fail(

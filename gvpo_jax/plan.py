@@ -150,7 +150,10 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
         fields.update(dtypes)
         cfg = models.ModelConfig(**fields)
     scan = config_lib.scan_layers(config, accelerator=True)  # plans are for TPU and GPU runs
-    return cfg.replace(remat=bool(c.remat), attention=c.attention, scan_layers=scan)
+    scan_decode = config_lib.scan_decode(config, accelerator=True)
+    return cfg.replace(
+        remat=bool(c.remat), attention=c.attention, scan_layers=scan, scan_decode=scan_decode
+    )
 
 
 def abstract_mesh(data: int, fsdp: int, tensor: int) -> jax.sharding.AbstractMesh:

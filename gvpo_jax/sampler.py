@@ -213,9 +213,12 @@ def generate_split(
     # Decoding runs in the model's compute dtype: cast the (master) parameters once here, in
     # their shards, rather than at every decode step; the KV cache is in that dtype too. Logits,
     # sampling and the returned log-probs stay fp32.
-    dtype = nnx.merge(graphdef, state).config.compute_dtype
-    state = models.cast_floating(state, dtype)
+    cfg = nnx.merge(graphdef, state).config
+    state = models.cast_floating(state, cfg.compute_dtype)
     model = nnx.merge(graphdef, state)
+    if cfg.scan_layers and not cfg.scan_decode:  # stacked blocks sliced once, run unrolled
+        model = models.unstacked(model)
+        graphdef, state = nnx.split(model)
 
     # Prefill the P prompts once: slots [0, T), pads invalid; keep the last real token's logits.
     lens_P = prompt_lens.astype(jnp.int32)

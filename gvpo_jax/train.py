@@ -9,6 +9,7 @@ hook (record, evaluate or stop after each RL step) to scripts that run a whole m
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -158,6 +159,7 @@ def _rl_steps(run_: assemble.Run, state, loop: LoopState, ref, on_step, counter,
                     run_.writer.flush()
                 bar.close()
                 raise TrainingError(f"step {step}: {e}", e.metrics) from e
+            trim_host_memory()  # before the step's figures: what it still holds
             m.update(counter.take())
             if ahead is not None:
                 m["programs_compiled_ahead"] = float(ahead.compiled)
@@ -185,6 +187,19 @@ def _rl_steps(run_: assemble.Run, state, loop: LoopState, ref, on_step, counter,
                 return state, True
     bar.close()
     return state, False
+
+
+def trim_host_memory() -> None:
+    """Hands back to the system the memory glibc's malloc keeps after frees (the step's host
+    batches, XLA CPU's temporaries below its mmap threshold): `malloc_trim(0)`, a few ms. A
+    long run's resident memory otherwise creeps by what the allocator keeps (BENCHMARKS.md
+    section 19). Nothing on other C libraries."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def check_trained(run_: assemble.Run, state, phase: str, steps: int) -> None:

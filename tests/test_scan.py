@@ -104,6 +104,11 @@ def test_scanned_equals_unrolled_values_gradients_and_samples(family):
                 for m in (unrolled, scanned))  # fmt: skip
         np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN, err_msg=str(kw))
         np.testing.assert_allclose(a.logp_BxN, b.logp_BxN, atol=2e-5)
+    # scan_decode=False: the sampler slices the stacked blocks once and runs them unrolled
+    sliced = models.with_config(scanned, scan_decode=False)
+    c = sampler.generate(sliced, prompts, lens, settings, rng=jax.random.key(1))
+    np.testing.assert_array_equal(c.tokens_BxN, a.tokens_BxN)
+    np.testing.assert_allclose(c.logp_BxN, a.logp_BxN, atol=2e-5)
 
 
 def test_lora_on_scanned_layers_equals_lora_on_unrolled_layers(tmp_path):
@@ -117,6 +122,11 @@ def test_lora_on_scanned_layers_equals_lora_on_unrolled_layers(tmp_path):
     unrolled, scanned = models_
     tokens, mask = _batch(TINY.vocab_size)
     np.testing.assert_allclose(scanned(tokens, None, mask), unrolled(tokens, None, mask), atol=2e-5)
+    sliced = models.unstacked(scanned)  # the sampler's unrolled view: adapters sliced too
+    assert not sliced.config.scan_layers and len(lora.adapters(sliced)) == len(
+        lora.adapters(unrolled)
+    )
+    np.testing.assert_allclose(sliced(tokens, None, mask), unrolled(tokens, None, mask), atol=2e-5)
     merged = [lora.merged(m) for m in models_]
     want, got = _stacked(nnx.state(merged[0], nnx.Param)), _values(nnx.state(merged[1], nnx.Param))
     for path in want:

@@ -33,6 +33,7 @@ from gvpo_jax.models.transformer import (
     cast_floating,
     default_positions,
     param_count,
+    unstacked,
     with_compute_dtype,
     with_config,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "save_pretrained",
     "tensor_maps",
     "token_logprobs",
+    "unstacked",
     "with_compute_dtype",
     "cast_floating",
     "with_config",

@@ -86,6 +86,10 @@ class ModelConfig:
     compute_dtype: str = "float32"
     remat: bool = False
     scan_layers: bool = False  # blocks stacked [L, ...] and run by one scan (flat compile time)
+    # With scan_layers, the sampler scans too; False: it slices the stacked blocks once per call
+    # and runs them unrolled (`unstacked`), XLA CPU's fast decode (its scan copies each layer's
+    # weights at every decode step).
+    scan_decode: bool = True
     attention: str = "auto"  # auto | dense | blocked | xla | splash (see models/attention.py)
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None

@@ -329,6 +329,21 @@ def stack_blocks(blocks: list[Block]) -> Block:
     return nnx.merge(graphdef, state)
 
 
+def unstack_blocks(block: Block, cfg: ModelConfig) -> nnx.List:
+    """The L blocks of a stacked one (`stack_blocks`' inverse): layer i's slice of every
+    parameter (copies, where a jitted caller takes them), attending as layer i."""
+    graphdef, state = nnx.split(block)
+    blocks = []
+    for i in range(cfg.num_layers):
+        layer_state = jax.tree.map(lambda a, i=i: a[i], state)
+        for _, variable in nnx.to_flat_state(layer_state):
+            axes = variable.get_metadata().get("out_sharding")
+            if axes is not None and axes[:1] == ("layers",):
+                variable.set_metadata(out_sharding=tuple(axes[1:]))
+        blocks.append(as_layer(nnx.merge(graphdef, layer_state), cfg, i))
+    return nnx.List(blocks)
+
+
 class Transformer(nnx.Module):
     """Token ids -> fp32 logits. docs/models.md tabulates the calling conventions.
 
@@ -592,9 +607,26 @@ def _abstract_split(cfg: ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
+def unstacked(model: Transformer) -> Transformer:
+    """A model with stacked blocks (`scan_layers`) as the same model with L separate blocks
+    (`scan_layers=False`): the same function, run unrolled. The sampler calls it once per call
+    when `scan_decode` is off, before its decode loop, so the slices are taken once rather than
+    at every decode step (XLA CPU copies a scan's dynamic slice of each layer's weights and
+    cache before its matmuls: 1.3x bench-45m's decode, 2-3x SmolLM2's rollout). The caller's
+    model is not changed; LoRA adapters are sliced with their kernels."""
+    cfg = model.config
+    if not cfg.scan_layers:
+        return model
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    copy.layers = unstack_blocks(copy.layers, cfg)
+    copy.config = cfg.replace(scan_layers=False)
+    return copy
+
+
 def with_config(model: Transformer, **changes) -> Transformer:
     """The same parameters (shared, not copied) under a config with `changes` to fields that do
-    not change parameter shapes (compute_dtype, attention, remat)."""
+    not change parameter shapes (compute_dtype, attention, remat, scan_decode)."""
     cfg = model.config.replace(**changes)
     if cfg == model.config:
         return model
