@@ -2,6 +2,11 @@
 
 import jax
 
+# Step metrics that count the programs a run met (`programs.Counter`): a second run in the same
+# process, or one reading the persistent compilation cache, finds programs already made, so two
+# runs that agree bit for bit still differ here (as in their wall-clock times).
+PROGRAM_COUNTS = ("new_programs", "programs_compiled_ahead")
+
 
 def scale_matrices(state, factor: float, stacked: bool):
     """Every parameter that is a matrix or more per layer (kernels and biases, not the norm

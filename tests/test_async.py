@@ -15,6 +15,7 @@ import pytest
 from gvpo_jax import config as config_lib
 from gvpo_jax import losses, rl_step, rollout, sampling_ops, train
 from gvpo_jax.batch import BatchSpec, UpdateBatch
+from tests.helpers import PROGRAM_COUNTS
 from tests.test_train import make_run, toy_config
 
 
@@ -128,7 +129,8 @@ def _rows(workdir):
         r = json.loads(line)
         if "reward_mean" in r:
             rows[r["step"]] = {k: v for k, v in r.items()
-                               if "time" not in k and k != "tokens_per_s"}  # fmt: skip
+                               if "time" not in k and k != "tokens_per_s"
+                               and k not in PROGRAM_COUNTS}  # fmt: skip
     return rows
 
 

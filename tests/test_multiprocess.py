@@ -23,6 +23,7 @@ from gvpo_jax import config as config_lib
 from gvpo_jax import data, tasks
 from tests import mp_worker
 from tests.conftest import TEST_XLA_FLAGS, child_env
+from tests.helpers import PROGRAM_COUNTS
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -230,7 +231,7 @@ EXACT = ("reward_mean", "accuracy", "response_len_mean", "response_len_max", "ro
          "replayed_groups", "equal_reward_group_frac", "truncated_frac", "eval/greedy")  # fmt: skip
 # Wall-clock metrics, and the correlation of the near-zero implicit rewards with the rewards
 # (r_theta ~ 1e-6 at the first steps: its correlation is dominated by round-off).
-SKIP = ("time", "tokens_per_s", "reward_corr")
+SKIP = ("time", "tokens_per_s", "reward_corr", *PROGRAM_COUNTS)
 
 
 def _rows(workdir) -> list[dict]:

@@ -17,7 +17,9 @@ finishes, so a run cut off at any point still reports what it did:
 - rollout:PRESET / hf:PRESET: `sampler.generate` of random-weight bf16 models of the preset's
   shapes against `transformers.generate` of the same shapes on the same GPU (separate process),
   and against the memory-bandwidth floor (every weight and the KV cache read once per step);
-  rollout-unrolled:PRESET the same rollout with the layers unrolled (`model.scan_layers` off).
+  rollout-unrolled:PRESET the same rollout with the layers unrolled (`model.scan_layers` off),
+  rollout-sliced:PRESET with the scanned layers sliced once per call and run unrolled
+  (`model.scan_decode` off, XLA CPU's faster decode): which of the three is fastest here.
 - update:PRESET: the trainer's RL update (GRPO, fp32 masters, bf16 compute) and its MFU against
   the measured bf16 peak, with the compile time.
 - attention: the kernel `auto` picks on this platform against the dense one through a 2-layer
@@ -83,8 +85,8 @@ TINY = dict(
     copy_gib=0.01,
 )
 # Seconds each part may take on the GPU (the whole check's budget cuts them further).
-LIMITS = {"env": 60, "tests": 180, "rollout": 90, "rollout-unrolled": 90, "hf": 60, "update": 120,
-          "attention": 60}  # fmt: skip
+LIMITS = {"env": 60, "tests": 180, "rollout": 90, "rollout-unrolled": 90, "rollout-sliced": 90,
+          "hf": 60, "update": 120, "attention": 60}  # fmt: skip
 
 
 def parts(shape: dict) -> list[str]:
@@ -92,6 +94,7 @@ def parts(shape: dict) -> list[str]:
     first, *rest = shape["presets"]
     out = ["env", "tests", f"rollout:{first}", f"hf:{first}", f"update:{first}", "attention"]
     out.append(f"rollout-unrolled:{first}")  # the same rollout with model.scan_layers off
+    out.append(f"rollout-sliced:{first}")  # and with model.scan_decode off
     for preset in rest:
         out += [f"rollout:{preset}", f"hf:{preset}"]
     return out
@@ -234,9 +237,12 @@ def _bytes_per_step(cfg, rows: int, context: float, dtype_bytes: int = 2) -> flo
     return weights + kv
 
 
-def part_rollout(shape: dict, tiny: bool, preset: str, env: dict, scan: bool = True) -> dict:
+def part_rollout(
+    shape: dict, tiny: bool, preset: str, env: dict, scan: bool = True, scan_decode: bool = True
+) -> dict:
     """`sampler.generate` tokens/s in bf16 (random weights), with the bandwidth floor; `scan`
-    False: the layers unrolled (one block per layer) instead of under one scan."""
+    False: the layers unrolled (one block per layer) instead of under one scan; `scan_decode`
+    False: scanned layers sliced once per call and run unrolled by the sampler."""
     import jax
     import numpy as np
     from flax import nnx
@@ -245,7 +251,8 @@ def part_rollout(shape: dict, tiny: bool, preset: str, env: dict, scan: bool = T
     from gvpo_jax import models, sampler
 
     w = shape["rollout"]
-    cfg = _model_config(preset, params="bfloat16", compute="bfloat16").replace(scan_layers=scan)
+    cfg = _model_config(preset, params="bfloat16", compute="bfloat16")
+    cfg = cfg.replace(scan_layers=scan, scan_decode=scan_decode)
     model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     ids = common.random_prompts(cfg.vocab_size, w["prompts"], w["prompt_len"])
     lens = np.full((w["prompts"],), w["prompt_len"], np.int32)
@@ -278,6 +285,7 @@ def part_rollout(shape: dict, tiny: bool, preset: str, env: dict, scan: bool = T
     return dict(
         preset=preset,
         scan_layers=scan,
+        scan_decode=scan_decode,
         rows=rows,
         prompt_len=w["prompt_len"],
         new_tokens=n,
@@ -439,6 +447,8 @@ def run_part(name: str, tiny: bool, env: dict) -> dict:
         return part_attention(shape, tiny, env)
     if kind == "rollout-unrolled":
         return part_rollout(shape, tiny, preset, env, scan=False)
+    if kind == "rollout-sliced":
+        return part_rollout(shape, tiny, preset, env, scan_decode=False)
     fn = {"rollout": part_rollout, "hf": part_hf, "update": part_update}[kind]
     return fn(shape, tiny, preset, env)
 
@@ -524,7 +534,7 @@ def summary(record: dict) -> str:
             text = (f"{record['passed']} passed, {record['failures']} failed, "
                     f"{record['errors']} errors, {record['skipped']} skipped"
                     f"{'' if record['finished'] else ' (cut off)'} {bad}")  # fmt: skip
-    elif kind in ("rollout", "rollout-unrolled", "hf"):
+    elif kind in ("rollout", "rollout-unrolled", "rollout-sliced", "hf"):
         text = f"{record['tokens_per_s']:.0f} tokens/s (median of {record['rows']} rows)"
         if kind != "hf":
             text += (f", floor {record['floor_tokens_per_s']:.0f} ({record['share_of_floor']:.0%}"
