@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 
 from gvpo_jax import assemble, checkpoint, sharding, train_step
 from gvpo_jax import config as config_lib
@@ -88,20 +88,26 @@ def restore(run_: assemble.Run, state, loop: LoopState):
 
     def attempt(directory, step):
         first_error = None
+        # The checkpoint's layers layout (read off its names): the other layout's is read as
+        # it was written and converted after (`relayout`).
+        other = held_layout(directory, step) not in (None, scanned)
         # the run's own layout first; then a checkpoint written before `TrainState.updates`
         for form in (lambda s: s, StepNamedState.of):
             for ref_layout in layouts:
                 try:
                     target = abstract_target(run_, state, ref_layout, form)
+                    if other:
+                        target = relayout(target, stacked=not scanned, layers=num_layers)
                     return run_.ckpt.restore(target, step=step, directory=directory)
                 except checkpoint.CheckpointError as e:
                     first_error = first_error or e
         raise first_error
 
+    scanned = config_lib.scan_layers(run_.config)
+    num_layers = run_.model(state.params).config.num_layers
     newest = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
     if newest is not None:
         check_lora_layout(run_, *newest)
-        check_layers_layout(run_, *newest)
     found = checkpoint.restore_newest(
         run_.ckpt,
         run_.config.restore_from or None,
@@ -112,6 +118,13 @@ def restore(run_: assemble.Run, state, loop: LoopState):
     if found is None:
         return state, None, False
     (restored, meta, replay), directory, step = found
+    if held_layout(directory, step) not in (None, scanned):  # to the run's layout, in its shards
+        restored = relayout(restored, stacked=scanned, layers=num_layers)
+        own = abstract_target(run_, state, ref_layout if restored["ref"] is not None else None)
+        restored = {k: _placed(v, own[k]) for k, v in restored.items()}
+        if sharding.is_primary():
+            held = "one block per layer" if scanned else "stacked blocks"
+            print(f"Converted the checkpoint's {held} to this run's layout.", flush=True)
     if isinstance(restored["state"], StepNamedState):
         restored = {**restored, "state": restored["state"].current()}
     if run_.lora is not None:  # the checkpoint's adapters on the base this run loaded
@@ -189,27 +202,74 @@ def check_lora_layout(run_: assemble.Run, directory, step: int) -> None:
     )
 
 
-def check_layers_layout(run_: assemble.Run, directory, step: int) -> None:
-    """A checkpoint's blocks are stacked [L, ...] (`model.scan_layers`) or one per layer; a run
-    of the other layout is refused before any read (CheckpointError naming the setting), read
-    off the names in the checkpoint's tree metadata."""
+def held_layout(directory, step: int) -> bool | None:
+    """Whether a checkpoint's blocks are stacked [L, ...] (`model.scan_layers`: True) or one
+    per layer (False), read off the names in its tree metadata; None when it holds no blocks
+    or the metadata is unreadable (the restore itself reports that)."""
     path = Path(directory) / str(step) / "state" / "_METADATA"
     try:
         names = json.loads(path.read_text())["tree_metadata"]
     except (OSError, ValueError, KeyError, TypeError):
-        return  # unreadable: the restore itself reports it
+        return None
     layered = [n for n in names if "'layers'" in n]
     if not layered:
-        return
-    unrolled = any("'layers', '0'," in n for n in layered)
-    scanned = config_lib.scan_layers(run_.config)
-    if unrolled == (not scanned):
-        return
-    held = "one block per layer" if unrolled else "its blocks stacked (scanned layers)"
-    raise checkpoint.CheckpointError(
-        f"the checkpoint {Path(directory) / str(step)} holds {held}; set "
-        f"--config.model.scan_layers={not scanned} to resume or evaluate it."
-    )
+        return None
+    return not any("'layers', '0'," in n for n in layered)
+
+
+def _placed(values, target):
+    """`values` (arrays) in the structure and shardings of `target` (same leaves, in order)."""
+    if values is None:
+        return None
+    leaves, want = jax.tree.leaves(values), jax.tree.leaves(target)
+    if len(leaves) != len(want):
+        raise checkpoint.CheckpointError(
+            f"a converted checkpoint has {len(leaves)} arrays where the run has {len(want)}."
+        )
+    placed = [
+        jax.device_put(v, t.sharding) if hasattr(t, "sharding") else v  # (skipped: as it is)
+        for v, t in zip(leaves, want, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(target), placed)
+
+
+def relayout(tree, *, stacked: bool, layers: int):
+    """`tree` (a restore target or restored values: the train state, its moments, the
+    reference) with every parameter tree's blocks in the other layout: stacked [L, ...] from one
+    per layer (`stacked`), or one per layer from stacked. Abstract leaves (ShapeDtypeStruct)
+    get the shapes and shardings of that layout (the layers axis is never split); arrays are
+    stacked or sliced. Trees without blocks pass through."""
+
+    def sliced(x, i):  # layer i of a stacked leaf
+        if isinstance(x, jax.ShapeDtypeStruct):
+            spec = tuple(x.sharding.spec)[1:]
+            named = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=named)
+        return x[i] if hasattr(x, "shape") else x  # (a skipped leaf stays as it is)
+
+    def stack(*xs):  # the layers' leaves as one stacked leaf
+        x = xs[0]
+        if isinstance(x, jax.ShapeDtypeStruct):
+            spec = (None, *x.sharding.spec)
+            named = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+            return jax.ShapeDtypeStruct((layers, *x.shape), x.dtype, sharding=named)
+        return jnp.stack(xs) if hasattr(x, "shape") else x
+
+    def convert(state):
+        if not isinstance(state, nnx.State) or "layers" not in state:
+            return state
+        blocks = state["layers"]
+        if stacked:
+            new = jax.tree.map(stack, *[blocks[i] for i in range(layers)])
+        else:
+            new = nnx.State(
+                {i: jax.tree.map(lambda x, i=i: sliced(x, i), blocks) for i in range(layers)}
+            )
+        out = nnx.State(dict(state.items()))
+        out["layers"] = new
+        return out
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, nnx.State))
 
 
 def check_base(run_: assemble.Run, params, meta: dict, directory) -> None:

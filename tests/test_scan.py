@@ -2,9 +2,7 @@
 gradients, samples), the same files in and out, and programs whose size does not grow with
 depth."""
 
-import json
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +11,7 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from gvpo_jax import checkpoint, models, resume, sampler
+from gvpo_jax import models, resume, sampler
 from gvpo_jax.models import lora
 from gvpo_jax.models.config import gemma3_layer_types
 from gvpo_jax.models.transformer import layer_kind
@@ -188,16 +186,49 @@ def test_programs_have_the_same_ops_at_2_and_8_layers_when_scanned():
         assert unrolled[8][name] > 2 * unrolled[2][name] > 0, (name, unrolled)
 
 
-def test_a_checkpoint_of_the_other_layout_is_refused_in_one_sentence(tmp_path):
-    """The run's layout against the names in the checkpoint's tree metadata, before any read."""
-    for held, scan in (("'layers', '0', 'attn'", True), ("'layers', 'attn'", False)):
-        step = tmp_path / str(scan) / "5" / "state"
-        step.mkdir(parents=True)
-        names = {f"('state', 'params', {held}, 'q_kernel', 'value')": {}, "('state', 'rng')": {}}
-        (step / "_METADATA").write_text(json.dumps({"tree_metadata": names}))
-        run_ = types.SimpleNamespace(config=types.SimpleNamespace(model=types.SimpleNamespace(
-            scan_layers=scan)))  # fmt: skip
-        with pytest.raises(checkpoint.CheckpointError, match=f"scan_layers={not scan} to resume"):
-            resume.check_layers_layout(run_, tmp_path / str(scan), 5)
-        run_.config.model.scan_layers = not scan  # the matching layout passes
-        resume.check_layers_layout(run_, tmp_path / str(scan), 5)
+@pytest.mark.parametrize(
+    "saved_scanned", [False, True], ids=["unrolled-to-scanned", "scanned-to-unrolled"]
+)
+def test_a_checkpoint_of_the_other_layout_is_converted_on_restore(saved_scanned):
+    """A run resumes a checkpoint written in the other `model.scan_layers` layout: its blocks'
+    parameters, Adam moments and frozen reference stacked (or sliced) into the run's layout,
+    the values unchanged, the loop state restored."""
+    from gvpo_jax import assemble
+    from gvpo_jax.rl_step import rl_step
+    from tests.test_train import make_run, toy_config
+
+    def config(scan):
+        c = toy_config("grpo", **{"model.scan_layers": str(scan).lower()})
+        c.model.overrides.num_layers = 2
+        return c
+
+    run, state, loop, ref = make_run(config(saved_scanned))
+    state, _, _, _ = rl_step(run, state, loop, ref)
+    loop.step = 1
+    resume.save(run, state, loop, ref)
+    run.ckpt.wait()
+    assert resume.held_layout(run.workdir + "/checkpoints", 1) is saved_scanned
+    other, fresh = assemble.assemble(config(not saved_scanned), run.workdir)
+    other_loop = assemble.start_loop(other)
+    restored, other_ref, resumed = resume.restore(other, fresh, other_loop)
+    assert resumed and other_loop.step == 1 and int(restored.updates) == int(state.updates) == 1
+
+    def by_layer(tree, scanned):  # {path with the layer index: array} of every parameter tree
+        out = {}
+        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+            key = jax.tree_util.keystr(path)
+            if scanned and "['layers']" in key:
+                for i in range(2):
+                    out[key.replace("['layers']", f"['layers'][{i}]")] = np.asarray(x[i])
+            else:
+                out[key] = np.asarray(x)
+        return out
+
+    for name, want, got in (("params", state.params, restored.params), ("ref", ref, other_ref),
+                            ("moments", state.opt_state, restored.opt_state)):  # fmt: skip
+        a, b = by_layer(want, saved_scanned), by_layer(got, not saved_scanned)
+        assert a.keys() == b.keys(), name
+        assert any("['layers'][1]" in k for k in a), name
+        for k in a:
+            np.testing.assert_array_equal(b[k], a[k], err_msg=f"{name} {k}")
+    assert other.model(restored.params).config.scan_layers is (not saved_scanned)
