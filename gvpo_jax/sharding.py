@@ -55,6 +55,9 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("cache_length", None),
     ("layers", None),  # stacked blocks (ModelConfig.scan_layers): each device keeps every layer
+    ("expert", None),  # an MoE layer's experts [E, ...]
+    ("expert_mlp", "tensor"),  # an expert's MLP width
+    ("router", None),  # the router's output (one logit per expert)
 )
 
 # Model-config field behind each sharded parameter axis (for the divisibility checks).
@@ -64,6 +67,7 @@ _AXIS_SIZE_FIELD = {
     "kv_heads": "num_kv_heads",
     "mlp": "intermediate_size",
     "embed": "hidden_size",
+    "expert_mlp": "moe_intermediate_size",
 }
 
 

@@ -635,6 +635,7 @@ def test_logical_axis_names_map_onto_a_mesh():
     # nnx passes unmapped names through, so rules name every axis (None = replicated).
     rules = (("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"), ("embed", "fsdp"))
     rules += (("kv_heads", None), ("head_dim", None), ("norm", None), ("layers", None))
+    rules += (("expert", None), ("expert_mlp", "tensor"), ("router", None))
     assert {r[0] for r in rules} == set(models.PARAM_AXES)
     with nnx.logical_axis_rules(rules):
         specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
@@ -766,6 +767,7 @@ def test_from_pretrained_places_each_tensor_with_given_shardings(checkpoints, ki
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     rules = (("vocab", "tensor"), ("mlp", "tensor"), ("heads", "tensor"), ("embed", "fsdp"))
     rules += (("kv_heads", None), ("head_dim", None), ("norm", None), ("layers", None))
+    rules += (("expert", None), ("expert_mlp", "tensor"), ("router", None))
     with nnx.logical_axis_rules(rules):
         abstract = nnx.state(models.abstract_model(cfg), nnx.Param)
         shardings = nnx.get_named_sharding(abstract, mesh)

@@ -19,9 +19,16 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # transformers' model_type of each architecture (Gemma 3's text-only model is "gemma3_text").
-HF_MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3_text"}
+HF_MODEL_TYPES = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "llama": "llama",
+    "gemma3": "gemma3_text",
+    "qwen3_moe": "qwen3_moe",
+}
 LAYER_TYPES = ("full", "sliding")
 # Widths and counts of a ModelConfig: each a positive integer.
 SHAPE_FIELDS = (
@@ -41,6 +48,9 @@ class CheckpointError(BadInputError):
 
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "dense", "blocked", "xla", "splash")
+# How an MoE layer sends tokens to their experts (models/moe.py): auto picks ragged_dot on TPU
+# and GPU and the grouped path on CPU; dense runs every expert on every token (the reference).
+MOE_DISPATCH = ("auto", "dense", "grouped", "ragged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,19 @@ class ModelConfig:
     rope_local_theta: float = 10000.0  # RoPE base of sliding layers
     rope_scaling: float = 1.0  # linear RoPE scaling factor of full layers
     query_pre_attn_scalar: int = 0  # scores scaled by this^-1/2; 0 = head_dim
+    # Mixture of experts (Qwen3-MoE; models/moe.py): num_experts > 0 makes layer i an MoE layer
+    # when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (transformers'
+    # rule); the others keep the dense MLP of intermediate_size. Each token goes to the
+    # num_experts_per_tok experts of highest router probability (softmax in fp32), weighted
+    # by those probabilities (renormalised to sum 1 with norm_topk_prob). Dropless: no capacity.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    moe_dispatch: str = "auto"  # auto | dense | grouped | ragged (MOE_DISPATCH)
+    moe_block: int = 64  # the grouped path's rows per block (each block one expert's tokens)
 
     def __post_init__(self):
         for name in SHAPE_FIELDS:  # a zero width divides by zero or builds empty arrays later
@@ -172,11 +195,87 @@ class ModelConfig:
                 f"ModelConfig.attention={self.attention!r}; use one of "
                 f"{', '.join(ATTENTION_IMPLEMENTATIONS)}."
             )
+        self._check_moe()
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(
                     f"ModelConfig.{name}={getattr(self, name)!r}; use 'float32' or 'bfloat16'."
                 )
+
+    def _check_moe(self) -> None:
+        """The mixture-of-experts fields: all off (num_experts 0) or a model they can build."""
+        if self.architecture == "qwen3_moe" and (not self.qk_norm or self.attention_bias):
+            raise ValueError(
+                "ModelConfig.architecture='qwen3_moe' needs qk_norm=True and "
+                "attention_bias=False (Qwen3-MoE attends as Qwen3 does); set both."
+            )
+        if self.moe_dispatch not in MOE_DISPATCH:
+            raise ValueError(
+                f"ModelConfig.moe_dispatch={self.moe_dispatch!r}; use one of "
+                f"{', '.join(MOE_DISPATCH)}."
+            )
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelConfig.{name}={value!r}; use an integer >= 0.")
+        for name in ("decoder_sparse_step", "moe_block"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name}={value!r}; use a positive integer.")
+        if not self.num_experts:
+            if self.architecture == "qwen3_moe":
+                raise ValueError(
+                    "ModelConfig.architecture='qwen3_moe' has num_experts=0; set the experts "
+                    "(e.g. num_experts=8, num_experts_per_tok=2, moe_intermediate_size=...)."
+                )
+            return
+        if self.architecture != "qwen3_moe":
+            raise ValueError(
+                f"ModelConfig.num_experts={self.num_experts} with architecture="
+                f"{self.architecture!r}; experts need architecture='qwen3_moe'."
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} with "
+                f"num_experts={self.num_experts}; route each token to between 1 and "
+                f"{self.num_experts} experts."
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(
+                "ModelConfig.moe_intermediate_size is 0; set each expert's MLP width (Qwen3-MoE "
+                "30B-A3B: 768)."
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad or len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
+            raise ValueError(
+                f"ModelConfig.mlp_only_layers={self.mlp_only_layers!r}; list distinct layer "
+                f"indices in [0, {self.num_layers})."
+            )
+        if not any(self.moe_layer(i) for i in range(self.num_layers)):
+            raise ValueError(
+                "ModelConfig: num_experts > 0 but decoder_sparse_step / mlp_only_layers leave "
+                "no MoE layer; set num_experts=0 for a dense model or route some layers."
+            )
+        if self.scan_layers and len({self.moe_layer(i) for i in range(self.num_layers)}) > 1:
+            raise ValueError(
+                "ModelConfig.scan_layers=True with both dense and MoE layers "
+                f"(decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
+                f"{self.mlp_only_layers}): the scan runs one kind of layer; set "
+                "scan_layers=False for this layer pattern."
+            )
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` routes through experts (transformers' Qwen3-MoE rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe(self) -> bool:
+        """Some layer routes through experts."""
+        return self.num_experts > 0
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -246,6 +345,19 @@ def _qwen3(hidden, inter, layers, heads, tied) -> ModelConfig:
     )
 
 
+def _qwen3_moe(hidden, inter, layers, heads, kv, experts, top_k, expert_inter) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's attention (QK-norm, head_dim 128), every layer an MoE layer of
+    `experts` SwiGLU experts, top-`top_k` routing renormalised (norm_topk_prob), untied."""
+    return _qwen3(hidden, inter, layers, heads, False).replace(
+        num_kv_heads=kv,
+        architecture="qwen3_moe",
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=expert_inter,
+        norm_topk_prob=True,
+    )
+
+
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
     """Gemma 3's layout: every `pattern`-th layer full, the others sliding (5:1)."""
     return tuple("full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers))
@@ -293,6 +405,8 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, False),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 48, 32, 4, 128, 8, 768),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 94, 64, 4, 128, 8, 1536),
     "gemma3-270m": _gemma3(262144, 640, 2048, 18, 4, 1, 512, 1.0, 32768),
     "gemma3-1b": _gemma3(262144, 1152, 6912, 26, 4, 1, 512, 1.0, 32768),
     "gemma3-4b": _gemma3(262208, 2560, 10240, 34, 8, 4, 1024, 8.0, 131072),
@@ -342,6 +456,26 @@ PRESETS: dict[str, ModelConfig] = {
         attention_bias=True,
         architecture="qwen2",
         max_position_embeddings=2048,
+    ),
+    # Unit-test MoE: Qwen3-MoE at tiny's size, every layer 8 experts of width 32, top-2.
+    "tiny-moe": ModelConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+        architecture="qwen3_moe",
+        max_position_embeddings=2048,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
     ),
 }
 
@@ -486,11 +620,12 @@ def _config_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str)
             f"{source}: attention_bias=true is not supported for llama (its o_proj has a bias "
             "this model lacks); only bias-free Llama attention, as in the published checkpoints."
         )
-    if model_type == "qwen3" and hf.get("attention_bias", False):
+    if model_type in ("qwen3", "qwen3_moe") and hf.get("attention_bias", False):
         raise CheckpointError(
-            f"{source}: attention_bias=true is not supported for qwen3 (its o_proj would have a "
-            "bias too); only bias-free Qwen3 attention, as in the published checkpoints."
+            f"{source}: attention_bias=true is not supported for {model_type} (its o_proj would "
+            "have a bias too); only bias-free Qwen3 attention, as in the published checkpoints."
         )
+    moe = _moe_from_hf(hf, source) if model_type == "qwen3_moe" else {}
     hidden = _count(hf, "hidden_size", source)
     heads = _count(hf, "num_attention_heads", source)
     kv = _count(hf, "num_key_value_heads", source, default=heads)
@@ -513,7 +648,7 @@ def _config_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str)
             # Qwen2 always has q/k/v biases in transformers; Llama reads `attention_bias`;
             # Qwen3 has none (refused above).
             attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             architecture=model_type,
             param_dtype=str(jnp.dtype(param_dtype)),
             compute_dtype=str(jnp.dtype(compute_dtype)),
@@ -521,9 +656,44 @@ def _config_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str)
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
+            **moe,
         )
     except ValueError as e:  # ModelConfig's own checks: re-raise as a checkpoint problem
         raise CheckpointError(f"{source}: {e}") from e
+
+
+def _moe_from_hf(hf: dict, source: str) -> dict:
+    """ModelConfig's mixture-of-experts fields of a Qwen3MoeConfig dict (transformers' defaults
+    where a field is absent). Routing is always dropless here: a config asking for capacity
+    or a router the model does not implement is refused."""
+    for key in ("capacity_factor", "expert_capacity", "moe_capacity_factor"):
+        if hf.get(key):
+            raise CheckpointError(
+                f"{source}: {key}={hf[key]} asks for capacity-limited routing; this model is "
+                f"dropless (a dropped token would change its log-prob), remove {key}."
+            )
+    for key in ("num_shared_experts", "shared_expert_intermediate_size", "n_shared_experts"):
+        if hf.get(key):
+            raise CheckpointError(
+                f"{source}: {key}={hf[key]} (shared experts) is not part of Qwen3-MoE; use a "
+                "Qwen3-MoE checkpoint without them."
+            )
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise CheckpointError(
+            f"{source}: mlp_only_layers is {only!r}; give a list of layer indices (or [])."
+        )
+    return {
+        # the published configs' name; transformers 5 writes it as num_local_experts
+        "num_experts": _count(
+            hf, "num_experts" if "num_experts" in hf else "num_local_experts", source, default=128
+        ),
+        "num_experts_per_tok": _count(hf, "num_experts_per_tok", source, default=8),
+        "moe_intermediate_size": _count(hf, "moe_intermediate_size", source, default=768),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": _count(hf, "decoder_sparse_step", source, default=1),
+        "mlp_only_layers": tuple(only),
+    }
 
 
 def _gemma3_from_hf(hf: dict, param_dtype: str, compute_dtype: str, source: str) -> ModelConfig:
@@ -648,7 +818,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
             "(transformers' Llama biases o_proj as well); use architecture='qwen2' for q/k/v "
             "biases only."
         )
-    if cfg.qk_norm and cfg.architecture not in ("qwen3", "gemma3"):
+    if cfg.qk_norm and cfg.architecture not in ("qwen3", "gemma3", "qwen3_moe"):
         raise CheckpointError(
             f"ModelConfig: a {cfg.architecture} model with qk_norm has no transformers "
             "equivalent; use architecture='qwen3' (with attention_bias=False) for QK-norm."
@@ -683,6 +853,20 @@ def config_to_hf(cfg: ModelConfig, dtype: str | None = None) -> dict:
         hf.update(attention_bias=cfg.attention_bias, mlp_bias=False)
     elif cfg.architecture == "qwen3":
         hf.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    elif cfg.architecture == "qwen3_moe":
+        hf.update(
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,  # transformers' default; read only when training
+        )
     else:
         hf.update(use_sliding_window=False, sliding_window=None)
     return hf

@@ -43,6 +43,7 @@ class TensorMap:
     hf_shape: tuple[int, ...]
     to_model: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    expert: int | None = None  # an expert's slice [e] of a parameter stacked [E, ...] (MoE)
 
 
 def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
@@ -95,10 +96,31 @@ def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
                 ),
             ]
         ml = ("layers", i, "mlp")
+        if cfg.moe_layer(i):  # the router [E, D] and each expert's projections, on disk
+            e, fe = cfg.num_experts, cfg.moe_intermediate_size
+            maps.append(
+                TensorMap(pre + "mlp.gate.weight", (*ml, "router_kernel"), (e, d), *[transpose] * 2)
+            )
+            for x in range(e):
+                ex = f"{pre}mlp.experts.{x}."
+                maps += [
+                    TensorMap(ex + "gate_proj.weight", (*ml, "gate_kernel"), (fe, d),
+                              transpose, transpose, x),
+                    TensorMap(ex + "up_proj.weight", (*ml, "up_kernel"), (fe, d),
+                              transpose, transpose, x),
+                    TensorMap(ex + "down_proj.weight", (*ml, "down_kernel"), (d, fe),
+                              transpose, transpose, x),
+                ]  # fmt: skip
+        else:
+            maps += [
+                TensorMap(pre + "mlp.gate_proj.weight", (*ml, "gate_kernel"), (f, d),
+                          transpose, transpose),
+                TensorMap(pre + "mlp.up_proj.weight", (*ml, "up_kernel"), (f, d),
+                          transpose, transpose),
+                TensorMap(pre + "mlp.down_proj.weight", (*ml, "down_kernel"), (d, f),
+                          transpose, transpose),
+            ]  # fmt: skip
         maps += [
-            TensorMap(pre + "mlp.gate_proj.weight", (*ml, "gate_kernel"), (f, d), *[transpose] * 2),
-            TensorMap(pre + "mlp.up_proj.weight", (*ml, "up_kernel"), (f, d), *[transpose] * 2),
-            TensorMap(pre + "mlp.down_proj.weight", (*ml, "down_kernel"), (d, f), *[transpose] * 2),
             TensorMap(
                 pre + "input_layernorm.weight",
                 ("layers", i, "attn_norm", "scale"),
@@ -214,10 +236,11 @@ def load_tensors(
     graphdef, state = nnx.split(abstract_model(cfg))
     flat = dict(nnx.to_flat_state(state))
     target = None if shardings is None else dict(nnx.to_flat_state(shardings))
-    stacked: dict[tuple, list] = {}  # scan_layers: a parameter's layers until the last is read
-    # Stacked parameters are read parameter by parameter (all its layers, then the next), so
-    # the host holds one stacked parameter at a time.
-    for m in sorted(maps, key=lambda m: state_path(cfg, m.path)) if cfg.scan_layers else maps:
+    # A parameter stacked over layers (scan_layers) and / or experts is assembled from its
+    # tensors, read parameter by parameter, so the host holds one stacked parameter at a time.
+    stacked: dict[tuple, np.ndarray] = {}
+    filled: dict[tuple, int] = {}
+    for m in _in_state_order(cfg, maps):
         arr = read[m.hf_name]()
         if tuple(arr.shape) != m.hf_shape:
             raise CheckpointError(
@@ -225,13 +248,16 @@ def load_tensors(
                 f"implies {m.hf_shape}; the config does not match the weights."
             )
         value = np.asarray(m.to_model(arr)).astype(cfg.param_dtype)
-        path, layer = state_path(cfg, m.path)
-        if layer is not None:
-            layers = stacked.setdefault(path, [None] * cfg.num_layers)
-            layers[layer] = value
-            if any(x is None for x in layers):
+        path, index = state_path(cfg, m)
+        if index:
+            whole = flat[path].get_value().shape
+            if path not in stacked:
+                stacked[path] = np.empty(whole, value.dtype)
+            stacked[path][index] = value
+            filled[path] = filled.get(path, 0) + 1
+            if filled[path] < math.prod(whole[: len(index)]):
                 continue
-            value = np.stack(stacked.pop(path))
+            value = stacked.pop(path)
         if target is None:
             placed = jnp.asarray(value)
         else:
@@ -242,13 +268,23 @@ def load_tensors(
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
 
 
-def state_path(cfg: ModelConfig, path: tuple) -> tuple[tuple, int | None]:
-    """(the model state's path of a per-layer parameter path ('layers', i, ...), the layer
-    index within its stacked array or None): with `scan_layers` the blocks' parameters are
-    stacked [L, ...] under ('layers', ...)."""
+def state_path(cfg: ModelConfig, m: TensorMap) -> tuple[tuple, tuple[int, ...]]:
+    """(the model state's path of a tensor's parameter, the tensor's index within it: () for a
+    whole parameter): with `scan_layers` the blocks' parameters are stacked [L, ...] under
+    ('layers', ...), and an expert's tensor is slice [e] of its [E, ...] parameter."""
+    path, index = m.path, ()
     if cfg.scan_layers and path[0] == "layers":
-        return ("layers", *path[2:]), path[1]
-    return path, None
+        path, index = ("layers", *path[2:]), (path[1],)
+    if m.expert is not None:
+        index += (m.expert,)
+    return path, index
+
+
+def _in_state_order(cfg: ModelConfig, maps: list[TensorMap]) -> list[TensorMap]:
+    """The maps sorted so that each stacked parameter's tensors come together."""
+    if not cfg.scan_layers and not cfg.moe:
+        return maps
+    return sorted(maps, key=lambda m: state_path(cfg, m))
 
 
 def hf_model_config(
@@ -337,12 +373,9 @@ def save_pretrained(
             fetched[path] = np.asarray(jax.device_get(flat[path].get_value()))
         return fetched[path]
 
-    maps = tensor_maps(cfg)
-    for m in sorted(maps, key=lambda m: state_path(cfg, m.path)) if cfg.scan_layers else maps:
-        path, layer = state_path(cfg, m.path)
-        produce = lambda m=m, path=path, layer=layer: m.to_hf(
-            fetch(path) if layer is None else fetch(path)[layer]
-        )
+    for m in _in_state_order(cfg, tensor_maps(cfg)):
+        path, index = state_path(cfg, m)
+        produce = lambda m=m, path=path, index=index: m.to_hf(fetch(path)[index])
         sources.append((m.hf_name, m.hf_shape, dtype, produce))
     shards, current, current_bytes = [], [], 0
     for src in sources:

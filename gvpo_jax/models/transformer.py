@@ -17,13 +17,17 @@ from flax.linen import with_logical_constraint
 
 from gvpo_jax.models import attention as kernels
 from gvpo_jax.models import cache as caches
+from gvpo_jax.models import moe as moe_lib
 from gvpo_jax.models.config import ModelConfig
 from gvpo_jax.models.remat import block_forward, block_forward_remat
 
 # Logical axis names. Parameters carry them as `out_sharding` metadata (read them with
 # `nnx.get_partition_spec(state)` under `nnx.logical_axis_rules(rules)`); activations are
 # constrained with them, which is a no-op unless logical axis rules and a mesh are active.
-PARAM_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers")
+PARAM_AXES = (
+    "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers", "expert",
+    "expert_mlp", "router",
+)  # fmt: skip
 ACTIVATION_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")
 
 
@@ -273,6 +277,47 @@ class MLP(nnx.Module):
         return adapted(hidden_BTxF @ down_FxD, hidden_BTxF, self.down_lora).reshape(b, t, d)
 
 
+class MoE(nnx.Module):
+    """Qwen3-MoE's sparse MLP (`models/moe.py`): a router [D, E] and E SwiGLU experts whose
+    weights are stacked [E, ...] (gate and up [E, D, F], down [E, F, D]). Each token goes to its
+    top-k experts, weighted by the router's fp32 softmax (renormalised with norm_topk_prob);
+    `cfg.moe_dispatch` picks how the tokens reach them (the same values to float tolerance)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, e, dt = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.param_dtype
+        self.compute_dtype = cfg.compute_dtype
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.dispatch, self.block = cfg.moe_dispatch, cfg.moe_block
+        self.router_kernel = _param(rngs, _normal, (d, e), dt, ("embed", "router"))
+        self.gate_kernel = _param(rngs, _normal, (e, d, f), dt, ("expert", "embed", "expert_mlp"))
+        self.up_kernel = _param(rngs, _normal, (e, d, f), dt, ("expert", "embed", "expert_mlp"))
+        self.down_kernel = _param(rngs, _normal, (e, f, d), dt, ("expert", "expert_mlp", "embed"))
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        b, t, d = x_BxTxD.shape
+        cdt = self.compute_dtype
+        x_NxD = x_BxTxD.reshape(b * t, d)
+        # the router's logits in the compute dtype (as transformers), its softmax in fp32
+        logits_NxE = x_NxD @ weight(self.router_kernel, cdt)
+        weights_NxK, experts_NxK = moe_lib.route(logits_NxE, self.top_k, normalize=self.normalize)
+        weights_NxK = weights_NxK.astype(cdt)
+        experts = (
+            weight(self.gate_kernel, cdt),
+            weight(self.up_kernel, cdt),
+            weight(self.down_kernel, cdt),
+        )
+        dispatch = moe_lib.resolve(self.dispatch)
+        if dispatch == "dense":
+            y_NxD = moe_lib.dense(x_NxD, *experts, weights_NxK, experts_NxK, swiglu)
+        elif dispatch == "ragged":
+            y_NxD = moe_lib.ragged(x_NxD, *experts, weights_NxK, experts_NxK, swiglu)
+        else:
+            n_experts = self.gate_kernel.shape[0]
+            block = moe_lib.block_size(b * t * self.top_k, n_experts, self.block)
+            y_NxD = moe_lib.grouped(x_NxD, *experts, weights_NxK, experts_NxK, swiglu, block=block)
+        return constrain(y_NxD.reshape(b, t, d), ("batch", "length", "embed"))
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). Gemma 3 also
     normalises each branch's output: x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
@@ -283,7 +328,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs, layer)
         self.post_attn_norm = RMSNorm(d, eps, cfg, rngs) if cfg.gemma else None
         self.mlp_norm = RMSNorm(d, eps, cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if cfg.moe_layer(layer) else MLP(cfg, rngs)
         self.post_mlp_norm = RMSNorm(d, eps, cfg, rngs) if cfg.gemma else None
 
     def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):

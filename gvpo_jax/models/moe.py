@@ -1,0 +1,137 @@
+"""Mixture-of-experts routing and dispatch (Qwen3-MoE), pure functions of arrays.
+
+`route` picks each token's experts: the router's logits softmaxed in fp32, the top k kept and,
+with `norm_topk_prob`, renormalised to sum 1 (transformers' `Qwen3MoeTopKRouter`). Routing is
+dropless: every token reaches all k of its experts whatever the load (no capacity factor: a
+dropped token would change its log-prob, and RL's ratios and GVPO's implicit reward need
+exact ones).
+
+Three dispatches compute the same sum_k w_k * expert_{e_k}(x), to float tolerance:
+
+- `dense`: every expert on every token, weighted by the gates (zero off the top k). Its cost
+  scales with E; the reference for tests and tiny models.
+- `grouped`: the (token, expert) assignments sorted by expert, each expert's group padded to a
+  whole number of blocks, each block multiplied by its expert's weights (gathered per block) in
+  one batched matmul. Its cost scales with N * k, plus at most one partial block per expert:
+  CPU's path (XLA:CPU lowers `ragged_dot` to a dense product over all E experts).
+- `ragged`: the same sorted assignments through `jax.lax.ragged_dot` (grouped matmul kernels
+  on TPU and GPU; no padding).
+
+Shapes: N tokens (batch x length flattened), D model width, E experts, F an expert's width, K
+experts per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DISPATCHES = ("dense", "grouped", "ragged")
+
+
+def resolve(dispatch: str, platform: str | None = None) -> str:
+    """The dispatch `auto` stands for: ragged_dot on TPU and GPU, the grouped path on CPU."""
+    if dispatch != "auto":
+        return dispatch
+    platform = platform or jax.default_backend()
+    return "grouped" if platform == "cpu" else "ragged"
+
+
+def route(logits_NxE: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(gate weights [N, K] fp32, expert indices [N, K] int32) of the k experts of highest
+    router probability per token, the probabilities a softmax in fp32 (ties: the lower index
+    first, as `lax.top_k`), renormalised over the k when `normalize`."""
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, k)
+    if normalize:
+        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    return weights_NxK, experts_NxK.astype(jnp.int32)
+
+
+def dense(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, act):
+    """Every expert on every token, combined with the gate weights (0 off the top k)."""
+    e = gate_ExDxF.shape[0]
+    onehot_NxKxE = jax.nn.one_hot(experts_NxK, e, dtype=x_NxD.dtype)
+    combine_NxE = jnp.einsum("nk,nke->ne", weights_NxK.astype(x_NxD.dtype), onehot_NxKxE)
+    gate_ExNxF = jnp.einsum("nd,edf->enf", x_NxD, gate_ExDxF)
+    up_ExNxF = jnp.einsum("nd,edf->enf", x_NxD, up_ExDxF)
+    out_ExNxD = jnp.einsum("enf,efd->end", act(gate_ExNxF, up_ExNxF), down_ExFxD)
+    return jnp.einsum("end,ne->nd", out_ExNxD, combine_NxE)
+
+
+def _sorted(experts_NxK: jax.Array, e: int):
+    """The N*K assignments sorted by expert (stably: by token within an expert): (order [NK],
+    the original assignment of each sorted one; sizes [E], the tokens per expert)."""
+    flat_A = experts_NxK.reshape(-1)
+    order_A = jnp.argsort(flat_A, stable=True)
+    sizes_E = jnp.bincount(flat_A, length=e).astype(jnp.int32)
+    return order_A, sizes_E
+
+
+def _combine(out_AxD, order_A, weights_NxK):
+    """Sorted assignments' outputs back to their tokens, summed with the gate weights."""
+    n, k = weights_NxK.shape
+    by_assignment_AxD = jnp.zeros_like(out_AxD).at[order_A].set(out_AxD, unique_indices=True)
+    by_token_NxKxD = by_assignment_AxD.reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", by_token_NxKxD, weights_NxK.astype(out_AxD.dtype))
+
+
+def block_size(assignments: int, experts: int, most: int) -> int:
+    """The grouped path's rows per block for N*K `assignments` over E experts: about the mean
+    group (N*K / E) rounded up to a power of two, at least 8 and at most `most`. Small blocks
+    keep the padding (at most E * (block - 1) rows) in proportion at decode; large ones make
+    fewer, larger matmuls."""
+    mean = max(assignments // max(experts, 1), 1)
+    return int(min(max(8, 1 << (mean - 1).bit_length()), max(most, 1)))
+
+
+def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, act, *, block):
+    """The assignments sorted by expert, each expert's group padded to whole blocks of `block`
+    rows, a batched matmul per block with its expert's weights. Static shapes: the padded rows
+    are at most N*K + E*(block - 1), rounded up to a whole block; blocks past the last group
+    compute on zero rows and are never read back."""
+    n, k = experts_NxK.shape
+    e = gate_ExDxF.shape[0]
+    a = n * k
+    order_A, sizes_E = _sorted(experts_NxK, e)
+    padded_E = (sizes_E + block - 1) // block * block
+    ends_E = jnp.cumsum(padded_E)
+    starts_E = ends_E - padded_E  # each group's first row in the padded layout
+    group_first_E = jnp.cumsum(sizes_E) - sizes_E  # its first position among the sorted
+    expert_A = experts_NxK.reshape(-1)[order_A]
+    dest_A = starts_E[expert_A] + jnp.arange(a, dtype=jnp.int32) - group_first_E[expert_A]
+    blocks = -(-(a + e * (block - 1)) // block)
+    rows = blocks * block
+    x_RxD = (
+        jnp.zeros((rows, x_NxD.shape[1]), x_NxD.dtype)
+        .at[dest_A]
+        .set(x_NxD[order_A // k], unique_indices=True)
+    )
+    # expert of each block: the group whose padded rows hold its first row (past the last
+    # group: the last expert, on zero rows)
+    first_row_B = jnp.arange(blocks, dtype=jnp.int32) * block
+    expert_B = jnp.minimum(jnp.searchsorted(ends_E, first_row_B, side="right"), e - 1)
+    x_BxMxD = x_RxD.reshape(blocks, block, -1)
+    gate_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, gate_ExDxF[expert_B])
+    up_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, up_ExDxF[expert_B])
+    out_BxMxD = jnp.einsum("bmf,bfd->bmd", act(gate_BxMxF, up_BxMxF), down_ExFxD[expert_B])
+    out_AxD = out_BxMxD.reshape(rows, -1)[dest_A]
+    return _combine(out_AxD, order_A, weights_NxK)
+
+
+def ragged(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, act):
+    """The assignments sorted by expert through `jax.lax.ragged_dot` (a grouped matmul)."""
+    k = experts_NxK.shape[1]
+    order_A, sizes_E = _sorted(experts_NxK, gate_ExDxF.shape[0])
+    x_AxD = x_NxD[order_A // k]
+    gate_AxF = jax.lax.ragged_dot(x_AxD, gate_ExDxF, sizes_E)
+    up_AxF = jax.lax.ragged_dot(x_AxD, up_ExDxF, sizes_E)
+    out_AxD = jax.lax.ragged_dot(act(gate_AxF, up_AxF), down_ExFxD, sizes_E)
+    return _combine(out_AxD, order_A, weights_NxK)
+
+
+def expert_load(experts_NxK: jax.Array, valid_N: jax.Array, e: int) -> jax.Array:
+    """The fraction of the valid tokens' assignments each expert received, [E] (sums to 1)."""
+    w_NxK = jnp.broadcast_to(valid_N[:, None], experts_NxK.shape).astype(jnp.float32)
+    counts_E = jnp.zeros((e,), jnp.float32).at[experts_NxK.reshape(-1)].add(w_NxK.reshape(-1))
+    return counts_E / jnp.maximum(jnp.sum(counts_E), 1.0)

@@ -1,0 +1,294 @@
+"""Mixture-of-experts policies (Qwen3-MoE): routing, the three dispatches, transformers parity,
+decoding, export, presets and bad configs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from gvpo_jax import models, sampler
+from gvpo_jax.models import moe
+from gvpo_jax.models.transformer import swiglu
+
+TOL = 1e-4
+
+
+def _make_hf(path, *, normalize: bool, seed: int):
+    """A random Qwen3MoeForCausalLM: 3 layers, the middle one dense (mlp_only_layers), 6 experts
+    of width 24, top-2, untied."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+        norm_topk_prob=normalize, rope_theta=7000.0, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.3 * noise if "norm" in name else 0.15 * noise)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {n: (root / n, _make_hf(root / n, normalize=n == "norm", seed=i))
+            for i, n in enumerate(("norm", "raw"))}  # fmt: skip
+
+
+def _hf_logits(hf_model, tokens, mask=None):
+    kw = {}
+    if mask is not None:
+        kw["attention_mask"] = torch.tensor(mask, dtype=torch.long)
+        kw["position_ids"] = torch.tensor(np.maximum(np.cumsum(mask, 1) - 1, 0), dtype=torch.long)
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens, dtype=torch.long), **kw).logits.float().numpy()
+
+
+def _tokens(shape, seed=0):
+    return np.random.default_rng(seed).integers(0, 96, size=shape).astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", ["norm", "raw"])
+@pytest.mark.parametrize("side", ["none", "right", "left"])
+def test_logits_equal_transformers_with_and_without_padding(checkpoints, kind, side):
+    """norm_topk_prob both ways, one dense layer between MoE layers; padded rows' real tokens
+    equal transformers' (right and left padding), each dispatch."""
+    path, hf_model = checkpoints[kind]
+    model = models.from_pretrained(path)
+    cfg = model.config
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 6, 2)
+    assert [cfg.moe_layer(i) for i in range(3)] == [True, False, True]
+    assert cfg.norm_topk_prob == (kind == "norm")
+    tokens, mask = _tokens((3, 9), seed=1), np.ones((3, 9), np.int32)
+    if side != "none":
+        for b, n in enumerate((9, 5, 2)):
+            mask[b] = 0
+            mask[b, :n] = 1 if side == "right" else 0
+            if side == "left":
+                mask[b, 9 - n :] = 1
+    ref = _hf_logits(hf_model, tokens, None if side == "none" else mask)
+    real = mask.astype(bool)
+    for dispatch in ("dense", "grouped", "ragged"):
+        ours = models.with_config(model, moe_dispatch=dispatch)
+        logits = np.asarray(ours(jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
+        np.testing.assert_allclose(logits[real], ref[real], atol=TOL, rtol=0, err_msg=dispatch)
+
+
+def _experts(seed, n=37, d=16, e=6, f=12, k=2):
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.normal(size=(n, d)), jnp.float32)
+    w = [
+        jnp.asarray(0.3 * r.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))
+    ]
+    logits = jnp.asarray(r.normal(size=(n, e)), jnp.float32)
+    return x, w, logits, k
+
+
+@pytest.mark.parametrize("block", [1, 4, 64])
+def test_dispatches_give_the_same_values_and_gradients(block):
+    """Dense reference == grouped (blocks of 1, 4 and one block larger than every group) ==
+    ragged_dot, for the outputs and the gradients of x, every expert weight and the router."""
+    x, w, logits, k = _experts(0)
+
+    def out(dispatch, x, w, logits):
+        gates, experts = moe.route(logits, k, normalize=True)
+        args = (x, *w, gates, experts, swiglu)
+        if dispatch == "grouped":
+            return moe.grouped(*args, block=block)
+        return getattr(moe, dispatch)(*args)
+
+    def loss(dispatch, *a):
+        return jnp.sum(jnp.sin(out(dispatch, *a)))
+
+    ref = out("dense", x, w, logits)
+    grads_ref = jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2))(x, w, logits)
+    for dispatch in ("grouped", "ragged"):
+        np.testing.assert_allclose(out(dispatch, x, w, logits), ref, atol=1e-5, rtol=0)
+        grads = jax.grad(lambda *a, d=dispatch: loss(d, *a), argnums=(0, 1, 2))(x, w, logits)
+        for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
+            np.testing.assert_allclose(g, g_ref, atol=1e-5, rtol=0, err_msg=dispatch)
+
+
+def test_routing_is_dropless_when_every_token_picks_one_expert():
+    """All 37 tokens routed to expert 3 (and their second choice): no capacity, so the grouped
+    path (blocks of 4: 10 blocks for one expert) still equals the dense reference."""
+    x, w, logits, k = _experts(1)
+    logits = logits.at[:, 3].add(50.0)
+    gates, experts = moe.route(logits, k, normalize=False)
+    assert (np.asarray(experts)[:, 0] == 3).all()
+    ref = moe.dense(x, *w, gates, experts, swiglu)
+    got = moe.grouped(x, *w, gates, experts, swiglu, block=4)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    assert float(jnp.abs(ref).min(axis=1).max()) > 0  # every token got its experts' output
+
+
+def test_router_softmax_runs_in_fp32():
+    """bf16 router logits (a bf16 model's): the gates are the fp32 softmax's probabilities of
+    the top k (a softmax in bf16 is off by ~1e-3), renormalised in fp32."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(16, 8)), jnp.bfloat16)
+    probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32)), np.float64)
+    for normalize in (False, True):
+        gates, experts = moe.route(logits, 2, normalize=normalize)
+        assert gates.dtype == jnp.float32 and experts.dtype == jnp.int32
+        want = np.take_along_axis(probs, np.argsort(-probs, axis=1)[:, :2], axis=1)
+        if normalize:
+            want = want / want.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(gates, want, rtol=1e-6)
+
+
+def test_grouped_block_size_follows_the_mean_group():
+    assert moe.block_size(65536, 128, 64) == 64  # training: capped
+    assert moe.block_size(512, 128, 64) == 8  # a decode step: 4 per expert on average, min 8
+    assert moe.block_size(40, 4, 64) == 16
+
+
+def test_prefill_then_decode_equals_full_forward(checkpoints):
+    model = models.from_pretrained(checkpoints["norm"][0])
+    tp, steps, s = 5, 3, 10
+    tokens = _tokens((2, tp + steps), seed=2)
+    full = np.asarray(model(jnp.asarray(tokens)))
+    cache = model.init_cache(2, s)
+    pos = np.broadcast_to(np.arange(tp + steps), (2, tp + steps)).astype(np.int32)
+    logits, cache = model(jnp.asarray(tokens[:, :tp]), positions_BxT=jnp.asarray(pos[:, :tp]),
+                          cache=cache, cache_index=0)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(logits), full[:, :tp], atol=TOL, rtol=0)
+    for i in range(steps):
+        t = tp + i
+        step, cache = model(jnp.asarray(tokens[:, t : t + 1]),
+                            positions_BxT=jnp.asarray(pos[:, t : t + 1]), cache=cache,
+                            cache_index=t)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(step)[:, 0], full[:, t], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("num_slots", [0, 2], ids=["static", "continuous"])
+def test_greedy_generation_matches_transformers_generate(checkpoints, num_slots):
+    path, hf_model = checkpoints["raw"]
+    model = models.from_pretrained(path)
+    prompts, n = [[5, 17, 42], [7, 8, 9, 10, 11, 12], [60], [3, 4, 4, 60, 61]], 8
+    ids, lens = sampler.pad_prompts(prompts, (8,))
+    settings = sampler.SamplingSettings(max_new_tokens=n, temperature=0.0, num_slots=num_slots)
+    out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(0))
+    for row, prompt in enumerate(prompts):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(out.tokens_BxN[row]), ref[0, len(prompt) :])
+
+
+def test_export_round_trip_loads_in_transformers(checkpoints, tmp_path):
+    """Per-expert tensors on disk (mlp.experts.M.*_proj and the router mlp.gate), which
+    transformers loads into its fused experts; the logits survive the trip."""
+    path, hf_model = checkpoints["norm"]
+    model = models.from_pretrained(path)
+    out = models.save_pretrained(model, tmp_path / "export")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    tokens = _tokens((2, 7), seed=3)
+    np.testing.assert_allclose(_hf_logits(back, tokens), _hf_logits(hf_model, tokens),
+                               atol=1e-6, rtol=0)  # fmt: skip
+    names = {m.hf_name for m in models.tensor_maps(model.config)}
+    assert "model.layers.0.mlp.experts.5.down_proj.weight" in names
+    assert "model.layers.1.mlp.gate_proj.weight" in names  # the dense layer
+    assert "model.layers.2.mlp.gate.weight" in names
+
+
+def test_scanned_moe_layers_equal_unrolled_and_load_the_same_checkpoint(tmp_path):
+    """Every layer MoE: the stacked [L, E, ...] expert weights load from the per-expert
+    tensors and give the unrolled model's logits and gradients; a mixed dense / MoE layer
+    pattern refuses the scan in one sentence."""
+    cfg = models.PRESETS["tiny-moe"]
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    path = models.save_pretrained(model, tmp_path / "m")
+    scanned = models.from_pretrained(path, scan_layers=True)
+    assert scanned.layers.mlp.gate_kernel.shape == (2, 8, 64, 32)
+    tokens = jnp.asarray(_tokens((2, 6), seed=4) % 256)
+    np.testing.assert_allclose(scanned(tokens), model(tokens), atol=1e-5, rtol=0)
+
+    def loss(m):
+        return jnp.sum(m(tokens)[..., :5] ** 2)
+
+    g_unrolled = nnx.grad(loss)(model).layers[1].mlp.down_kernel[...]
+    g_scanned = nnx.grad(loss)(scanned).layers.mlp.down_kernel[...][1]
+    np.testing.assert_allclose(g_scanned, g_unrolled, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="scan_layers=True with both dense and MoE layers"):
+        cfg.replace(mlp_only_layers=(1,), scan_layers=True)
+
+
+QWEN3_30B_A3B = 30_532_122_624  # transformers' Qwen3MoeForCausalLM at the published shapes
+
+
+def test_qwen3_30b_a3b_preset_counts_transformers_parameters():
+    """eval_shape's count == transformers' meta-device count of the published config (48 MoE
+    layers of 128 experts, top-8, untied), and its active parameters per token."""
+    cfg = models.PRESETS["qwen3-30b-a3b"]
+    hf_cfg = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf_model = transformers.Qwen3MoeForCausalLM(hf_cfg)
+    assert sum(p.numel() for p in hf_model.parameters()) == QWEN3_30B_A3B
+    assert models.abstract_model(cfg).num_params() == QWEN3_30B_A3B
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(num_experts_per_tok=9), "route each token to between 1 and 8 experts"),
+        (dict(moe_intermediate_size=0), "set each expert's MLP width"),
+        (dict(mlp_only_layers=(0, 1)), "leave no MoE layer"),
+        (dict(mlp_only_layers=(5,)), "list distinct layer indices in"),
+        (dict(moe_dispatch="capacity"), "use one of auto, dense, grouped, ragged"),
+        (dict(architecture="qwen3"), "experts need architecture='qwen3_moe'"),
+    ],
+)
+def test_bad_moe_configs_name_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        models.PRESETS["tiny-moe"].replace(**changes)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 with num_experts=6"),
+        ({"capacity_factor": 1.25}, "capacity-limited routing"),
+    ],
+)
+def test_bad_moe_checkpoints_give_one_sentence(checkpoints, tmp_path, edit, message):
+    import json
+    import shutil
+
+    src = checkpoints["norm"][0]
+    dst = tmp_path / "bad"
+    shutil.copytree(src, dst)
+    hf = json.loads((dst / "config.json").read_text())
+    hf.update(edit)
+    (dst / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(models.CheckpointError, match=message):
+        models.from_pretrained(dst)
+
+
+def test_a_missing_expert_tensor_is_named(checkpoints, tmp_path):
+    from gvpo_jax.models import safetensors_io
+
+    src = checkpoints["norm"][0]
+    dst = tmp_path / "missing"
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    f = safetensors_io.SafetensorsFile(src / "model.safetensors")
+    gone = "model.layers.2.mlp.experts.4.up_proj.weight"
+    kept = [(n, tuple(f.header[n]["shape"]), np.float32, lambda n=n: f.read(n))
+            for n in f.keys() if n != gone]  # fmt: skip
+    safetensors_io.write_file(dst / "model.safetensors", kept)
+    with pytest.raises(models.CheckpointError, match=f"missing tensor '{gone}'"):
+        models.from_pretrained(dst)
