@@ -1047,6 +1047,7 @@ def uses_batch_statistics(name: str, **overrides) -> bool:
 
 
 ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_mis")
+ROLLOUT_IS_CAP = 2.0  # the correction's default cap on the weight pi_old / mu
 
 
 def takes_token_weights(name: str) -> bool:
@@ -1274,6 +1275,12 @@ class Algorithm:
         return LOSSES[self.name]
 
     @property
+    def is_cap(self) -> float:
+        """The rollout correction's cap (`ROLLOUT_IS_CAP` when there is none): the weight
+        pi_old / mu above which token_tis truncates, also measured without a correction."""
+        return self.correction[1] if self.correction else ROLLOUT_IS_CAP
+
+    @property
     def settings(self) -> dict:
         """The preset's loss and advantage settings with the overrides applied."""
         _, kwargs, adv = _settings(self.name, dict(self.overrides))
@@ -1376,7 +1383,7 @@ def resolve(
     entropy_coef: float = 0.0,
     max_tokens: int | None = None,
     rollout_correction: str = "none",
-    rollout_is_cap: float = 2.0,
+    rollout_is_cap: float = ROLLOUT_IS_CAP,
     dynamic_sampling: bool | None = None,
     overlong_cache: int = 4,
     overlong_factor: float = 1.0,

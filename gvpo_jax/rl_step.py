@@ -316,10 +316,17 @@ def rl_step(run, state, loop: LoopState, ref_params):
         u = update_metrics[0]
         entropy_mc = -float(u["sampled_logp_sum"]) / max(float(u["sampled_tokens"]), 1.0)
         gap_max = float(u["sampler_logp_gap_max"])
+        n_drawn = max(float(u["sampled_tokens"]), 1.0)
+        gap_mean = float(u["sampler_logp_gap_sum"]) / n_drawn
+        over_cap = float(u["sampler_over_cap"]) / n_drawn
     else:
         old = np.asarray(batch.old_logp)[: fresh["rollout_logp"].shape[0]]
-        entropy_mc = float(-np.sum(old * drawn_BxN) / max(float(drawn_BxN.sum()), 1.0))
-        gap_max = float((np.abs(old - fresh["rollout_logp"]) * drawn_BxN).max())
+        n_drawn = max(float(drawn_BxN.sum()), 1.0)
+        entropy_mc = float(-np.sum(old * drawn_BxN) / n_drawn)
+        log_w = (old - fresh["rollout_logp"]) * drawn_BxN  # log pi_old / mu, drawn tokens
+        gap_max = float(np.abs(log_w).max())
+        gap_mean = float(np.abs(log_w).sum()) / n_drawn
+        over_cap = float(np.sum(log_w > np.log(algo.is_cap))) / n_drawn
     metrics.update(
         {
             "reward_mean": float(np.mean(fresh["rewards"])),
@@ -330,6 +337,10 @@ def rl_step(run, state, loop: LoopState, ref_params):
             "response_len_max": float(np.max(fresh["lengths"][is_sampled])),
             "entropy_mc": entropy_mc,
             "sampler_logp_gap_max": gap_max,
+            # mean |log pi_old / mu| over the drawn tokens, and the share of them whose weight
+            # exceeds the correction's cap (where token_tis acts, measured with or without it)
+            "sampler_logp_gap_mean": gap_mean,
+            "sampler_over_cap_frac": over_cap,
             "replayed_groups": float(n_replay),
             **pad_ratio,
             "logprob_time_s": logprob_s,

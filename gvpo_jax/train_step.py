@@ -352,6 +352,10 @@ def rl_loss(
         aux["sampled_tokens"] = jnp.sum(drawn_BxN)
         gap = jnp.abs(logp - sampler_logp) * drawn_BxN
         aux["sampler_logp_gap_max"] = jnp.max(gap)
+        aux["sampler_logp_gap_sum"] = jnp.sum(gap)
+        # tokens whose weight pi_old / mu exceeds the correction's cap: where token_tis acts
+        over = (logp - sampler_logp > jnp.log(algorithm.is_cap)) * drawn_BxN
+        aux["sampler_over_cap"] = jnp.sum(over.astype(jnp.float32))
     if spec.ref_logp:  # k3 estimate of KL(pi_theta || pi_ref) on the sampled tokens
         diff = ref_logp - logp_BxN
         k3 = jnp.exp(diff) - diff - 1.0
@@ -376,7 +380,9 @@ def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
 
 
 # rl_loss's aux totals over an update's micro-batches (every other aux value is their mean).
-AUX_SUMS = ("sampled_logp_sum", "sampled_tokens", "loss_tokens")
+AUX_SUMS = (
+    "sampled_logp_sum", "sampled_tokens", "loss_tokens", "sampler_logp_gap_sum", "sampler_over_cap",
+)  # fmt: skip
 AUX_MAXES = ("sampler_logp_gap_max", "is_weight_max", "is_seq_log_weight_abs_max")
 
 

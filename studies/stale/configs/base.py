@@ -12,9 +12,14 @@ def get_config(arg=None):
 
 
 def official(arg, **defaults):
-    """(parsed argument, the base in the official regime at staleness k): the arms' common part."""
-    a = arms.parse(arg, quick=False, k=0, **defaults)
+    """(parsed argument, the base in the official regime at staleness k): the arms' common part.
+    `lr=3e-5` replaces the recipe's learning rate and `epochs=4` passes over each rollout's 4
+    minibatches that many times (part 3b); unset, neither changes the config."""
+    a = arms.parse(arg, quick=False, k=0, lr=0.0, epochs=1, **defaults)
     c = demo_recipe(a.quick)
     arms.set_regime(c, "4mbx1ep")
     c.rollout.staleness = a.k
+    if a.lr:
+        c.optim.lr = a.lr
+    c.algo.num_epochs = a.epochs
     return a, c
