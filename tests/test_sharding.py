@@ -50,7 +50,10 @@ EXPECTED_SPECS = {
     "up_kernel": P("fsdp", "tensor"),
     "down_kernel": P("tensor", "fsdp"),
     "scale": P(None),
+    "router_kernel": P("fsdp", None),
 }
+# An MoE layer's experts [E, ...]: each expert's kernel split as the dense MLP's, E replicated.
+EXPERT_SPECS = {k: P(None, *EXPECTED_SPECS[k]) for k in ("gate_kernel", "up_kernel", "down_kernel")}
 
 
 def _check_placement(state, mesh):
@@ -59,6 +62,8 @@ def _check_placement(state, mesh):
     for path, value in nnx.to_flat_state(state):
         arr = value.get_value()
         want = EXPECTED_SPECS[path[-1]]
+        if path[-1] in EXPERT_SPECS and arr.ndim == len(want) + 1 + isinstance(path[1], str):
+            want = EXPERT_SPECS[path[-1]]
         if path[0] == "layers" and isinstance(path[1], str):  # stacked blocks (scan_layers):
             want = P(None, *want)  # the layers axis is never split
         assert arr.sharding.spec == want, (path, arr.sharding.spec)
@@ -296,6 +301,28 @@ def _check_step_on_mesh(unsharded, cfg, shape):
     assert moved > 5e-3  # the step really moved the weights
     for k, v in got.items():
         np.testing.assert_allclose(v, params_ref[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+# Qwen3-MoE at the same size: a dense layer 0 (mlp_only_layers), then 4 experts of width 32,
+# top-2, whose stacked weights split their MLP width over tensor and D over fsdp.
+MOE_CFG = models.ModelConfig(
+    vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, attention_bias=False, qk_norm=True, architecture="qwen3_moe",
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(0,),
+)  # fmt: skip
+
+
+def test_moe_step_on_a_mesh_equals_the_unsharded_step():
+    """An MoE policy's GVPO step on data x fsdp x tensor = 2 x 2 x 2 equals one device's (the
+    grouped dispatch under sharded activations and expert weights), the experts' weights and
+    their moments split [E, F/tensor, D/fsdp]."""
+    _check_step_on_mesh(_unsharded_step(MOE_CFG), MOE_CFG, (2, 2, 2))
+    mesh = sharding.make_mesh(2, 2, 2)
+    specs = sharding.param_shardings(models.abstract_model(MOE_CFG), mesh,
+                                     sharding.logical_rules(mesh, MOE_CFG))  # fmt: skip
+    moe = specs["layers"][1]["mlp"]
+    assert moe["down_kernel"].get_value().spec == P(None, "tensor", "fsdp")
+    assert moe["router_kernel"].get_value().spec == P("fsdp", None)
 
 
 # ---------------------------------------------------------------------------------- sampling

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from gvpo_jax.models import safetensors_io
-from gvpo_jax.models.transformer import Transformer, abstract_model, stack_blocks
+from gvpo_jax.models.transformer import MoE, Transformer, abstract_model, stack_blocks
 
 # Target name (as PEFT and transformers name the modules) -> (sub-module, attribute stem).
 TARGETS = {
@@ -121,6 +121,8 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
         for name in spec.targets:
             part, stem = TARGETS[name]
             module = getattr(block, part)
+            if isinstance(module, MoE):  # the MLP targets adapt dense MLPs, not the experts
+                continue
             kernel = _kernel(module, stem)
             k, axes = _input_dims(stem) + stacked, _axes(kernel)[stacked:]
             adapter = Adapter(
@@ -137,6 +139,8 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
                 setattr(module, f"{stem}_lora", adapter)
     if stacked:  # each target's adapters stacked like the kernels they adapt
         for name, per_layer in made.items():
+            if not per_layer:  # an MLP target of an all-MoE model
+                continue
             part, stem = TARGETS[name]
             setattr(getattr(model.layers, part), f"{stem}_lora", stack_blocks(per_layer))
     return model

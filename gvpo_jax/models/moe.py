@@ -37,12 +37,19 @@ def resolve(dispatch: str, platform: str | None = None) -> str:
     return "grouped" if platform == "cpu" else "ragged"
 
 
-def route(logits_NxE: jax.Array, k: int, *, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def route(
+    logits_NxE: jax.Array, k: int, *, normalize: bool, experts_NxK: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(gate weights [N, K] fp32, expert indices [N, K] int32) of the k experts of highest
     router probability per token, the probabilities a softmax in fp32 (ties: the lower index
-    first, as `lax.top_k`), renormalised over the k when `normalize`."""
+    first, as `lax.top_k`), renormalised over the k when `normalize`. Given `experts_NxK` (a
+    recorded routing replayed), those experts instead, gated by their probabilities here."""
     probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
-    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, k)
+    if experts_NxK is None:
+        weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, k)
+    else:
+        experts_NxK = experts_NxK.astype(jnp.int32)
+        weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
     if normalize:
         weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
     return weights_NxK, experts_NxK.astype(jnp.int32)

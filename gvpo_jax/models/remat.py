@@ -14,15 +14,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def block_forward(block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index):
-    return block(x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index)
+def block_forward(block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, routing=None):
+    return block(x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, routing)
 
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def block_forward_remat(block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index):
+def block_forward_remat(
+    block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, routing=None
+):
     """`block_forward` recomputed in the backward pass, in layer order.
 
     Like `nnx.remat`, the forward keeps only the block's inputs. Unlike it, the recomputation
@@ -37,11 +39,9 @@ def block_forward_remat(block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, c
     """
     graphdef, state = nnx.split(block)
     cache_float, cache_rest = _split_floats(layer_cache)
-    out = _remat_apply(
-        graphdef, state, x_BxTxD, cache_float, (positions_BxT, valid_BxT, cache_rest, cache_index)
-    )
-    x_BxTxD, new_float, new_rest = out
-    return x_BxTxD, _merge_floats(new_float, new_rest)
+    aux = (positions_BxT, valid_BxT, cache_rest, cache_index, routing)
+    x_BxTxD, new_float, new_rest, routes = _remat_apply(graphdef, state, x_BxTxD, cache_float, aux)
+    return x_BxTxD, _merge_floats(new_float, new_rest), routes
 
 
 def _split_floats(tree):
@@ -62,13 +62,18 @@ def _merge_floats(floats, rest):
 
 
 def _remat_call(graphdef, state, x_BxTxD, cache_float, aux):
-    positions_BxT, valid_BxT, cache_rest, cache_index = aux
+    positions_BxT, valid_BxT, cache_rest, cache_index, routing = aux
     block = nnx.merge(graphdef, state)
-    x_BxTxD, cache = block(
-        x_BxTxD, positions_BxT, valid_BxT, _merge_floats(cache_float, cache_rest), cache_index
+    x_BxTxD, cache, routes = block(
+        x_BxTxD,
+        positions_BxT,
+        valid_BxT,
+        _merge_floats(cache_float, cache_rest),
+        cache_index,
+        routing,
     )
     new_float, new_rest = _split_floats(cache)
-    return x_BxTxD, new_float, new_rest
+    return x_BxTxD, new_float, new_rest, routes
 
 
 def _after(x, tree):
@@ -92,7 +97,7 @@ def _remat_fwd(graphdef, state, x_BxTxD, cache_float, aux):
 
 def _remat_bwd(graphdef, saved, cotangents):
     state, x_BxTxD, cache_float, aux = saved
-    d_x, d_cache_float, _ = cotangents
+    d_x, d_cache_float, _, _ = cotangents  # the cache's integers and the routes: none
     # The recomputation's inputs are made to depend on the cotangent: a zero computed from it
     # (XLA does not fold x * 0 for floats) is added to every saved input and parameter.
     state, x_BxTxD, cache_float = _after(d_x, (state, x_BxTxD, cache_float))

@@ -293,13 +293,19 @@ class MoE(nnx.Module):
         self.up_kernel = _param(rngs, _normal, (e, d, f), dt, ("expert", "embed", "expert_mlp"))
         self.down_kernel = _param(rngs, _normal, (e, f, d), dt, ("expert", "expert_mlp", "embed"))
 
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array, routing_BxTxK=None) -> tuple[jax.Array, jax.Array]:
+        """(output [B, T, D], the experts each token went to [B, T, K] int32). `routing_BxTxK`
+        replays a recorded routing: those experts, gated by this router's probabilities at
+        them (renormalised as the model does), so the router keeps its gradient."""
         b, t, d = x_BxTxD.shape
         cdt = self.compute_dtype
         x_NxD = x_BxTxD.reshape(b * t, d)
         # the router's logits in the compute dtype (as transformers), its softmax in fp32
         logits_NxE = x_NxD @ weight(self.router_kernel, cdt)
-        weights_NxK, experts_NxK = moe_lib.route(logits_NxE, self.top_k, normalize=self.normalize)
+        forced = None if routing_BxTxK is None else routing_BxTxK.reshape(b * t, -1)
+        weights_NxK, experts_NxK = moe_lib.route(
+            logits_NxE, self.top_k, normalize=self.normalize, experts_NxK=forced
+        )
         weights_NxK = weights_NxK.astype(cdt)
         experts = (
             weight(self.gate_kernel, cdt),
@@ -315,7 +321,8 @@ class MoE(nnx.Module):
             n_experts = self.gate_kernel.shape[0]
             block = moe_lib.block_size(b * t * self.top_k, n_experts, self.block)
             y_NxD = moe_lib.grouped(x_NxD, *experts, weights_NxK, experts_NxK, swiglu, block=block)
-        return constrain(y_NxD.reshape(b, t, d), ("batch", "length", "embed"))
+        out_BxTxD = constrain(y_NxD.reshape(b, t, d), ("batch", "length", "embed"))
+        return out_BxTxD, experts_NxK.reshape(b, t, -1)
 
 
 class Block(nnx.Module):
@@ -331,18 +338,26 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, rngs) if cfg.moe_layer(layer) else MLP(cfg, rngs)
         self.post_mlp_norm = RMSNorm(d, eps, cfg, rngs) if cfg.gemma else None
 
-    def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
+    def __call__(
+        self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None, routing=None
+    ):
+        """(x [B, T, D], the updated layer cache, the experts each token went to [B, T, K] or
+        None in a dense layer); `routing` [B, T, K] replays an MoE layer's experts."""
         attn_BxTxD, layer_cache = self.attn(
             self.attn_norm(x_BxTxD), positions_BxT, valid_BxT, layer_cache, cache_index
         )
         if self.post_attn_norm is not None:
             attn_BxTxD = self.post_attn_norm(attn_BxTxD)
         x_BxTxD = x_BxTxD + attn_BxTxD
-        mlp_BxTxD = self.mlp(self.mlp_norm(x_BxTxD))
+        routes_BxTxK = None
+        if isinstance(self.mlp, MoE):
+            mlp_BxTxD, routes_BxTxK = self.mlp(self.mlp_norm(x_BxTxD), routing)
+        else:
+            mlp_BxTxD = self.mlp(self.mlp_norm(x_BxTxD))
         if self.post_mlp_norm is not None:
             mlp_BxTxD = self.post_mlp_norm(mlp_BxTxD)
         x_BxTxD = x_BxTxD + mlp_BxTxD
-        return constrain(x_BxTxD, ("batch", "length", "embed")), layer_cache
+        return constrain(x_BxTxD, ("batch", "length", "embed")), layer_cache, routes_BxTxK
 
 
 def layer_kind(cfg: ModelConfig, layer: int) -> tuple:
@@ -458,7 +473,15 @@ class Transformer(nnx.Module):
         return caches.per_layer(share, prefix_cache)
 
     def hidden(
-        self, tokens_BxT, positions_BxT=None, mask_BxT=None, *, cache=None, cache_index=None
+        self,
+        tokens_BxT,
+        positions_BxT=None,
+        mask_BxT=None,
+        *,
+        cache=None,
+        cache_index=None,
+        routing=None,
+        with_routes=False,
     ):
         """Final-norm hidden states [B, T, D] (compute dtype); with a cache returns (hidden, cache).
 
@@ -467,6 +490,10 @@ class Transformer(nnx.Module):
         cache/cache_index: the T new keys/values go to slots [cache_index, cache_index + T);
           the caller keeps cache_index + T <= S (dynamic_update_slice would clamp the start).
           With a `slot_cache`, cache_index is int32 [B]: each row's own write column.
+        routing: int [M, B, T, K], the experts of each token in each of the M MoE layers (in
+          layer order) to replay instead of routing (`MoE`); None routes.
+        with_routes: also return the experts each token went to, int32 [M, B, T, K] (None
+          for a model without MoE layers), as the last element of a tuple.
         """
         cfg = self.config
         b, t = tokens_BxT.shape
@@ -495,22 +522,31 @@ class Transformer(nnx.Module):
         x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
         # remat only matters under differentiation (training); decoding runs the same ops.
         if cfg.scan_layers:
-            x_BxTxD, new_cache = self._scan_layers(
-                x_BxTxD, positions_BxT, valid_BxT, cache, cache_index
+            x_BxTxD, (new_cache, routes) = self._scan_layers(
+                x_BxTxD, positions_BxT, valid_BxT, cache, cache_index, routing
             )
         else:
             forward = block_forward_remat if cfg.remat else block_forward
-            new_cache = []
+            new_cache, routes, m = [], [], 0
             for layer_index, block in enumerate(self.layers):
                 layer_cache = None if cache is None else cache[layer_index]
-                x_BxTxD, layer_cache = forward(
-                    block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index
+                replay = None
+                if routing is not None and cfg.moe_layer(layer_index):
+                    replay, m = routing[m], m + 1
+                x_BxTxD, layer_cache, layer_routes = forward(
+                    block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, replay
                 )
                 new_cache.append(layer_cache)
+                if layer_routes is not None:
+                    routes.append(layer_routes)
+            routes = jnp.stack(routes) if routes else None
         hidden_BxTxD = self.final_norm(x_BxTxD)
-        return hidden_BxTxD if cache is None else (hidden_BxTxD, new_cache)
+        out = (hidden_BxTxD,) if cache is None else (hidden_BxTxD, new_cache)
+        if with_routes:
+            out = (*out, routes)
+        return out[0] if len(out) == 1 else out
 
-    def _scan_layers(self, x_BxTxD, positions_BxT, valid_BxT, cache, cache_index):
+    def _scan_layers(self, x_BxTxD, positions_BxT, valid_BxT, cache, cache_index, routing=None):
         """The stacked blocks over x by one `lax.scan` over the layers (a stacked cache [L, ...]
         scanned alongside, the updated one returned stacked; None without a cache). Layers of
         several kinds (`layer_kind`: Gemma 3's sliding and full layers) take one branch per
@@ -528,23 +564,27 @@ class Transformer(nnx.Module):
         layers = range(cfg.num_layers)
         kinds = list(dict.fromkeys(layer_kind(cfg, i) for i in layers))
 
-        def run(x_BxTxD, layer_state, layer_cache, layer):
+        def run(x_BxTxD, layer_state, layer_cache, replay, layer):
             block = as_layer(nnx.merge(graphdef, layer_state), cfg, layer)
-            return block(x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index)
+            x_BxTxD, layer_cache, routes = block(
+                x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, replay
+            )
+            return x_BxTxD, (layer_cache, routes)
 
         first = [next(i for i in layers if layer_kind(cfg, i) == kind) for kind in kinds]
-        branches = [lambda x, s, c, layer=layer: run(x, s, c, layer) for layer in first]
+        branches = [lambda x, s, c, r, layer=layer: run(x, s, c, r, layer) for layer in first]
         kind_L = jnp.asarray([kinds.index(layer_kind(cfg, i)) for i in layers], jnp.int32)
 
         def body(x_BxTxD, xs):
-            kind, layer_state, layer_cache = xs
+            kind, layer_state, layer_cache, replay = xs
             if len(branches) == 1:
-                return branches[0](x_BxTxD, layer_state, layer_cache)
-            return jax.lax.switch(kind, branches, x_BxTxD, layer_state, layer_cache)
+                return branches[0](x_BxTxD, layer_state, layer_cache, replay)
+            return jax.lax.switch(kind, branches, x_BxTxD, layer_state, layer_cache, replay)
 
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        return jax.lax.scan(body, x_BxTxD, (kind_L, state, cache))
+        # (every layer is an MoE layer or none is: a mixed pattern is not scanned)
+        return jax.lax.scan(body, x_BxTxD, (kind_L, state, cache, routing))
 
     def hidden_shared_prefix(self, tokens_BxS, mask_BxS, *, prefix_len: int, group_size: int):
         """`hidden(tokens_BxS, None, mask_BxS)` for rows that share their prefix in groups.
