@@ -51,6 +51,9 @@ class SamplingSettings:
     num_slots: int = 0  # decode slots S (continuous batching); 0 or >= P*G: one per row
     eval_num_slots: int = 0  # the same for evaluation calls (capped at their rows)
     shed: int = 0  # static batch: halvings of its rows as rows finish (`shed_levels`); 0: off
+    # An MoE policy: also return the experts every prompt and response token was routed to
+    # (`SampleOutput.prompt_routes_PxTxMxK`, `routes_BxNxMxK`), for routing replay and drift.
+    record_routes: bool = False
 
     def __post_init__(self):
         if int(self.max_new_tokens) < 1:
@@ -87,6 +90,7 @@ class SamplingSettings:
             num_slots=int(self.num_slots),
             eval_num_slots=int(self.eval_num_slots),
             shed=int(self.shed),
+            record_routes=bool(self.record_routes),
         )
         for name, value in normal.items():
             object.__setattr__(self, name, value)
@@ -114,6 +118,13 @@ class SampleOutput(NamedTuple):
     lengths_B: int32 number of response tokens (= mask.sum(-1)), EOS included.
     sample_logp_BxN: float32 log q(y_t) under the distribution actually sampled from (tempered,
       top-k/top-p/min-p truncated, renormalised); 0 when greedy and where mask is 0.
+    With `SamplingSettings.record_routes` (an MoE policy; else None), the experts each token
+    went to as the sampler computed it, in each of the M MoE layers (`routes_dtype`):
+    prompt_routes_PxTxMxK: the prompts' tokens in the prefill (T the padded prompt length; 0
+      past a prompt's length).
+    routes_BxNxMxK: response token t as the model read it (fed back at decode step t + 1), for
+      t < length - 1; the last token of a row is never fed back (nothing reads its routing:
+      no later token of the row exists), and there, and past it, the record is 0.
     """
 
     tokens_BxN: jax.Array
@@ -121,6 +132,19 @@ class SampleOutput(NamedTuple):
     mask_BxN: jax.Array
     lengths_B: jax.Array
     sample_logp_BxN: jax.Array
+    prompt_routes_PxTxMxK: jax.Array | None = None
+    routes_BxNxMxK: jax.Array | None = None
+
+
+def routes_dtype(num_experts: int):
+    """The compact integer a routing record is kept in: uint8 up to 256 experts, else int16."""
+    return jnp.uint8 if num_experts <= 256 else jnp.int16
+
+
+def _routes_of(routes, dtype) -> jax.Array:
+    """One decode step's experts (`moe.Routes`, [M, B, 1, K]) as [B, M, K] in the record's
+    dtype."""
+    return jnp.swapaxes(routes.experts[:, :, 0], 0, 1).astype(dtype)
 
 
 @flax.struct.dataclass
@@ -135,6 +159,7 @@ class DecodeState:
     sample_logp_BxN: jax.Array  # float32
     cache: Any  # the prompts once (P x T slots) + the new tokens (B x max(N - 1, 1) slots)
     rng: jax.Array  # base key; token t of row b is drawn with `token_keys(rng, b, t)`
+    routes_BxNxMxK: Any = None  # record_routes: the experts of each fed token (else None)
 
 
 def shed_levels(rows: int, shed: int) -> tuple[int, ...]:
@@ -166,12 +191,21 @@ def _is_eos(tokens_xB: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 def static_batch(
-    graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, settings: SamplingSettings
+    graphdef,
+    state,
+    cache,
+    logits_PxV,
+    lens_P,
+    caps_B,
+    rng,
+    settings: SamplingSettings,
+    routes_shape=None,
 ) -> tuple[SampleOutput, jax.Array]:
     """The static batch: every one of the B = P * G rows keeps its decode slot until the last
     row ends (with `settings.shed`: until the rows still running fit the next smaller batch, see
     `_shed_batch`). `cache` holds the P prompts' keys and values (the prefill's), `logits_PxV`
     the prefill's logits at each prompt's last token, `caps_B` each row's length cap.
+    `routes_shape` (M, K, dtype) records the fed tokens' routes (`settings.record_routes`).
     Returns (SampleOutput, decode iterations)."""
     p, g, n = logits_PxV.shape[0], settings.group_size, settings.max_new_tokens
     eos_ids, pad_id, select = settings.eos_ids, settings.pad_id, settings.select
@@ -223,13 +257,26 @@ def static_batch(
         # Finished rows hold pad_id, which need not be a vocabulary id: feed token 0 instead.
         fed_B = jnp.where(s.done_B, 0, fed_B)
         positions_Bx1 = (lens_B + s.step - 1)[:, None]
-        logits_Bx1xV, cache = nnx.merge(graphdef, state)(
+        out = nnx.merge(graphdef, state)(
             fed_B[:, None],
             positions_Bx1,
             jnp.ones((b, 1), jnp.bool_),
             cache=s.cache,
             cache_index=s.step - 1,
+            with_routes=routes_shape is not None,
         )
+        logits_Bx1xV, cache = out[:2]
+        if routes_shape is not None:  # token step - 1 of each running row: its routes
+            x_BxMxK = _routes_of(out[2], routes_shape[2])
+            old_BxMxK = jax.lax.dynamic_index_in_dim(
+                s.routes_BxNxMxK, s.step - 1, axis=1, keepdims=False
+            )
+            x_BxMxK = jnp.where(s.done_B[:, None, None], old_BxMxK, x_BxMxK)
+            s = s.replace(
+                routes_BxNxMxK=jax.lax.dynamic_update_index_in_dim(
+                    s.routes_BxNxMxK, x_BxMxK, s.step - 1, axis=1
+                )
+            )
         return append(s.replace(cache=cache), logits_Bx1xV[:, 0])
 
     start = DecodeState(
@@ -241,6 +288,9 @@ def static_batch(
         sample_logp_BxN=jnp.zeros((b, n), jnp.float32),
         cache=cache,
         rng=rng,
+        routes_BxNxMxK=None
+        if routes_shape is None
+        else jnp.zeros((b, n, routes_shape[0], routes_shape[1]), routes_shape[2]),
     )
     final = append(start, logits_BxV)
     for j, slots in enumerate(sizes):
@@ -249,9 +299,8 @@ def static_batch(
         final = jax.lax.while_loop(functools.partial(keep_going, slots=slots), decode_step, final)
     if len(levels) > 1:
         final = _shed_batch(graphdef, state, final, lens_B, caps_B, settings, levels)
-    return _output(final.tokens_BxN, final.logp_BxN, final.sample_logp_BxN, final.lengths_B), (
-        final.step - 1
-    )
+    out = _output(final.tokens_BxN, final.logp_BxN, final.sample_logp_BxN, final.lengths_B)
+    return out._replace(routes_BxNxMxK=final.routes_BxNxMxK), final.step - 1
 
 
 def _shed_batch(
@@ -282,13 +331,16 @@ def _shed_batch(
         )
         fed_K = jnp.where(done_K, 0, fed_K)
         positions_Kx1 = (lens_B[safe_K] + s.step - 1)[:, None]
-        logits_Kx1xV, layers = nnx.merge(graphdef, state)(
+        recording = s.routes_BxNxMxK is not None
+        out = nnx.merge(graphdef, state)(
             fed_K[:, None],
             positions_Kx1,
             jnp.ones((k, 1), jnp.bool_),
             cache=layers,
             cache_index=jnp.broadcast_to(s.step - 1, (k,)),
+            with_routes=recording,
         )
+        logits_Kx1xV, layers = out[:2]
         tokens_K, logp_K, sample_logp_K = select(
             logits_Kx1xV[:, 0], token_keys(s.rng, safe_K, jnp.broadcast_to(s.step, (k,)))
         )
@@ -299,11 +351,15 @@ def _shed_batch(
         hit_KxB = active_K[:, None] & (row_K[:, None] == jnp.arange(b, dtype=jnp.int32))
         hit_B = jnp.any(hit_KxB, axis=0)
 
-        def put(buf_BxN, x_K):
-            x_B = jnp.sum(jnp.where(hit_KxB, x_K[:, None], 0), axis=0).astype(buf_BxN.dtype)
-            old_B = jax.lax.dynamic_index_in_dim(buf_BxN, s.step, axis=1, keepdims=False)
-            column = jnp.where(hit_B, x_B, old_B)[:, None]
-            return jax.lax.dynamic_update_slice(buf_BxN, column, (jnp.zeros((), jnp.int32), s.step))
+        def put(buf_BxN, x_K, column=s.step):
+            """buf[row_K, column] = x_K for the running slots (trailing dims carried along)."""
+            extra = (None,) * (x_K.ndim - 1)
+            hit = hit_KxB[(..., *extra)]
+            x_B = jnp.sum(jnp.where(hit, x_K[:, None], 0), axis=0).astype(buf_BxN.dtype)
+            old_B = jax.lax.dynamic_index_in_dim(buf_BxN, column, axis=1, keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(
+                buf_BxN, jnp.where(hit_B[(..., *extra)], x_B, old_B), column, axis=1
+            )
 
         ends_K = _is_eos(tokens_K, eos_ids) | (s.step + 1 >= caps_B[safe_K])
         s = s.replace(
@@ -313,6 +369,9 @@ def _shed_batch(
             logp_BxN=put(s.logp_BxN, logp_K),
             sample_logp_BxN=put(s.sample_logp_BxN, sample_logp_K),
         )
+        if recording:  # token step - 1 of each running slot's row: its routes
+            routes_KxMxK = _routes_of(out[2], s.routes_BxNxMxK.dtype)
+            s = s.replace(routes_BxNxMxK=put(s.routes_BxNxMxK, routes_KxMxK, s.step - 2))
         return s, row_K, done_K | (active_K & ends_K), layers
 
     for j, size in enumerate(levels[1:], start=1):
@@ -375,6 +434,7 @@ class SlotState:
     sample_logp_DxRxN: jax.Array
     lengths_DxR: jax.Array
     cache: Any  # `Transformer.slot_cache`: the prompts once + S x max(N - 1, 1) columns
+    routes_DxRxNxMxK: Any = None  # record_routes: the experts of each fed token (else None)
 
 
 def continuous_batch(
@@ -386,6 +446,7 @@ def continuous_batch(
     caps_B,
     rng,
     settings: SamplingSettings,
+    routes_shape=None,
     *,
     slots: int,
     queues: int,
@@ -473,13 +534,15 @@ def continuous_batch(
         positions_DxS = jnp.take_along_axis(lens_DxP, prompt_DxS, axis=1) + st.pos_DxS - 1
         column_S = jnp.clip(st.pos_DxS - 1, 0, columns - 1).reshape(slots)
         layers = per_layer(lambda c: c.replace(prefix_index=prompt_DxS), st.cache)
-        logits_Sx1xV, layers = nnx.merge(graphdef, state)(
+        out = nnx.merge(graphdef, state)(
             jnp.where(active_DxS, st.fed_DxS, 0).reshape(slots, 1),
             positions_DxS.reshape(slots, 1),
             jnp.ones((slots, 1), jnp.bool_),
             cache=layers,
             cache_index=column_S,
+            with_routes=routes_shape is not None,
         )
+        logits_Sx1xV, layers = out[:2]
         rows_DxS = jnp.arange(d, dtype=jnp.int32)[:, None] * r + item_DxS  # output row
         keys_S = token_keys(rng, rows_DxS.reshape(slots), st.pos_DxS.reshape(slots))
         tokens_S, logp_S, sample_logp_S = select(logits_Sx1xV[:, 0], keys_S)
@@ -502,6 +565,12 @@ def continuous_batch(
             lengths_DxR=lengths_DxR,
             cache=layers,
         )
+        if routes_shape is not None:  # token pos - 1 of each busy slot's item: its routes
+            x_SxMxK = _routes_of(out[2], routes_shape[2])
+            x_DxSxMxK = x_SxMxK.reshape(d, s_per, *x_SxMxK.shape[1:])
+            st = st.replace(
+                routes_DxRxNxMxK=put(st.routes_DxRxNxMxK, write_DxS, st.pos_DxS - 2, x_DxSxMxK)
+            )
         return refill(st, ended_DxS | ~active_DxS)
 
     start = SlotState(
@@ -515,6 +584,9 @@ def continuous_batch(
         sample_logp_DxRxN=first_columns(slogp0_DxR, jnp.float32, 0.0),
         lengths_DxR=jnp.where(ended0_DxR, 1, 0).astype(jnp.int32),
         cache=cache,
+        routes_DxRxNxMxK=None
+        if routes_shape is None
+        else jnp.zeros((d, r, n, routes_shape[0], routes_shape[1]), routes_shape[2]),
     )
     start = refill(start, jnp.ones((d, s_per), jnp.bool_))
     final = jax.lax.while_loop(busy, step, start)
@@ -524,4 +596,7 @@ def continuous_batch(
         final.sample_logp_DxRxN.reshape(b, n),
         final.lengths_DxR.reshape(b),
     )
+    if routes_shape is not None:
+        routes = final.routes_DxRxNxMxK.reshape(b, n, routes_shape[0], routes_shape[1])
+        out = out._replace(routes_BxNxMxK=routes)
     return out, final.iteration

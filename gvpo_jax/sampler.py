@@ -225,20 +225,35 @@ def generate_split(
     positions_PxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
     valid_PxT = positions_PxT < lens_P[:, None]
     cache = model.init_cache(p, t)
-    hidden_PxTxD, cache = model.hidden(
-        prompt_ids.astype(jnp.int32), positions_PxT, valid_PxT, cache=cache, cache_index=0
+    record = settings.record_routes and cfg.moe
+    out = model.hidden(
+        prompt_ids.astype(jnp.int32),
+        positions_PxT,
+        valid_PxT,
+        cache=cache,
+        cache_index=0,
+        with_routes=record,
     )
+    hidden_PxTxD, cache = out[:2]
+    routes_shape = prompt_routes = None
+    if record:  # the prompts' routes [M, P, T, K] -> [P, T, M, K], 0 past each prompt
+        dtype = decode.routes_dtype(cfg.num_experts)
+        experts = jnp.moveaxis(out[2].experts, 0, 2)
+        prompt_routes = jnp.where(valid_PxT[..., None, None], experts, 0)
+        prompt_routes = prompt_routes.astype(dtype)
+        routes_shape = (prompt_routes.shape[2], cfg.num_experts_per_tok, dtype)
     last_PxD = jnp.take_along_axis(hidden_PxTxD, (lens_P - 1)[:, None, None], axis=1)[:, 0]
     logits_PxV = model.unembed(last_PxD)
     caps_B = jnp.full((b,), n, jnp.int32)
     if max_lengths is not None:
         caps_B = jnp.clip(jnp.asarray(max_lengths, jnp.int32).reshape(b), 1, n)
 
-    args = (graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, settings)
+    args = (graphdef, state, cache, logits_PxV, lens_P, caps_B, rng, settings, routes_shape)
     if slots == b:
         out, iterations = decode.static_batch(*args)
     else:
         out, iterations = decode.continuous_batch(*args, slots=slots, queues=num_queues)
+    out = out._replace(prompt_routes_PxTxMxK=prompt_routes)
     return (out, iterations) if with_iterations else out
 
 
@@ -326,4 +341,4 @@ def sample_groups(
     out = generate_sharded(
         model, ids["ids"], ids["lens"], settings, mesh=mesh, rules=rules, rng=rng
     )
-    return SampleOutput(*(sharding.local_rows(x) for x in out))
+    return SampleOutput(*(None if x is None else sharding.local_rows(x) for x in out))

@@ -1,6 +1,8 @@
 """Mixture-of-experts policies (Qwen3-MoE): routing, the three dispatches, transformers parity,
 decoding, export, presets and bad configs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -340,6 +342,9 @@ def test_routes_are_recorded_and_replay_gives_the_same_values_and_gradients(scan
     model = models.Transformer(cfg, rngs=nnx.Rngs(1))
     tokens = jnp.asarray(_tokens((2, 7), seed=6))
     hidden, routes = model.hidden(tokens, with_routes=True)
+    assert routes.entropy.shape == (3, 2, 7) and float(routes.entropy.min()) > 0
+    assert float(routes.entropy.max()) <= np.log(8) + 1e-6
+    routes = routes.experts
     assert routes.shape == (3, 2, 7, 2) and routes.dtype == jnp.int32
     assert int(routes.min()) >= 0 and int(routes.max()) < 8
     graphdef, state = nnx.split(model)
@@ -368,13 +373,48 @@ def test_prefill_and_decode_routes_equal_the_full_forwards():
     model = models.Transformer(cfg, rngs=nnx.Rngs(2))
     tp, steps = 4, 3
     tokens = jnp.asarray(_tokens((2, tp + steps), seed=7))
-    _, full = model.hidden(tokens, with_routes=True)
+    full = model.hidden(tokens, with_routes=True)[1].experts
     pos = jnp.broadcast_to(jnp.arange(tp + steps), (2, tp + steps))
     _, cache, parts = model.hidden(tokens[:, :tp], pos[:, :tp], cache=model.init_cache(2, 8),
                                    cache_index=0, with_routes=True)  # fmt: skip
-    parts = [parts]
+    parts = [parts.experts]
     for t in range(tp, tp + steps):
         _, cache, step = model.hidden(tokens[:, t : t + 1], pos[:, t : t + 1], cache=cache,
                                       cache_index=t, with_routes=True)  # fmt: skip
-        parts.append(step)
+        parts.append(step.experts)
     np.testing.assert_array_equal(jnp.concatenate(parts, axis=2), full)
+
+
+@pytest.mark.parametrize("mode", ["static", "shed", "continuous"])
+def test_sampler_records_the_routes_a_full_forward_gives(mode):
+    """With record_routes the sampler returns each prompt token's and each fed-back response
+    token's experts in every MoE layer (uint8), equal to a forward over the row's prompt and
+    response; the static batch, its shedding and continuous batching record alike, and rows
+    of every length (EOS ids make some end early) are lined up."""
+    cfg = models.PRESETS["tiny-moe"]
+    model = models.Transformer(cfg, rngs=nnx.Rngs(3))
+    prompts = [[5, 17, 42], [7, 8, 9, 10, 11, 12], [60], [3, 4, 4, 60, 61]]
+    ids, lens = sampler.pad_prompts(prompts, (8,))
+    settings = sampler.SamplingSettings(
+        max_new_tokens=6, group_size=2, temperature=1.0, eos_ids=tuple(range(0, 256, 9)),
+        num_slots=3 if mode == "continuous" else 0, shed=2 if mode == "shed" else 0,
+        record_routes=True,
+    )  # fmt: skip
+    out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(4))
+    plain = sampler.generate(model, ids, lens, dataclasses.replace(settings, record_routes=False),
+                             rng=jax.random.key(4))  # fmt: skip
+    np.testing.assert_array_equal(out.tokens_BxN, plain.tokens_BxN)  # recording changes nothing
+    assert plain.routes_BxNxMxK is None and plain.prompt_routes_PxTxMxK is None
+    assert out.routes_BxNxMxK.dtype == jnp.uint8 and out.routes_BxNxMxK.shape == (8, 6, 2, 2)
+    lengths = np.asarray(out.lengths_B)
+    assert len(set(lengths.tolist())) > 1  # rows of several lengths
+    for b in range(8):
+        prompt, n = prompts[b // 2], int(lengths[b])
+        row = np.concatenate([prompt, np.asarray(out.tokens_BxN[b, :n])])
+        _, full = model.hidden(jnp.asarray(row[None]), with_routes=True)
+        full = np.asarray(full.experts[:, 0]).swapaxes(0, 1)  # [T, M, K]
+        recorded = np.asarray(out.prompt_routes_PxTxMxK[b // 2, : len(prompt)])
+        np.testing.assert_array_equal(recorded, full[: len(prompt)])
+        fed = np.asarray(out.routes_BxNxMxK[b, : n - 1])
+        np.testing.assert_array_equal(fed, full[len(prompt) : len(prompt) + n - 1], err_msg=b)
+        assert not np.asarray(out.routes_BxNxMxK[b, n - 1 :]).any()  # never fed: 0

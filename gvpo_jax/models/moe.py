@@ -23,10 +23,22 @@ experts per token.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 DISPATCHES = ("dense", "grouped", "ragged")
+
+
+class Routes(NamedTuple):
+    """What an MoE layer's router decided for each token: `experts` int32 [..., K], the
+    experts it went to (what replay feeds back), and `entropy` fp32 [...], the entropy in nats
+    of the router's softmax over all E experts (a metric). `Transformer.hidden(with_routes=
+    True)` stacks them over the MoE layers, [M, B, T, ...]."""
+
+    experts: jax.Array
+    entropy: jax.Array
 
 
 def resolve(dispatch: str, platform: str | None = None) -> str:
@@ -35,6 +47,12 @@ def resolve(dispatch: str, platform: str | None = None) -> str:
         return dispatch
     platform = platform or jax.default_backend()
     return "grouped" if platform == "cpu" else "ragged"
+
+
+def entropy(logits_NxE: jax.Array) -> jax.Array:
+    """The router softmax's entropy per token, fp32 [N] (nats; log E when uniform)."""
+    logp_NxE = jax.nn.log_softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp_NxE) * logp_NxE, axis=-1)
 
 
 def route(

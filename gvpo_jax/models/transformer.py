@@ -293,10 +293,11 @@ class MoE(nnx.Module):
         self.up_kernel = _param(rngs, _normal, (e, d, f), dt, ("expert", "embed", "expert_mlp"))
         self.down_kernel = _param(rngs, _normal, (e, f, d), dt, ("expert", "expert_mlp", "embed"))
 
-    def __call__(self, x_BxTxD: jax.Array, routing_BxTxK=None) -> tuple[jax.Array, jax.Array]:
-        """(output [B, T, D], the experts each token went to [B, T, K] int32). `routing_BxTxK`
-        replays a recorded routing: those experts, gated by this router's probabilities at
-        them (renormalised as the model does), so the router keeps its gradient."""
+    def __call__(self, x_BxTxD: jax.Array, routing_BxTxK=None) -> tuple[jax.Array, moe_lib.Routes]:
+        """(output [B, T, D], the router's decisions: `moe.Routes` of [B, T, K] experts and
+        [B, T] entropies). `routing_BxTxK` replays a recorded routing: those experts, gated by
+        this router's probabilities at them (renormalised as the model does), so the router
+        keeps its gradient."""
         b, t, d = x_BxTxD.shape
         cdt = self.compute_dtype
         x_NxD = x_BxTxD.reshape(b * t, d)
@@ -322,7 +323,10 @@ class MoE(nnx.Module):
             block = moe_lib.block_size(b * t * self.top_k, n_experts, self.block)
             y_NxD = moe_lib.grouped(x_NxD, *experts, weights_NxK, experts_NxK, swiglu, block=block)
         out_BxTxD = constrain(y_NxD.reshape(b, t, d), ("batch", "length", "embed"))
-        return out_BxTxD, experts_NxK.reshape(b, t, -1)
+        routes = moe_lib.Routes(
+            experts_NxK.reshape(b, t, -1), moe_lib.entropy(logits_NxE).reshape(b, t)
+        )
+        return out_BxTxD, routes
 
 
 class Block(nnx.Module):
@@ -341,8 +345,8 @@ class Block(nnx.Module):
     def __call__(
         self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None, routing=None
     ):
-        """(x [B, T, D], the updated layer cache, the experts each token went to [B, T, K] or
-        None in a dense layer); `routing` [B, T, K] replays an MoE layer's experts."""
+        """(x [B, T, D], the updated layer cache, the router's `moe.Routes` or None in a dense
+        layer); `routing` [B, T, K] replays an MoE layer's experts."""
         attn_BxTxD, layer_cache = self.attn(
             self.attn_norm(x_BxTxD), positions_BxT, valid_BxT, layer_cache, cache_index
         )
@@ -492,8 +496,9 @@ class Transformer(nnx.Module):
           With a `slot_cache`, cache_index is int32 [B]: each row's own write column.
         routing: int [M, B, T, K], the experts of each token in each of the M MoE layers (in
           layer order) to replay instead of routing (`MoE`); None routes.
-        with_routes: also return the experts each token went to, int32 [M, B, T, K] (None
-          for a model without MoE layers), as the last element of a tuple.
+        with_routes: also return the routers' decisions, `moe.Routes` of experts int32
+          [M, B, T, K] and entropies fp32 [M, B, T] (None for a model without MoE layers), as
+          the last element of a tuple.
         """
         cfg = self.config
         b, t = tokens_BxT.shape
@@ -539,7 +544,7 @@ class Transformer(nnx.Module):
                 new_cache.append(layer_cache)
                 if layer_routes is not None:
                     routes.append(layer_routes)
-            routes = jnp.stack(routes) if routes else None
+            routes = jax.tree.map(lambda *xs: jnp.stack(xs), *routes) if routes else None
         hidden_BxTxD = self.final_norm(x_BxTxD)
         out = (hidden_BxTxD,) if cache is None else (hidden_BxTxD, new_cache)
         if with_routes:
@@ -659,14 +664,30 @@ class Transformer(nnx.Module):
         return logits.astype(jnp.float32)
 
     def __call__(
-        self, tokens_BxT, positions_BxT=None, mask_BxT=None, *, cache=None, cache_index=None
+        self,
+        tokens_BxT,
+        positions_BxT=None,
+        mask_BxT=None,
+        *,
+        cache=None,
+        cache_index=None,
+        routing=None,
+        with_routes=False,
     ):
-        """fp32 logits [B, T, V]; with a cache returns (logits, updated cache)."""
-        out = self.hidden(tokens_BxT, positions_BxT, mask_BxT, cache=cache, cache_index=cache_index)
-        if cache is None:
-            return constrain(self.unembed(out), ("batch", "length", "vocab"))
-        hidden_BxTxD, cache = out
-        return constrain(self.unembed(hidden_BxTxD), ("batch", "length", "vocab")), cache
+        """fp32 logits [B, T, V]; with a cache returns (logits, updated cache); `routing` and
+        `with_routes` as `hidden`'s (the routes appended last)."""
+        out = self.hidden(
+            tokens_BxT,
+            positions_BxT,
+            mask_BxT,
+            cache=cache,
+            cache_index=cache_index,
+            routing=routing,
+            with_routes=with_routes,
+        )
+        out = out if isinstance(out, tuple) else (out,)
+        logits = constrain(self.unembed(out[0]), ("batch", "length", "vocab"))
+        return logits if len(out) == 1 else (logits, *out[1:])
 
     def num_params(self) -> int:
         """Total number of parameters (tied embeddings counted once)."""
