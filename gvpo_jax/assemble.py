@@ -217,7 +217,11 @@ def stop_token_ids(config: ml_collections.ConfigDict, tokenizer) -> tuple[int, .
     return tuple(ids)
 
 
-def sampling_settings(config: ml_collections.ConfigDict, tokenizer) -> sampler.SamplingSettings:
+def sampling_settings(
+    config: ml_collections.ConfigDict, tokenizer, *, moe: bool = False
+) -> sampler.SamplingSettings:
+    """The rollout's sampler settings; an MoE policy's rollouts record their routing (the
+    routing-drift metrics and replay read it)."""
     eos = tasks.eos_ids(tokenizer)
     eos = eos + tuple(i for i in stop_token_ids(config, tokenizer) if i not in eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -233,6 +237,7 @@ def sampling_settings(config: ml_collections.ConfigDict, tokenizer) -> sampler.S
         num_slots=config.rollout.num_slots,
         eval_num_slots=config.train.eval_num_slots,
         shed=config.rollout.shed,
+        record_routes=moe,
     )
 
 
@@ -539,6 +544,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         state, _ = train_step.init_state_sharded(params, tx, rng, mesh, rules)
     else:
         state = train_step.params_only_state(params, tx, rng, shardings)
+    moe = model.config.moe
     del model, params  # the state holds the parameters now; a restore may replace them
     task = tasks.build_task(
         config, tokenizer, shard=sharding.data_shard(mesh), allgather=sharding.host_allgather
@@ -551,7 +557,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         graphdef=graphdef,
         tokenizer=tokenizer,
         task=task,
-        sampling=sampling_settings(config, tokenizer),
+        sampling=sampling_settings(config, tokenizer, moe=moe),
         settings=step_settings(config),
         writer=metrics.MetricWriter(
             workdir,

@@ -134,6 +134,26 @@ def layout_batch(
     return {"tokens": tokens, "attn_mask": attn, "resp_mask": resp_mask_BxN.astype(np.float32)}
 
 
+def layout_routes(
+    prompt_routes_PxTxMxK: np.ndarray,
+    prompt_lens_P: Sequence[int],
+    routes_BxNxMxK: np.ndarray,
+    *,
+    group_size: int,
+    prompt_len: int,
+) -> np.ndarray:
+    """An MoE rollout's recorded routing (`SampleOutput`) in `layout_batch`'s layout: row b's
+    experts [Tp + N, M, K] at its tokens' slots (the prompt's right-aligned at `prompt_len`,
+    0 on padding and on the response's last token, which the sampler never fed back)."""
+    B, N, M, K = routes_BxNxMxK.shape
+    out = np.zeros((B, prompt_len + N, M, K), routes_BxNxMxK.dtype)
+    for b in range(B):
+        p, n = b // group_size, int(prompt_lens_P[b // group_size])
+        out[b, prompt_len - n : prompt_len] = prompt_routes_PxTxMxK[p, :n]
+    out[:, prompt_len:] = routes_BxNxMxK
+    return out
+
+
 def encode_answers(
     tokenizer, texts: Sequence[str], *, max_new_tokens: int, eos_id: int, pad_id: int
 ):

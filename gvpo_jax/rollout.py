@@ -145,6 +145,15 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None)
         prompt_len=run.settings.prompt_len,
         pad_id=settings.pad_id,
     )
+    if out.routes_BxNxMxK is not None:  # an MoE policy: its rows' routing, as sampled
+        batch["routes"] = batch_lib.layout_routes(
+            np.asarray(out.prompt_routes_PxTxMxK),
+            [len(p) for p in prompts],
+            np.asarray(out.routes_BxNxMxK),
+            group_size=G,
+            prompt_len=run.settings.prompt_len,
+        )
+        batch["routes"][sampled == 0] = 0  # demonstrations: not the sampler's tokens
     ended = np.zeros(len(lengths), bool)
     for eos in settings.eos_ids:
         ended |= (tokens == eos).any(-1)

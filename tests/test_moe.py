@@ -331,6 +331,11 @@ def test_rl_steps_on_an_moe_policy(algo):
     for key in ("reward_mean", "loss", "grad_norm", "entropy_mc"):
         assert np.isfinite(metrics[key]), key
     assert metrics["sampler_logp_gap_max"] < 1e-4
+    # the routing the sampler recorded is the update's, before the update moves it
+    assert metrics["moe/routing_drift"] == 0.0
+    assert 1.0 <= metrics["moe/load_max_over_mean"] <= metrics["moe/load_max_over_mean_max"] <= 4
+    assert 0.0 < metrics["moe/router_entropy"] <= np.log(4) + 1e-6
+    assert metrics["moe/load_max_over_mean/layer_0"] == metrics["moe/load_max_over_mean"]
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
@@ -418,3 +423,51 @@ def test_sampler_records_the_routes_a_full_forward_gives(mode):
         fed = np.asarray(out.routes_BxNxMxK[b, : n - 1])
         np.testing.assert_array_equal(fed, full[len(prompt) : len(prompt) + n - 1], err_msg=b)
         assert not np.asarray(out.routes_BxNxMxK[b, n - 1 :]).any()  # never fed: 0
+
+
+def test_routing_stats_against_a_count_by_hand():
+    """Drift counts a token whose expert set changed (not its order) over the recorded tokens
+    only; load and entropy over the real tokens."""
+    r = np.random.default_rng(8)
+    m, b, s, k, e = 2, 3, 5, 2, 4
+    experts = np.stack([np.stack([r.choice(e, k, replace=False) for _ in range(b * s)])
+                        for _ in range(m)]).reshape(m, b, s, k)  # fmt: skip
+    recorded = experts.transpose(1, 2, 0, 3)[..., ::-1].copy()  # the same sets, reordered
+    recorded[0, 1, 0] = [(experts[0, 0, 1, 0] + 1) % e, experts[0, 0, 1, 0]]
+    recorded[2, 4, 1] = (experts[1, 2, 4] + 1) % e  # a token that is not fed: not counted
+    entropy = r.random((m, b, s)).astype(np.float32)
+    valid = (r.random((b, s)) > 0.2).astype(np.float32)
+    fed = valid.copy()
+    fed[2, 4] = 0.0
+    stats = moe.routing_stats(moe.Routes(jnp.asarray(experts), jnp.asarray(entropy)),
+                              jnp.asarray(recorded, np.uint8), fed, valid, e)  # fmt: skip
+    changed0 = set(recorded[0, 1, 0].tolist()) != set(experts[0, 0, 1].tolist())
+    assert changed0 and fed[0, 1] == 1
+    np.testing.assert_allclose(stats["drift"], [1 / fed.sum(), 0.0], rtol=1e-6)
+    for layer in range(m):
+        counts = np.zeros(e)
+        for bi in range(b):
+            for si in range(s):
+                if valid[bi, si]:
+                    counts[experts[layer, bi, si]] += 1
+        np.testing.assert_allclose(stats["load"][layer], counts / counts.sum(), rtol=1e-6)
+        np.testing.assert_allclose(stats["load_max_over_mean"][layer],
+                                   counts.max() / counts.sum() * e, rtol=1e-6)  # fmt: skip
+        want = (entropy[layer] * valid).sum() / valid.sum()
+        np.testing.assert_allclose(stats["entropy"][layer], want, rtol=1e-6)
+
+
+def test_stale_moe_rollouts_measure_routing_drift_and_carry_routes_in_the_queue():
+    """Rollouts sampled 2 updates before they train (rollout.staleness) carry their routing
+    through the queue; after updates at a high learning rate some tokens' experts changed."""
+    from gvpo_jax.rl_step import rl_step
+    from tests.test_train import make_run, toy_config
+
+    changes = dict(MOE_OVERRIDES, **{"rollout.staleness": 2, "optim.lr": 3e-2})
+    run, state, loop, ref = make_run(toy_config("gvpo", **changes))
+    drift = []
+    for _ in range(4):
+        state, metrics, _, _ = rl_step(run, state, loop, ref)
+        drift.append(metrics["moe/routing_drift"])
+    assert all("routes" in q.batch for q in loop.queue)
+    assert drift[0] == 0.0 and max(drift[2:]) > 0.0, drift

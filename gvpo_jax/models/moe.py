@@ -160,3 +160,30 @@ def expert_load(experts_NxK: jax.Array, valid_N: jax.Array, e: int) -> jax.Array
     w_NxK = jnp.broadcast_to(valid_N[:, None], experts_NxK.shape).astype(jnp.float32)
     counts_E = jnp.zeros((e,), jnp.float32).at[experts_NxK.reshape(-1)].add(w_NxK.reshape(-1))
     return counts_E / jnp.maximum(jnp.sum(counts_E), 1.0)
+
+
+def routing_stats(routes: Routes, recorded_BxSxMxK, fed_BxS, valid_BxS, num_experts: int) -> dict:
+    """Per MoE layer ([M] each), of one forward's `routes` ([M, B, S, ...]) on rows whose
+    routing the sampler recorded (`recorded_BxSxMxK`, the same experts in any order where
+    nothing changed):
+
+    - drift: the fraction of the recorded tokens (`fed_BxS`) whose set of experts differs;
+    - load: each expert's share of the real tokens' (`valid_BxS`) assignments [M, E], and
+      load_max_over_mean, its largest share times E (1: balanced, E: one expert takes all);
+    - entropy: the router's mean entropy over the real tokens (nats; log E when uniform).
+    """
+    now_MxBxSxK = jnp.sort(routes.experts, axis=-1)
+    then_MxBxSxK = jnp.sort(jnp.moveaxis(recorded_BxSxMxK, 2, 0).astype(jnp.int32), axis=-1)
+    changed_MxBxS = jnp.any(now_MxBxSxK != then_MxBxSxK, axis=-1).astype(jnp.float32)
+    fed = fed_BxS.astype(jnp.float32)
+    valid = valid_BxS.astype(jnp.float32)
+    drift_M = jnp.sum(changed_MxBxS * fed, axis=(1, 2)) / jnp.maximum(jnp.sum(fed), 1.0)
+    load_MxE = jax.vmap(lambda e: expert_load(e.reshape(-1, e.shape[-1]), valid.reshape(-1),
+                                              num_experts))(routes.experts)  # fmt: skip
+    entropy_M = jnp.sum(routes.entropy * valid, axis=(1, 2)) / jnp.maximum(jnp.sum(valid), 1.0)
+    return {
+        "drift": drift_M,
+        "load": load_MxE,
+        "load_max_over_mean": jnp.max(load_MxE, axis=-1) * num_experts,
+        "entropy": entropy_M,
+    }
