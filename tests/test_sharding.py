@@ -323,6 +323,18 @@ def test_moe_step_on_a_mesh_equals_the_unsharded_step():
     moe = specs["layers"][1]["mlp"]
     assert moe["down_kernel"].get_value().spec == P(None, "tensor", "fsdp")
     assert moe["router_kernel"].get_value().spec == P("fsdp", None)
+    # each batch shard routes its own tokens: the dispatch runs in a shard_map over the batch
+    # axes when they split the rows (8 rows on 4 shards), and globally when they cannot (6)
+    rules = sharding.logical_rules(mesh, MOE_CFG)
+    graphdef, state = nnx.split(models.Transformer(MOE_CFG, rngs=nnx.Rngs(0)))
+
+    def forward(state, tokens):
+        with sharding.tracing_mesh(mesh, rules):
+            return nnx.merge(graphdef, state)(tokens)
+
+    for rows, split in ((8, True), (6, False)):
+        jaxpr = str(jax.make_jaxpr(forward)(state, jnp.zeros((rows, 6), jnp.int32)))
+        assert ("shard_map" in jaxpr) == split, rows
 
 
 # ---------------------------------------------------------------------------------- sampling

@@ -256,7 +256,7 @@ class ModelConfig:
                 "ModelConfig: num_experts > 0 but decoder_sparse_step / mlp_only_layers leave "
                 "no MoE layer; set num_experts=0 for a dense model or route some layers."
             )
-        if self.scan_layers and len({self.moe_layer(i) for i in range(self.num_layers)}) > 1:
+        if self.scan_layers and not self.scannable:
             raise ValueError(
                 "ModelConfig.scan_layers=True with both dense and MoE layers "
                 f"(decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
@@ -271,6 +271,11 @@ class ModelConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def scannable(self) -> bool:
+        """Every layer has the same kind of MLP (all dense or all MoE), as one scan needs."""
+        return len({self.moe_layer(i) for i in range(self.num_layers)}) == 1
 
     @property
     def moe(self) -> bool:

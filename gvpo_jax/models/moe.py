@@ -135,7 +135,9 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     # expert of each block: the group whose padded rows hold its first row (past the last
     # group: the last expert, on zero rows)
     first_row_B = jnp.arange(blocks, dtype=jnp.int32) * block
-    expert_B = jnp.minimum(jnp.searchsorted(ends_E, first_row_B, side="right"), e - 1)
+    # (a count, not jnp.searchsorted: that one fails to trace inside a shard_map)
+    expert_B = jnp.sum(ends_E[None, :] <= first_row_B[:, None], axis=1, dtype=jnp.int32)
+    expert_B = jnp.minimum(expert_B, e - 1)
     x_BxMxD = x_RxD.reshape(blocks, block, -1)
     gate_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, gate_ExDxF[expert_B])
     up_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, up_ExDxF[expert_B])

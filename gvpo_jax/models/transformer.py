@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -297,36 +298,70 @@ class MoE(nnx.Module):
         """(output [B, T, D], the router's decisions: `moe.Routes` of [B, T, K] experts and
         [B, T] entropies). `routing_BxTxK` replays a recorded routing: those experts, gated by
         this router's probabilities at them (renormalised as the model does), so the router
-        keeps its gradient."""
-        b, t, d = x_BxTxD.shape
+        keeps its gradient.
+
+        Under a mesh whose batch axes split the rows, each batch shard routes and dispatches
+        its own tokens (`shard_map` over those axes; the expert weights enter whole along them,
+        as an FSDP layer gathers its weights): sorting the assignments of the global batch
+        would gather every token onto every device."""
         cdt = self.compute_dtype
+        weights = tuple(
+            weight(p, cdt)
+            for p in (self.router_kernel, self.gate_kernel, self.up_kernel, self.down_kernel)
+        )
+        local = functools.partial(self._local, replay=routing_BxTxK is not None)
+        routing = () if routing_BxTxK is None else (routing_BxTxK,)
+        axes = _batch_mesh_axes(x_BxTxD.shape[0])
+        if axes:
+            rows = jax.sharding.PartitionSpec(axes)
+            whole = jax.sharding.PartitionSpec()
+            local = jax.shard_map(
+                local,
+                in_specs=(rows, (whole,) * 4, (rows,) * len(routing)),
+                out_specs=(rows, moe_lib.Routes(rows, rows)),
+                axis_names=set(axes),
+            )
+        out_BxTxD, routes = local(x_BxTxD, weights, routing)
+        return constrain(out_BxTxD, ("batch", "length", "embed")), routes
+
+    def _local(self, x_BxTxD, weights, routing, *, replay: bool):
+        """The routing and dispatch of these rows' tokens (one batch shard's, under a mesh)."""
+        router_DxE, *experts = weights
+        b, t, d = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(b * t, d)
         # the router's logits in the compute dtype (as transformers), its softmax in fp32
-        logits_NxE = x_NxD @ weight(self.router_kernel, cdt)
-        forced = None if routing_BxTxK is None else routing_BxTxK.reshape(b * t, -1)
-        weights_NxK, experts_NxK = moe_lib.route(
+        logits_NxE = x_NxD @ router_DxE
+        forced = routing[0].reshape(b * t, -1) if replay else None
+        gates_NxK, experts_NxK = moe_lib.route(
             logits_NxE, self.top_k, normalize=self.normalize, experts_NxK=forced
         )
-        weights_NxK = weights_NxK.astype(cdt)
-        experts = (
-            weight(self.gate_kernel, cdt),
-            weight(self.up_kernel, cdt),
-            weight(self.down_kernel, cdt),
-        )
+        gates_NxK = gates_NxK.astype(x_NxD.dtype)
         dispatch = moe_lib.resolve(self.dispatch)
         if dispatch == "dense":
-            y_NxD = moe_lib.dense(x_NxD, *experts, weights_NxK, experts_NxK, swiglu)
+            y_NxD = moe_lib.dense(x_NxD, *experts, gates_NxK, experts_NxK, swiglu)
         elif dispatch == "ragged":
-            y_NxD = moe_lib.ragged(x_NxD, *experts, weights_NxK, experts_NxK, swiglu)
+            y_NxD = moe_lib.ragged(x_NxD, *experts, gates_NxK, experts_NxK, swiglu)
         else:
-            n_experts = self.gate_kernel.shape[0]
-            block = moe_lib.block_size(b * t * self.top_k, n_experts, self.block)
-            y_NxD = moe_lib.grouped(x_NxD, *experts, weights_NxK, experts_NxK, swiglu, block=block)
-        out_BxTxD = constrain(y_NxD.reshape(b, t, d), ("batch", "length", "embed"))
+            block = moe_lib.block_size(b * t * self.top_k, router_DxE.shape[1], self.block)
+            y_NxD = moe_lib.grouped(x_NxD, *experts, gates_NxK, experts_NxK, swiglu, block=block)
         routes = moe_lib.Routes(
             experts_NxK.reshape(b, t, -1), moe_lib.entropy(logits_NxE).reshape(b, t)
         )
-        return out_BxTxD, routes
+        return y_NxD.reshape(b, t, d), routes
+
+
+def _batch_mesh_axes(rows: int) -> tuple[str, ...]:
+    """The mesh axes the logical axis "batch" splits rows over, in the mesh being traced
+    under (`sharding.tracing_mesh`), when they split `rows` evenly into more than one shard;
+    () otherwise (no mesh, one shard, or rows that do not divide)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    target = dict(nn.get_logical_axis_rules()).get("batch")
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    axes = tuple(a for a in axes if a in mesh.axis_names)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    return axes if shards > 1 and rows % shards == 0 else ()
 
 
 class Block(nnx.Module):
