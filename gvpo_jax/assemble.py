@@ -302,7 +302,7 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     if c.hf_dir:
         cfg = models.hf_model_config(c.hf_dir, param_dtype, c.compute_dtype)
         config_lib.check_vocab(config, cfg.vocab_size, tokenizer)  # before the weights load
-        cfg = cfg.replace(remat=c.remat, scan_layers=config_lib.scan_layers(config))
+        cfg = cfg.replace(remat=c.remat, scan_layers=config_lib.scan_layers(config, model=cfg))
         rules = sharding.logical_rules(mesh, cfg)
         shardings = sharding.param_shardings(models.abstract_model(cfg), mesh, rules)
         model = models.from_pretrained(
@@ -342,10 +342,13 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     fields.setdefault("param_dtype", param_dtype)
     fields.setdefault("compute_dtype", c.compute_dtype)
     fields.setdefault("remat", c.remat)
-    fields.setdefault("scan_layers", config_lib.scan_layers(config))
     fields.setdefault("scan_decode", config_lib.scan_decode(config))
     fields.setdefault("attention", c.attention)
+    scan = fields.pop("scan_layers", None)
     cfg = base.replace(**fields) if base is not None else models.ModelConfig(**fields)
+    cfg = cfg.replace(
+        scan_layers=config_lib.scan_layers(config, model=cfg) if scan is None else scan
+    )
     config_lib.check_vocab(config, cfg.vocab_size, tokenizer)
     rules = sharding.logical_rules(mesh, cfg)
     return sharding.init_sharded(cfg, mesh, config.seed, rules), tokenizer, rules

@@ -303,11 +303,22 @@ def switch(value, *, accelerator: bool | None = None) -> bool:
     return choice
 
 
-def scan_layers(c, *, accelerator: bool | None = None) -> bool:
+def scan_layers(c, *, accelerator: bool | None = None, model=None) -> bool:
     """Whether the run's model stacks its layers under one scan: `model.scan_layers`, auto on
     for TPU and GPU, or for an accelerator when `accelerator` says so (the planner plans TPU
-    and GPU runs)."""
-    return switch(c.model.scan_layers, accelerator=accelerator)
+    and GPU runs). Given the `model`'s ModelConfig, auto stays off for a layer pattern the scan
+    cannot run (dense and MoE layers mixed), and an explicit true there is refused."""
+    scan = switch(c.model.scan_layers, accelerator=accelerator)
+    if scan and model is not None and not model.scannable:
+        if SWITCH[str(c.model.scan_layers).lower()] is None:
+            return False
+        fail(
+            "config.model.scan_layers is true but the model mixes dense and MoE layers "
+            f"(decoder_sparse_step={model.decoder_sparse_step}, mlp_only_layers="
+            f"{list(model.mlp_only_layers)}), which one scan cannot run; set "
+            "model.scan_layers=auto or false."
+        )
+    return scan
 
 
 def scan_decode(c, *, accelerator: bool | None = None) -> bool:

@@ -11,9 +11,11 @@ reference, activations and the KV cache in `model.compute_dtype`. With LoRA (`co
 base is stored in the compute dtype and frozen: moments and gradients are the adapters' alone,
 and no reference copy exists (the reference is the base with the adapters off).
 Gradients, the rollout's KV cache and activations are estimates (formulas in
-`activation_bytes` / `kv_cache_bytes`). `--compile` lowers and compiles the real train step for
-the mesh on fake CPU devices (small presets: compile time grows with the layer count) and prints
-XLA's own per-device memory analysis next to the estimate.
+`activation_bytes` / `kv_cache_bytes`). Mixture-of-experts models (Qwen3-MoE) also get their
+total and active parameters per token (`param_counts`), the experts' weights per device, and
+their dispatch buffers in the activations (`moe_layer_bytes`). `--compile` lowers and compiles
+the real train step for the mesh on fake CPU devices (small presets: compile time grows with
+the layer count) and prints XLA's own per-device memory analysis next to the estimate.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gvpo_jax import config as config_lib
 from gvpo_jax.batch import UpdateBatch
 from gvpo_jax.models import attention as attention_kernels
 from gvpo_jax.models import lora
+from gvpo_jax.models import moe as moe_lib
 
 GiB = 2**30
 # Memory per device (GiB) as the accelerator reports it (one JAX device each).
@@ -66,6 +69,8 @@ class MemoryPlan:
     notes: tuple[str, ...] = ()
     eval_kv_cache: int = 0  # held-out evaluation: train.eval_chunk prompts x train.eval_samples
     trains: bool = True  # False for mode=eval: only the evaluation's peak counts
+    experts: int = 0  # of `params`: the MoE experts' weights (0 for dense models)
+    moe_dispatch: int = 0  # of `activations`: one MoE layer's dispatch buffers
 
     @property
     def resident(self) -> int:
@@ -99,20 +104,25 @@ class MemoryPlan:
     def table(self) -> str:
         rows = [
             ("parameters", self.params, "exact"),
+            ("  of which the experts' weights", self.experts, "exact"),
             ("optimizer state (AdamW)", self.opt_state, "exact"),
             ("reference / frozen anchor (compute dtype)", self.reference, "exact"),
             ("compute-dtype copy of the parameters", self.compute_copy, "exact"),
             ("one layer's weights gathered over fsdp", self.gathered, "lower bound"),
             ("gradients (accumulator + micro-batch)", self.gradients, "estimate"),
             ("activations of one micro-batch", self.activations, "estimate"),
+            ("  of which one MoE layer's dispatch", self.moe_dispatch, "estimate"),
             ("KV cache of the rollout batch", self.kv_cache, "estimate"),
             ("KV cache of an evaluation call", self.eval_kv_cache, "estimate"),
             ("peak during update", self.update_peak, ""),
             ("peak during rollout", self.rollout_peak, ""),
             ("peak during evaluation", self.eval_peak, ""),
         ]
+        if not self.experts:  # dense models: no MoE rows
+            rows = [r for r in rows if "experts'" not in r[0] and "MoE" not in r[0]]
         if not self.trains:  # mode=eval: the parameters in the compute dtype, and a sampler
-            keep = ("parameters", "one layer's", "KV cache of an evaluation", "peak during eval")
+            keep = ("parameters", "  of which the experts'", "one layer's",
+                    "KV cache of an evaluation", "peak during eval")  # fmt: skip
             rows = [r for r in rows if r[0].startswith(keep)]
         width = max(len(r[0]) for r in rows)
         lines = [
@@ -149,7 +159,8 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
             fields["vocab_size"] = len(char_tokenizer.SPECIAL_TOKENS) + len(char_tokenizer.CHARS)
         fields.update(dtypes)
         cfg = models.ModelConfig(**fields)
-    scan = config_lib.scan_layers(config, accelerator=True)  # plans are for TPU and GPU runs
+    # plans are for TPU and GPU runs
+    scan = config_lib.scan_layers(config, accelerator=True, model=cfg)
     scan_decode = config_lib.scan_decode(config, accelerator=True)
     return cfg.replace(
         remat=bool(c.remat), attention=c.attention, scan_layers=scan, scan_decode=scan_decode
@@ -229,9 +240,10 @@ def activation_bytes(
     them too: cuDNN's does not, so on GPU this is an upper bound). With the blocked or splash
     kernel only block-sized scores live: b*K*Bq*Bk*4*3/t (scores, weights and their gradient),
     plus the kernel's fp32 row statistics and accumulators, b*T*(2N*4 + (N+2K)*H*4)/t.
-    `auto` resolves for the platform planning runs on (`models.attention.resolve`). With remat
-    only the L layer inputs (a*b*T*D each) stay, plus one layer's working set during its
-    recompute.
+    `auto` resolves for the platform planning runs on (`models.attention.resolve`). An MoE
+    layer (`cfg.moe_layer`) has `moe_layer_bytes` of the micro-batch's rows x T tokens in
+    place of the 3F/t of the dense MLP. With remat only the L layer inputs (a*b*T*D each)
+    stay, plus the largest layer's working set during its recompute.
     The blocked log-probs add ~3 fp32 [b*T, Vb/t] buffers (`models.logprobs.vocab_block_size`).
     Prompt sharing within groups (`Transformer.hidden_shared_prefix`) only lowers the real
     figure: this stays an upper bound.
@@ -252,14 +264,107 @@ def activation_bytes(
         scores = b * k * bq * bk * 4 * 3 / t + b * T * (2 * n * 4 + (n + 2 * k) * h * 4) / t
     else:
         scores = b * n * T * T * (4 + a) / t
-    per_layer = a * b * T * (4 * d + 2 * (n + k) * h / t + 3 * f / t) + scores
+    dense_layer = a * b * T * (4 * d + 2 * (n + k) * h / t + 3 * f / t) + scores
+    moe_layers = sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
+    moe_layer = 0
+    if moe_layers:  # the dense MLP's 3F/t replaced by the experts' dispatch
+        dispatch = moe_layer_bytes(cfg, rows, length, sizes)
+        moe_layer = dense_layer - a * b * T * 3 * f / t + dispatch
     if cfg.remat:
-        layers = cfg.num_layers * a * b * T * d + per_layer
+        working = max(moe_layer, dense_layer if moe_layers < cfg.num_layers else 0)
+        layers = cfg.num_layers * a * b * T * d + working
     else:
-        layers = cfg.num_layers * per_layer
+        layers = (cfg.num_layers - moe_layers) * dense_layer + moe_layers * moe_layer
     block = models.logprobs.vocab_block_size(b * T, cfg.vocab_size, logprob_chunk)
     logits = 3 * 4 * b * T * math.ceil(block / t)
     return int(layers + logits)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixture of experts
+
+
+def planned_dispatch(cfg: models.ModelConfig) -> str:
+    """The MoE dispatch a plan assumes: `auto` is ragged_dot, as on TPU and GPU (plans are for
+    accelerators, as `config.scan_layers(accelerator=True)`); `--compile` on CPU runs the
+    grouped path instead (`models.moe.resolve`)."""
+    return moe_lib.resolve(cfg.moe_dispatch, platform="tpu")
+
+
+def moe_tokens(rows: int, length: int, sizes: dict, dispatch: str) -> int:
+    """Tokens one device's MoE dispatch works on for a micro-batch of `rows` x `length`: its
+    batch shard's, ceil(rows / (data * fsdp)) * length. Each batch shard routes and
+    dispatches its own tokens (`models.transformer.MoE` runs in a shard_map over the batch
+    axes; sorting the global batch's assignments would gather every token onto every device),
+    and the dense path's einsums keep the batch split. `dispatch` is accepted for symmetry."""
+    del dispatch
+    return math.ceil(rows / (sizes["data"] * sizes["fsdp"])) * length
+
+
+def moe_layer_bytes(
+    cfg: models.ModelConfig, rows: int, length: int, sizes: dict, dispatch: str | None = None
+) -> int:
+    """Bytes of one MoE layer's dispatch on one device through its backward pass, for a
+    micro-batch of `rows` x `length`: N tokens (`moe_tokens`) routed to k of E experts of width
+    F; a = bytes per activation (compute dtype), t = tensor shards, f = fsdp shards.
+    `dispatch` defaults to `planned_dispatch(cfg)`.
+
+    Each batch shard dispatches its own tokens in a shard_map over the batch axes, where the
+    experts' weights enter whole along fsdp (D unsplit; F stays split over tensor):
+    - all: the router's logits (compute dtype) and fp32 probabilities, N*E*(a + 4);
+    - ragged (`jax.lax.ragged_dot`): the N*k sorted rows, unpadded: their inputs and their
+      outputs gathered back by token [N*k, D], gate / up / hidden [N*k, F/t]:
+      a*N*k*(2D + 3F/t);
+    - grouped: R = N*k + at most E*(block - 1) rows, padded to whole blocks (`moe.grouped`,
+      `moe.block_size`): a*(R*(D + 3F/t) + N*k*D), plus each block's gathered gate, up and
+      down weights [blocks, D, F/t] and their gradients in the backward, 2*3*a*blocks*D*F/t;
+    - dense: every expert on the device's own tokens, kept for the backward, a*E*N*(D + 3F/t).
+    """
+    dispatch = dispatch or planned_dispatch(cfg)
+    tokens = moe_tokens(rows, length, sizes, dispatch)
+    a, t = jnp.dtype(cfg.compute_dtype).itemsize, sizes["tensor"]
+    d, f = cfg.hidden_size, math.ceil(cfg.moe_intermediate_size / t)
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    router = tokens * e * (a + 4)
+    if dispatch == "dense":
+        return a * e * tokens * (d + 3 * f) + router
+    assignments = tokens * k
+    if dispatch == "ragged":
+        return a * assignments * (2 * d + 3 * f) + router
+    block = moe_lib.block_size(assignments, e, cfg.moe_block)
+    blocks = -(-(assignments + e * (block - 1)) // block)
+    padded = blocks * block
+    return a * (padded * (d + 3 * f) + assignments * d + 2 * 3 * blocks * d * f) + router
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model (scalars): `total` as stored, `active` per token (every
+    weight but the E - k experts a token skips in each MoE layer), `experts` all experts'."""
+
+    total: int
+    active: int
+    experts: int
+
+
+def _is_expert(path, x) -> bool:
+    """An MoE expert's stacked weight: a Param whose logical axes name `expert`."""
+    del path
+    axes = x.get_metadata().get("out_sharding") if isinstance(x, nnx.Param) else None
+    return "expert" in tuple(axes or ())
+
+
+def param_counts(cfg: models.ModelConfig) -> ParamCounts:
+    """Total, active (per token) and expert parameters, from the abstract model's shapes:
+    active = total - experts * (E - k) / E (each token uses k of every MoE layer's E experts;
+    attention, dense MLPs, routers, norms, the embedding and the head all count)."""
+    model = models.abstract_model(cfg)
+    total = models.param_count(model)
+    experts = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, _is_expert)))
+    if not experts:
+        return ParamCounts(total, total, 0)
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return ParamCounts(total, total - experts // e * (e - k), experts)
 
 
 def policy_model(config: ml_collections.ConfigDict, cfg: models.ModelConfig):
@@ -314,6 +419,18 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     trained_bytes = tree_bytes(lora.split_trainable(state.params)[0], mesh, rules)
     grads = trained_bytes * (2 if c.optim.micro_batches > 1 else 1)
     notes = []
+    experts = tree_bytes(nnx.filter_state(params, _is_expert), mesh, rules) if cfg.moe else 0
+    if c.mode == "eval" and experts:
+        experts = tree_bytes(nnx.filter_state(compute, _is_expert), mesh, rules)
+    moe_dispatch = 0
+    if cfg.moe:
+        moe_dispatch = moe_layer_bytes(cfg, micro_rows, Tp + N, sizes)
+        notes.append(
+            f"MoE: the {planned_dispatch(cfg)} dispatch (TPU and GPU); no expert mesh axis yet, "
+            f"so every expert is split over fsdp x tensor (1/{fsdp * tensor} of each on a "
+            "device), and every device routes and multiplies all the micro-batch's tokens "
+            "(`moe_tokens`: the dispatch's sort is not split over data x fsdp)."
+        )
     if c.lora.enabled:
         n = models.param_count(nnx.state(params, nnx.LoRAParam))
         notes.append(
@@ -353,6 +470,8 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         ),
         notes=tuple(notes),
         trains=c.mode != "eval",
+        experts=experts,
+        moe_dispatch=moe_dispatch,
     )
 
 
@@ -488,9 +607,10 @@ def report(config, num_devices: int, device: str | None = None, memory_gib: floa
     plan = plan_memory(config, num_devices - config.mesh.rollout_devices)
     if sampling:  # rollouts are sampled on the sampling mesh, not on the training devices
         plan = dataclasses.replace(plan, kv_cache=0)
+    counts = param_counts(cfg)
     lines = [
         f"model: {cfg.num_layers} layers, D={cfg.hidden_size}, vocab={cfg.vocab_size}, "
-        f"{models.param_count(models.abstract_model(cfg)) / 1e9:.3f}B parameters "
+        f"{counts.total / 1e9:.3f}B parameters "
         f"(masters {cfg.param_dtype}, compute {cfg.compute_dtype}, remat={cfg.remat})",
         f"mesh: data={plan.mesh['data']} fsdp={plan.mesh['fsdp']} tensor={plan.mesh['tensor']} "
         + (
@@ -498,6 +618,7 @@ def report(config, num_devices: int, device: str | None = None, memory_gib: floa
             if not sampling
             else f"({num_devices - config.mesh.rollout_devices} training devices of {num_devices})"
         ),
+        *moe_lines(cfg, counts),
         "per-device memory (most loaded device):",
         plan.table(),
         *[f"note: {n}" for n in plan.notes],
@@ -519,6 +640,19 @@ def report(config, num_devices: int, device: str | None = None, memory_gib: floa
             line += f"; sampling mesh: {'FITS' if fits else 'DOES NOT FIT'}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def moe_lines(cfg: models.ModelConfig, counts: ParamCounts) -> list[str]:
+    """The report's MoE line: layers, experts, and the parameters a token uses (none if dense)."""
+    if not counts.experts:
+        return []
+    layers = sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
+    return [
+        f"MoE: {layers} of {cfg.num_layers} layers route each token to "
+        f"{cfg.num_experts_per_tok} of {cfg.num_experts} experts of width "
+        f"{cfg.moe_intermediate_size}; {counts.active:,} active parameters per token "
+        f"({counts.active / 1e9:.3f}B) of {counts.total:,}; experts {counts.experts:,}"
+    ]
 
 
 def main(argv):

@@ -21,7 +21,6 @@ import numpy as np
 from flax import nnx, struct
 
 from gvpo_jax import assemble, checkpoint, sharding, train_step
-from gvpo_jax import config as config_lib
 from gvpo_jax.models import lora
 from gvpo_jax.rl_step import LoopState
 
@@ -103,8 +102,8 @@ def restore(run_: assemble.Run, state, loop: LoopState):
                     first_error = first_error or e
         raise first_error
 
-    scanned = config_lib.scan_layers(run_.config)
-    num_layers = run_.model(state.params).config.num_layers
+    model_cfg = run_.model(state.params).config
+    scanned, num_layers = model_cfg.scan_layers, model_cfg.num_layers
     newest = checkpoint.resolve_restore(run_.config.restore_from or None, run_.workdir)
     if newest is not None:
         check_lora_layout(run_, *newest)

@@ -300,3 +300,19 @@ def test_compile_depth_quick_compiles_every_program_both_ways_and_times_them(cap
     assert all(float(x) > 0 for x in row.strip("|").split("|")[2:])
     for name in ("update", "logprobs", "decode"):
         assert re.search(rf"^\| {name} \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ ", out, re.M), name
+
+
+def test_moe_dispatch_smoke_times_every_dispatch_and_the_mlp_baseline(capsys):
+    """benchmarks.moe_dispatch --smoke: each dispatch's forward and forward + backward, and the
+    dense MLP of the same active width, compiled once and timed without recompiling; the
+    grouped and ragged outputs equal the dense dispatch's."""
+    from benchmarks import moe_dispatch
+
+    summary = moe_dispatch.main(["--smoke", "--experts", "4", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "## forward+backward: median (min-max) ms" in out and "| 4 | " in out
+    (result,) = summary["results"]
+    assert len(result["rows"]) == 2 * (1 + len(moe_dispatch.moe_lib.DISPATCHES))
+    assert all(r["recompiles"] == 0 and r["compile_s"] > 0 for r in result["rows"].values())
+    assert max(result["rel_err_vs_dense"].values()) < 1e-5
+    assert result["computed_vs_active"] == {"dense": 2.0, "grouped": 1.5, "ragged": 1.0}

@@ -35,6 +35,24 @@ def test_tiny_parts_report_their_measures():
     assert attention["value_rel_err"] < 1e-2 and attention["grad_rel_err"] < 1e-2
 
 
+def test_tiny_moe_part_times_ragged_grouped_and_the_dense_mlp_and_compares_them():
+    """The MoE part at tiny shapes on the CPU: every variant and pass compiled and timed, the
+    active FLOPs counted, ragged_dot's values and gradients equal to the grouped path's, and the
+    console line names them."""
+    env = dict(bf16_matmul_tflops=1.0, copy_gb_s=10.0)
+    moe = check.run_part("moe", True, env)
+    assert moe["failures"] == 0 and moe["ragged_matches_grouped"]
+    assert moe["value_rel_err"] < 1e-2 and moe["grad_rel_err"] < 1e-2
+    for variant in ("ragged", "grouped", "dense"):
+        for p in ("forward", "forward+backward"):
+            row = moe[f"{variant} {p}"]
+            assert row["compile_s"] > 0 and row["median_s"] > 0 and row["tflops"] > 0, row
+    # 64 tokens x top-2 over 8 experts: blocks of 16 rows, at most 8 x 15 padding rows
+    assert moe["grouped_block"] == 16 and moe["grouped_rows"] == 256
+    line = check.summary(dict(moe, part="moe", ok=True, wall_s=1.0))
+    assert "ragged == grouped True" in line and "forward+backward ms" in line
+
+
 def test_runner_records_each_part_as_it_finishes_and_skips_what_the_budget_cuts(tmp_path):
     """The runner (env and the scanned rollout, each in its own process): one JSON line per
     part, in order, each with its measures; a part that dies or times out is recorded as failed

@@ -24,6 +24,11 @@ finishes, so a run cut off at any point still reports what it did:
   the measured bf16 peak, with the compile time.
 - attention: the kernel `auto` picks on this platform against the dense one through a 2-layer
   model at T = 2048 (values, gradients, time), and whether cuDNN's fused kernel ran.
+- moe: one Qwen3-30B-A3B MoE layer's experts (D 2048, F 768, E 128, top-8) on 4096 bf16 tokens
+  of a fixed random routing: `jax.lax.ragged_dot` (`models.moe.ragged`, the TPU / GPU path)
+  against the grouped path (`models.moe.grouped`) and a dense SwiGLU of the active width (F * 8),
+  forward and forward + backward (time, TFLOP/s of the active FLOPs, compile time, XLA's
+  temporaries), and ragged's values and gradients against grouped's.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ FULL = dict(
     rollout=dict(prompts=32, group=4, prompt_len=128, new_tokens=256, repeats=3),
     update=dict(prompts=8, group=4, prompt_len=128, new_tokens=384, repeats=3, chunk=128),
     attention=dict(preset="qwen3-1.7b", rows=8, length=2048, layers=2),
+    moe=dict(tokens=4096, hidden=2048, width=768, experts=128, top_k=8, repeats=5),
     peak=8192,
     copy_gib=2.0,
 )
@@ -81,18 +87,22 @@ TINY = dict(
     rollout=dict(prompts=2, group=2, prompt_len=8, new_tokens=8, repeats=1),
     update=dict(prompts=2, group=2, prompt_len=8, new_tokens=8, repeats=1, chunk=8),
     attention=dict(preset="tiny", rows=2, length=32, layers=2),
+    moe=dict(tokens=64, hidden=32, width=16, experts=8, top_k=2, repeats=1),
     peak=256,
     copy_gib=0.01,
 )
 # Seconds each part may take on the GPU (the whole check's budget cuts them further).
 LIMITS = {"env": 60, "tests": 180, "rollout": 90, "rollout-unrolled": 90, "rollout-sliced": 90,
-          "hf": 60, "update": 120, "attention": 60}  # fmt: skip
+          "hf": 60, "update": 120, "attention": 60, "moe": 60}  # fmt: skip
+# ragged_dot against grouped in bf16 (relative to the largest value / gradient): rounding only.
+MOE_TOLERANCE = dict(value=2e-2, grad=5e-2)
 
 
 def parts(shape: dict) -> list[str]:
     """The parts in run order: what a cut-off run most needs first."""
     first, *rest = shape["presets"]
     out = ["env", "tests", f"rollout:{first}", f"hf:{first}", f"update:{first}", "attention"]
+    out.append("moe")  # one Qwen3-30B-A3B MoE layer: ragged_dot against the grouped path
     out.append(f"rollout-unrolled:{first}")  # the same rollout with model.scan_layers off
     out.append(f"rollout-sliced:{first}")  # and with model.scan_decode off
     for preset in rest:
@@ -433,6 +443,101 @@ def part_attention(shape: dict, tiny: bool, env: dict) -> dict:
     return out
 
 
+def part_moe(shape: dict, tiny: bool, env: dict) -> dict:
+    """One MoE layer's experts in bf16 on a fixed random routing (top-k of a softmax over random
+    logits, renormalised): ragged_dot, the grouped path and a dense SwiGLU of width F * k (the
+    active FLOPs), each forward and forward + backward (gradients of sum(y^2) with respect to
+    the input and the weights), compiled ahead; then ragged's output and gradients against
+    grouped's. A variant that fails (e.g. out of memory) is recorded and the others still run;
+    `failures` counts the failed variants and a ragged / grouped disagreement."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gvpo_jax.models import moe as moe_lib
+    from gvpo_jax.models.transformer import swiglu
+
+    w = shape["moe"]
+    n, d, f, e, k = (w[key] for key in ("tokens", "hidden", "width", "experts", "top_k"))
+    keys = iter(jax.random.split(jax.random.key(0), 8))
+
+    def normal(shape, fan_in):
+        x = jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)
+        return x.astype(jnp.bfloat16)
+
+    x_NxD = normal((n, d), 1)
+    experts = (normal((e, d, f), d), normal((e, d, f), d), normal((e, f, d), f))
+    mlp = (normal((d, f * k), d), normal((d, f * k), d), normal((f * k, d), f))
+    gates_NxK, chosen_NxK = moe_lib.route(normal((n, e), 1), k, normalize=True)
+    gates_NxK = gates_NxK.astype(jnp.bfloat16)
+    block = moe_lib.block_size(n * k, e, 64)
+    blocks = -(-(n * k + e * (block - 1)) // block)
+
+    def ragged(x, ws):
+        return moe_lib.ragged(x, *ws, gates_NxK, chosen_NxK, swiglu)
+
+    def grouped(x, ws):
+        return moe_lib.grouped(x, *ws, gates_NxK, chosen_NxK, swiglu, block=block)
+
+    def dense(x, ws):
+        gate, up, down = ws
+        return swiglu(x @ gate, x @ up) @ down
+
+    variants = {"ragged": (ragged, experts), "grouped": (grouped, experts), "dense": (dense, mlp)}
+    active = 2.0 * n * k * 3 * d * f  # the forward's FLOPs; the backward's are twice as many
+    peak = env.get("bf16_matmul_tflops", float("nan")) * 1e12
+    out = dict(platform=jax.default_backend(), tokens=n, hidden=d, width=f, experts=e, top_k=k,
+               grouped_rows=blocks * block, grouped_block=block, failures=0)  # fmt: skip
+    results = {}
+    for name, (fn, ws) in variants.items():
+        loss = lambda x, ws, fn=fn: jnp.sum(fn(x, ws).astype(jnp.float32) ** 2)
+        passes = (("forward", fn, active), ("forward+backward", jax.grad(loss, (0, 1)), 3 * active))
+        for p, prog, flops in passes:
+            key = f"{name} {p}"
+            try:
+                start = time.perf_counter()
+                compiled = jax.jit(prog).lower(x_NxD, ws).compile()
+                compile_s = time.perf_counter() - start
+                call = lambda c=compiled, ws=ws: jax.block_until_ready(c(x_NxD, ws))
+                _, times = _timed(call, w["repeats"])
+                results[key] = compiled(x_NxD, ws)
+                med = _spread(times)["median_s"]
+                mem = compiled.memory_analysis()
+                out[key] = dict(compile_s=compile_s, **_spread(times), tflops=flops / med / 1e12,
+                                mfu=flops / med / peak,
+                                temp_bytes=getattr(mem, "temp_size_in_bytes", None))  # fmt: skip
+                if name == "ragged" and p == "forward":  # how XLA lowered ragged_dot here
+                    hlo = compiled.as_text()
+                    out["ragged_custom_calls"] = sorted(
+                        set(re.findall(r'custom_call_target="([^"]+)"', hlo))
+                    )
+                    out["ragged_dot_in_hlo"] = "ragged-dot" in hlo
+            except Exception as err:  # noqa: BLE001 - recorded; the other variants still run
+                out[key] = dict(error=f"{type(err).__name__}: {str(err)[:500]}")
+                out["failures"] += 1
+    if "ragged forward" in results and "grouped forward" in results:
+        r, g = (np.asarray(results[f"{v} forward"], np.float32) for v in ("ragged", "grouped"))
+        out["value_rel_err"] = float(np.max(np.abs(r - g)) / np.max(np.abs(g)))
+    if "ragged forward+backward" in results and "grouped forward+backward" in results:
+        pairs = zip(*(jax.tree.leaves(results[f"{v} forward+backward"])
+                      for v in ("ragged", "grouped")), strict=True)  # fmt: skip
+        out["grad_rel_err"] = max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+            / float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+            for a, b in pairs
+        )
+    agree = out.get("value_rel_err", 1.0) <= MOE_TOLERANCE["value"]
+    agree = agree and out.get("grad_rel_err", 1.0) <= MOE_TOLERANCE["grad"]
+    out["ragged_matches_grouped"] = agree
+    out["failures"] += not agree
+    for p in ("forward", "forward+backward"):
+        if "median_s" in out.get(f"ragged {p}", {}) and "median_s" in out.get(f"grouped {p}", {}):
+            out[f"ragged_speedup_vs_grouped {p}"] = (
+                out[f"grouped {p}"]["median_s"] / out[f"ragged {p}"]["median_s"]
+            )
+    return out
+
+
 # ----------------------------------------------------------------------------- the runner
 
 
@@ -445,6 +550,8 @@ def run_part(name: str, tiny: bool, env: dict) -> dict:
         return part_tests(shape, tiny, float(os.environ.get("GVPO_GPU_LIMIT", 165)) - 15)
     if kind == "attention":
         return part_attention(shape, tiny, env)
+    if kind == "moe":
+        return part_moe(shape, tiny, env)
     if kind == "rollout-unrolled":
         return part_rollout(shape, tiny, preset, env, scan=False)
     if kind == "rollout-sliced":
@@ -539,6 +646,17 @@ def summary(record: dict) -> str:
         if kind != "hf":
             text += (f", floor {record['floor_tokens_per_s']:.0f} ({record['share_of_floor']:.0%}"
                      f"), compile {record['compile_s']:.1f} s")  # fmt: skip
+    elif kind == "moe":
+        cells = []
+        for p in ("forward", "forward+backward"):
+            times = [f"{v} " + (f"{record[f'{v} {p}']['median_s'] * 1e3:.2f}"
+                                if "median_s" in record.get(f"{v} {p}", {}) else "failed")
+                     for v in ("ragged", "grouped", "dense")]  # fmt: skip
+            cells.append(f"{p} ms: " + ", ".join(times))
+        errs = [record.get(f"{v}_rel_err", float("nan")) for v in ("value", "grad")]
+        same = record["ragged_matches_grouped"]
+        cells.append(f"ragged == grouped {same} (errors {errs[0]:.1e}, {errs[1]:.1e})")
+        text = "; ".join(cells)
     elif kind == "update":
         text = (f"{record['median_s'] * 1e3:.0f} ms/update, {record['tflops']:.1f} TFLOP/s, MFU "
                 f"{record['mfu']:.1%}, compile {record['compile_s']:.1f} s")  # fmt: skip
