@@ -471,3 +471,36 @@ def test_stale_moe_rollouts_measure_routing_drift_and_carry_routes_in_the_queue(
         drift.append(metrics["moe/routing_drift"])
     assert all("routes" in q.batch for q in loop.queue)
     assert drift[0] == 0.0 and max(drift[2:]) > 0.0, drift
+
+
+def test_a_mixed_layer_pattern_stays_unrolled_on_auto_and_refuses_an_explicit_scan():
+    """Dense and MoE layers mixed: model.scan_layers=auto (on for TPU / GPU, as the planner
+    plans) resolves to the unrolled layers; an explicit true is one sentence naming the field."""
+    from gvpo_jax import config as config_lib
+    from gvpo_jax import plan
+
+    c = config_lib.base_config()
+    c.model.preset = "tiny-moe"
+    c.model.overrides.mlp_only_layers = (1,)
+    assert not plan.model_config(c).scan_layers
+    c.model.overrides = {}
+    assert plan.model_config(c).scan_layers  # all MoE: scanned on an accelerator
+    c.model.overrides.mlp_only_layers = (1,)
+    c.model.scan_layers = "true"
+    with pytest.raises(config_lib.ConfigError, match="scan_layers is true but the model mixes"):
+        plan.model_config(c)
+
+
+def test_moe_arith_config_is_the_demo_recipe_with_a_qwen3_moe_model():
+    from configs import arith_tiny, moe_arith
+    from gvpo_jax import config as config_lib
+    from gvpo_jax import plan
+
+    c = moe_arith.get_config()
+    config_lib.validate(c)
+    cfg = plan.model_config(c)
+    assert (cfg.architecture, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert all(cfg.moe_layer(i) for i in range(cfg.num_layers)) and cfg.norm_topk_prob
+    demo = arith_tiny.get_config()
+    for group in ("algo", "rollout", "optim", "sft", "data", "train"):
+        assert c[group].to_dict() == demo[group].to_dict(), group
