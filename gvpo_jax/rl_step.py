@@ -15,18 +15,15 @@ process hands only its rows back to the devices. With one process the gathers ar
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
 import numpy as np
-from flax import nnx
 
 from gvpo_jax import batch as batch_lib
-from gvpo_jax import losses, rollout_queue, tasks, train_step
+from gvpo_jax import losses, rollout_queue, routing, tasks, train_step
 from gvpo_jax.batch import BatchSpec, UpdateBatch
 from gvpo_jax.errors import FaultError
-from gvpo_jax.models import moe
 from gvpo_jax.replay import ReplayBuffer
 from gvpo_jax.rollout import collect_groups
 
@@ -176,45 +173,6 @@ def example_batch(s: StepSettings, rows: int, max_new_tokens: int) -> UpdateBatc
     return batch
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _routing_stats(graphdef, params, tokens_BxS, valid_BxS, recorded_BxSxMxK, fed_BxS):
-    """`moe.routing_stats` of a forward with `params` over rows the sampler recorded."""
-    model = nnx.merge(graphdef, params)
-    _, routes = model.hidden(tokens_BxS, None, valid_BxS, with_routes=True)
-    e = model.config.num_experts
-    return moe.routing_stats(routes, recorded_BxSxMxK, fed_BxS, valid_BxS, e)
-
-
-def routing_metrics(run, params, fresh: dict) -> dict[str, float]:
-    """An MoE rollout's routing against the policy the update starts from (the old-policy
-    pass's parameters), on the rows the sampler drew: `moe/routing_drift` (the fraction of
-    (token, layer) pairs whose experts changed since sampling; mean and max over layers),
-    `moe/load_max_over_mean` (the busiest expert's share times E; mean, max and per layer
-    `moe/load_max_over_mean/layer_<i>`) and `moe/router_entropy` (mean over layers)."""
-    prompt_len = run.settings.prompt_len
-    fed = fresh["attn_mask"] * fresh["sampled"][:, None]
-    lengths = fresh["lengths"].astype(np.int64)
-    rows = np.flatnonzero(lengths > 0)
-    fed[rows, prompt_len + lengths[rows] - 1] = 0.0  # a row's last token was never fed back
-    stats = jax.device_get(
-        _routing_stats(
-            run.graphdef, params, fresh["tokens"], fresh["attn_mask"], fresh["routes"], fed
-        )  # fmt: skip
-    )
-    cfg = run.model(params).config
-    layers = [i for i in range(cfg.num_layers) if cfg.moe_layer(i)]
-    out = {
-        "moe/routing_drift": float(np.mean(stats["drift"])),
-        "moe/routing_drift_max": float(np.max(stats["drift"])),
-        "moe/load_max_over_mean": float(np.mean(stats["load_max_over_mean"])),
-        "moe/load_max_over_mean_max": float(np.max(stats["load_max_over_mean"])),
-        "moe/router_entropy": float(np.mean(stats["entropy"])),
-    }
-    for i, x in zip(layers, stats["load_max_over_mean"], strict=True):
-        out[f"moe/load_max_over_mean/layer_{i}"] = float(x)
-    return out
-
-
 def rl_step(run, state, loop: LoopState, ref_params):
     """One RL step from `state` (a `train_step.TrainState`) and `loop` (advanced in place);
     `ref_params` is the frozen reference (None when the run needs none). Returns (state,
@@ -320,7 +278,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
     # An MoE policy: its routing now (the parameters pi_old is computed with) against the
     # sampler's, before the updates change them.
-    moe_metrics = routing_metrics(run, state.params, fresh) if "routes" in fresh else {}
+    moe_metrics = routing.metrics(run, state.params, fresh) if "routes" in fresh else {}
     # Response slots computed per real response token (1.0: no padding) of a log-prob pass.
     real = max(float(batch.loss_mask.sum()), 1.0)
     pad_ratio = {"logprob_pad_ratio": updater.logprob_slots(batch.valid) / real}

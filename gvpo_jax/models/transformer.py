@@ -360,8 +360,8 @@ def _batch_mesh_axes(rows: int) -> tuple[str, ...]:
     target = dict(nn.get_logical_axis_rules()).get("batch")
     axes = (target,) if isinstance(target, str) else tuple(target or ())
     axes = tuple(a for a in axes if a in mesh.axis_names)
-    shards = math.prod(mesh.shape[a] for a in axes)
-    return axes if shards > 1 and rows % shards == 0 else ()
+    split = math.prod(mesh.shape[a] for a in axes)
+    return axes if split > 1 and rows % split == 0 else ()
 
 
 class Block(nnx.Module):

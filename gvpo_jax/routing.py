@@ -1,0 +1,52 @@
+"""Mixture-of-experts routing in training: what an MoE rollout's recorded routing (the
+sampler's, `SampleOutput.routes_BxNxMxK`, laid out as `batch["routes"]`) says against the
+policy that trains on it. Routing replay (R2 / R3) will live here too."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from gvpo_jax.models import moe
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _routing_stats(graphdef, params, tokens_BxS, valid_BxS, recorded_BxSxMxK, fed_BxS):
+    """`moe.routing_stats` of a forward with `params` over rows the sampler recorded."""
+    model = nnx.merge(graphdef, params)
+    _, routes = model.hidden(tokens_BxS, None, valid_BxS, with_routes=True)
+    e = model.config.num_experts
+    return moe.routing_stats(routes, recorded_BxSxMxK, fed_BxS, valid_BxS, e)
+
+
+def metrics(run, params, fresh: dict) -> dict[str, float]:
+    """An MoE rollout's routing against the policy the update starts from (the old-policy
+    pass's parameters), on the rows the sampler drew: `moe/routing_drift` (the fraction of
+    (token, layer) pairs whose experts changed since sampling; mean and max over layers),
+    `moe/load_max_over_mean` (the busiest expert's share times E; mean, max and per layer
+    `moe/load_max_over_mean/layer_<i>`) and `moe/router_entropy` (mean over layers)."""
+    prompt_len = run.settings.prompt_len
+    fed = fresh["attn_mask"] * fresh["sampled"][:, None]
+    lengths = fresh["lengths"].astype(np.int64)
+    rows = np.flatnonzero(lengths > 0)
+    fed[rows, prompt_len + lengths[rows] - 1] = 0.0  # a row's last token was never fed back
+    stats = jax.device_get(
+        _routing_stats(
+            run.graphdef, params, fresh["tokens"], fresh["attn_mask"], fresh["routes"], fed
+        )
+    )
+    cfg = run.model(params).config
+    layers = [i for i in range(cfg.num_layers) if cfg.moe_layer(i)]
+    out = {
+        "moe/routing_drift": float(np.mean(stats["drift"])),
+        "moe/routing_drift_max": float(np.max(stats["drift"])),
+        "moe/load_max_over_mean": float(np.mean(stats["load_max_over_mean"])),
+        "moe/load_max_over_mean_max": float(np.max(stats["load_max_over_mean"])),
+        "moe/router_entropy": float(np.mean(stats["entropy"])),
+    }
+    for i, x in zip(layers, stats["load_max_over_mean"], strict=True):
+        out[f"moe/load_max_over_mean/layer_{i}"] = float(x)
+    return out
