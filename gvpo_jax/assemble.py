@@ -535,7 +535,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
             "available; use -1 (every device) or a smaller count."
         )
     devices, sampling_devices = split_devices(config, devices)
-    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor, devices=devices, expert=m.expert)
     check_mesh(config, mesh)
     tokenizer = build_tokenizer(config, workdir)
     model, tokenizer, rules = build_model(config, tokenizer, mesh)

@@ -258,6 +258,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # data-parallel axis (-1: all remaining devices)
     c.mesh.fsdp = 1  # parameter-sharded data-parallel axis
     c.mesh.tensor = 1  # tensor-parallel axis
+    # Expert parallelism (MoE policies): an axis that splits each MoE layer's experts (and,
+    # outside them, the batch's rows, as data does); 1: none. Must divide the experts.
+    c.mesh.expert = 1
     c.mesh.num_devices = -1  # devices in the mesh: -1 all (every process); n: the first n
     # Devices that only sample (rollout.staleness >= 1): the last n of the mesh's devices form
     # a sampling mesh (data x tensor) fed the new weights after each update, the rest train.
@@ -797,6 +800,8 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         value = c.mesh[axis]
         if not isinstance(value, int) or (value < 1 and value != -1):
             _fail(f"config.mesh.{axis} is {value!r}; use a positive size or -1 to fill the rest.")
+    if not isinstance(c.mesh.expert, int) or isinstance(c.mesh.expert, bool) or c.mesh.expert < 1:
+        _fail(f"config.mesh.expert is {c.mesh.expert!r}; use a positive size (1: no expert axis).")
     _validate_eval(c, check_paths=check_paths)
     _validate_lora(c)
 

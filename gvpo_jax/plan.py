@@ -167,11 +167,23 @@ def model_config(config: ml_collections.ConfigDict) -> models.ModelConfig:
     )
 
 
-def abstract_mesh(data: int, fsdp: int, tensor: int) -> jax.sharding.AbstractMesh:
-    """A mesh of the given sizes without devices (for shardings of shapes only)."""
+def abstract_mesh(data: int, fsdp: int, tensor: int, expert: int = 1) -> jax.sharding.AbstractMesh:
+    """A mesh of the given sizes without devices (for shardings of shapes only); with `expert`
+    > 1 the expert-parallel mesh (`sharding.EXPERT_MESH_AXES`)."""
+    if expert > 1:
+        return jax.sharding.AbstractMesh(
+            (data, fsdp, expert, tensor),
+            sharding.EXPERT_MESH_AXES,
+            axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        )
     return jax.sharding.AbstractMesh(
         (data, fsdp, tensor), sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3
     )
+
+
+def row_shards(sizes: dict) -> int:
+    """The batch's row shards of a mesh's sizes: data x fsdp (x expert)."""
+    return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
 
 
 def spec_bytes(shape, dtype, spec, sizes: dict[str, int]) -> int:
@@ -215,7 +227,7 @@ def kv_cache_bytes(
     valid flags). Rows and slots split over data x fsdp; K split over tensor when divisible
     (else replicated, as in `sharding.logical_rules`).
     """
-    shards = sizes["data"] * sizes["fsdp"]
+    shards = row_shards(sizes)
     t = sizes["tensor"]
     k = cfg.num_kv_heads // t if cfg.num_kv_heads % t == 0 else cfg.num_kv_heads
     per_slot = 2 * k * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
@@ -248,7 +260,7 @@ def activation_bytes(
     Prompt sharing within groups (`Transformer.hidden_shared_prefix`) only lowers the real
     figure: this stays an upper bound.
     """
-    b = math.ceil(rows / (sizes["data"] * sizes["fsdp"]))
+    b = math.ceil(rows / row_shards(sizes))
     t, a, T = sizes["tensor"], jnp.dtype(cfg.compute_dtype).itemsize, length
     d, f, n, k, h = (
         cfg.hidden_size,
@@ -298,7 +310,7 @@ def moe_tokens(rows: int, length: int, sizes: dict, dispatch: str) -> int:
     axes; sorting the global batch's assignments would gather every token onto every device),
     and the dense path's einsums keep the batch split. `dispatch` is accepted for symmetry."""
     del dispatch
-    return math.ceil(rows / (sizes["data"] * sizes["fsdp"])) * length
+    return math.ceil(rows / row_shards(sizes)) * length
 
 
 def moe_layer_bytes(
@@ -310,7 +322,9 @@ def moe_layer_bytes(
     `dispatch` defaults to `planned_dispatch(cfg)`.
 
     Each batch shard dispatches its own tokens in a shard_map over the batch axes, where the
-    experts' weights enter whole along fsdp (D unsplit; F stays split over tensor):
+    experts' weights enter whole along fsdp (D unsplit; F stays split over tensor). With an
+    `expert` axis of size ep the exchange adds its three [ep, N*k, D] buffers and the local
+    experts (E / ep) run on all ep * N*k received rows (the dropless worst case):
     - all: the router's logits (compute dtype) and fp32 probabilities, N*E*(a + 4);
     - ragged (`jax.lax.ragged_dot`): the N*k sorted rows, unpadded: their inputs and their
       outputs gathered back by token [N*k, D], gate / up / hidden [N*k, F/t]:
@@ -326,6 +340,20 @@ def moe_layer_bytes(
     d, f = cfg.hidden_size, math.ceil(cfg.moe_intermediate_size / t)
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     router = tokens * e * (a + 4)
+    ep = sizes.get("expert", 1)
+    if ep > 1:  # `moe.exchange`: [ep, N*k, D] sent, received and sent back; the device's E / ep
+        # experts then run on all ep * N*k received rows, one expert each
+        exchange = a * 3 * ep * tokens * k * d
+        local = {**sizes, "data": 1, "fsdp": 1, "expert": 1}
+        inner = cfg.replace(num_experts=e // ep, num_experts_per_tok=1)
+        return (
+            exchange
+            + router
+            + moe_layer_bytes(inner, ep * tokens * k, 1, local, dispatch)
+            - (
+                ep * tokens * k * (e // ep) * (a + 4)  # (no router on the received rows)
+            )
+        )
     if dispatch == "dense":
         return a * e * tokens * (d + 3 * f) + router
     assignments = tokens * k
@@ -374,15 +402,16 @@ def policy_model(config: ml_collections.ConfigDict, cfg: models.ModelConfig):
 
 
 def resolve_mesh(config, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of the config's mesh on `num_devices` (its `mesh.expert` counted)."""
     m = config.mesh
-    return sharding.mesh_shape(m.data, m.fsdp, m.tensor, num_devices=num_devices)
+    return sharding.mesh_shape(m.data, m.fsdp, m.tensor, num_devices=num_devices, expert=m.expert)
 
 
 def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPlan:
     """Per-device memory of `config` on `num_devices` devices (its mesh with -1 resolved)."""
     cfg = model_config(config)
     data, fsdp, tensor = resolve_mesh(config, num_devices)
-    mesh = abstract_mesh(data, fsdp, tensor)
+    mesh = abstract_mesh(data, fsdp, tensor, config.mesh.expert)
     sizes = sharding.mesh_sizes(mesh)
     rules = sharding.logical_rules(mesh, cfg)
     _, params = nnx.split(policy_model(config, cfg), nnx.Param)
@@ -613,6 +642,7 @@ def report(config, num_devices: int, device: str | None = None, memory_gib: floa
         f"{counts.total / 1e9:.3f}B parameters "
         f"(masters {cfg.param_dtype}, compute {cfg.compute_dtype}, remat={cfg.remat})",
         f"mesh: data={plan.mesh['data']} fsdp={plan.mesh['fsdp']} tensor={plan.mesh['tensor']} "
+        + (f"expert={plan.mesh['expert']} " if "expert" in plan.mesh else "")
         + (
             f"({num_devices} devices)"
             if not sampling
@@ -672,12 +702,13 @@ def main(argv):
             raise SystemExit(
                 "the config's mesh has a -1 axis; give --num_devices (the slice size)."
             )
-        num_devices = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+        m = config.mesh
+        num_devices = m.data * m.fsdp * m.tensor * m.expert
     print(report(config, num_devices, FLAGS.device, FLAGS.device_memory_gib))
     if FLAGS.compile:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", num_devices)
-        mesh = sharding.make_mesh(*resolve_mesh(config, num_devices))
+        mesh = sharding.make_mesh(*resolve_mesh(config, num_devices), expert=config.mesh.expert)
         mem = compile_train_step(config, mesh).memory_analysis()
         print(
             f"compiled the train step for {dict(mesh.shape)} on {num_devices} CPU devices: "

@@ -39,6 +39,11 @@ from gvpo_jax.errors import BadInputError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # rows of a batch are split over these (whole groups per shard)
+# With expert parallelism (`make_mesh(..., expert=n)`, n > 1) a fourth axis splits an MoE
+# layer's experts; outside the MoE layers it is one more data-parallel axis (rows split over it
+# too, every other weight replicated along it).
+EXPERT_MESH_AXES = ("data", "fsdp", "expert", "tensor")
+EXPERT_BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical name -> mesh axis (None: replicated). Order matters for activations: `batch` first,
 # so that an activation [batch, length, embed] gets ((data, fsdp), None, None).
@@ -59,6 +64,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("expert_mlp", "tensor"),  # an expert's MLP width
     ("router", None),  # the router's output (one logit per expert)
 )
+# Where the mesh has an `expert` axis (`logical_rules` adapts LOGICAL_RULES to it).
+EXPERT_RULES = {"batch": EXPERT_BATCH_AXES, "expert": "expert"}
 
 # Model-config field behind each sharded parameter axis (for the divisibility checks).
 _AXIS_SIZE_FIELD = {
@@ -68,6 +75,7 @@ _AXIS_SIZE_FIELD = {
     "mlp": "intermediate_size",
     "embed": "hidden_size",
     "expert_mlp": "moe_intermediate_size",
+    "expert": "num_experts",
 }
 
 
@@ -79,9 +87,14 @@ class ShardingError(BadInputError):
 # Mesh and rules
 
 
-def mesh_shape(data: int = -1, fsdp: int = 1, tensor: int = 1, *, num_devices: int) -> tuple:
-    """Resolves one -1 entry to fill `num_devices`; returns (data, fsdp, tensor) sizes."""
+def mesh_shape(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, *, num_devices: int, expert: int = 1
+) -> tuple:
+    """Resolves one -1 entry to fill `num_devices` (with `expert` > 1, the expert axis counts
+    too); returns (data, fsdp, tensor) sizes."""
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    if expert != 1:
+        sizes["expert"] = expert
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
         raise ShardingError(
@@ -106,15 +119,24 @@ def mesh_shape(data: int = -1, fsdp: int = 1, tensor: int = 1, *, num_devices: i
     return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes).
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None, *, expert: int = 1
+) -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all devices of all processes); with
+    `expert` > 1, a (data, fsdp, expert, tensor) mesh (`EXPERT_MESH_AXES`).
 
     Axis types are Auto (GSPMD propagation). Device order comes from `jax.make_mesh` (a ring over
     the physical topology on TPUs; the given order elsewhere); on multi-slice TPUs `data` is
     split across slices (`create_hybrid_device_mesh`) so only gradient all-reduces cross DCN.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(data, fsdp, tensor, num_devices=len(devices))
+    shape = mesh_shape(data, fsdp, tensor, num_devices=len(devices), expert=expert)
+    if expert != 1:
+        if expert < 1:
+            raise ShardingError(f"mesh.expert={expert}; use a positive size (1: no experts axis).")
+        auto = (jax.sharding.AxisType.Auto,) * 4
+        full = (shape[0], shape[1], expert, shape[2])
+        return jax.make_mesh(full, EXPERT_MESH_AXES, axis_types=auto, devices=devices)
     auto = (jax.sharding.AxisType.Auto,) * 3
     slices = {getattr(d, "slice_index", 0) for d in devices}
     if len(slices) > 1:  # multi-slice TPU: `data` crosses the slow links (DCN) between slices
@@ -155,6 +177,8 @@ def logical_rules(mesh, model_cfg: models.ModelConfig) -> tuple:
     sizes = mesh_sizes(mesh)
     rules = []
     for name, target in LOGICAL_RULES:
+        if "expert" in sizes:
+            target = EXPERT_RULES.get(name, target)
         field = _AXIS_SIZE_FIELD.get(name)
         n = _mesh_size(sizes, target)
         if field is not None and n > 1 and getattr(model_cfg, field) % n:
@@ -263,9 +287,16 @@ def shard_model(model: nnx.Module, mesh: jax.sharding.Mesh, rules=None) -> nnx.M
 # Batches
 
 
+def batch_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes a batch's rows are split over: data x fsdp (x expert, when the mesh has
+    one)."""
+    return EXPERT_BATCH_AXES if "expert" in mesh.axis_names else BATCH_AXES
+
+
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-    """Rows over data x fsdp, every other dimension whole; a prefix for any batch pytree."""
-    return NamedSharding(mesh, P(BATCH_AXES))
+    """Rows over data x fsdp (x expert), every other dimension whole; a prefix for any batch
+    pytree."""
+    return NamedSharding(mesh, P(batch_axes(mesh)))
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -273,9 +304,9 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 
 def batch_shards(mesh) -> int:
-    """Number of row shards (data x fsdp)."""
+    """Number of row shards (data x fsdp, x expert when the mesh has one)."""
     sizes = mesh_sizes(mesh)
-    return sizes["data"] * sizes["fsdp"]
+    return math.prod(sizes[a] for a in batch_axes(mesh))
 
 
 def check_split(count: int, mesh, what: str, fix: str) -> None:
@@ -286,8 +317,8 @@ def check_split(count: int, mesh, what: str, fix: str) -> None:
     shards = batch_shards(mesh)
     if count % shards:
         raise ShardingError(
-            f"{what} = {count} cannot be split over the {shards} data x fsdp shards of the "
-            f"mesh; {fix}."
+            f"{what} = {count} cannot be split over the {shards} {' x '.join(batch_axes(mesh))} "
+            f"shards of the mesh; {fix}."
         )
 
 
@@ -300,11 +331,12 @@ def check_batch(num_rows: int, group_size: int, mesh, micro_batches: int = 1) ->
         )
     groups = num_rows // group_size
     if groups % (shards * micro_batches):
+        axes = " x ".join(batch_axes(mesh))
         raise ShardingError(
-            f"{groups} groups cannot be split evenly over {shards} data x fsdp shards x "
+            f"{groups} groups cannot be split evenly over {shards} {axes} shards x "
             f"{micro_batches} micro-batches (whole groups per shard); make the groups per "
             f"update a multiple of {shards * micro_batches} (rollout.prompts_per_step / "
-            "algo.num_minibatches) or shrink mesh.data x mesh.fsdp."
+            f"algo.num_minibatches) or shrink mesh.{axes.replace(' x ', ' x mesh.')}."
         )
 
 

@@ -306,23 +306,29 @@ MOE_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("algo", ["gvpo", "gspo", "grpo+lora"])
+@pytest.mark.parametrize("algo", ["gvpo", "gspo", "grpo+lora", "gvpo+experts"])
 def test_rl_steps_on_an_moe_policy(algo):
     """Two trainer steps of GVPO, GSPO (two minibatches: the log-prob pass and the update
-    recompute each token's routing) and GRPO with LoRA adapters on an MoE policy: the policy
-    changes, every metric is finite, and the sampler's log-probs equal the update's."""
+    recompute each token's routing), GRPO with LoRA adapters, and GVPO with the experts split
+    over a 2-device expert axis (`mesh.expert`) on an MoE policy: the policy changes, every
+    metric is finite, and the sampler's log-probs and routing equal the update's."""
     from gvpo_jax.rl_step import rl_step
     from tests.test_train import _flat, make_run, toy_config
 
-    algo, _, lora = algo.partition("+")
+    algo, _, extra = algo.partition("+")
     changes = dict(MOE_OVERRIDES)
     if algo != "gvpo":
         changes["algo.num_minibatches"] = 2
-    if lora:
+    if extra == "lora":
         changes.update({"lora.enabled": True, "lora.rank": 4, "optim.lr": 1e-2})
+    if extra == "experts":
+        changes.update({"mesh.num_devices": 2, "mesh.data": 1, "mesh.expert": 2})
     run, state, loop, ref = make_run(toy_config(algo, **changes))
     cfg = run.model(state.params).config
     assert cfg.moe and cfg.num_experts == 4
+    if extra == "experts":  # each device holds 2 of the 4 experts
+        gate = state.params["layers"][0]["mlp"]["gate_kernel"].get_value()
+        assert {s.data.shape[0] for s in gate.addressable_shards} == {2}
     before = _flat(state.params)
     for _ in range(2):
         state, metrics, _, _ = rl_step(run, state, loop, ref)
@@ -504,3 +510,17 @@ def test_moe_arith_config_is_the_demo_recipe_with_a_qwen3_moe_model():
     demo = arith_tiny.get_config()
     for group in ("algo", "rollout", "optim", "sft", "data", "train"):
         assert c[group].to_dict() == demo[group].to_dict(), group
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_one_sentence():
+    from gvpo_jax import config as config_lib
+    from tests.test_train import make_run, toy_config
+
+    c = toy_config("gvpo", **MOE_OVERRIDES)
+    c.mesh.expert = 0
+    with pytest.raises(config_lib.ConfigError, match="config.mesh.expert is 0"):
+        config_lib.validate(c)
+    mesh = {"mesh.num_devices": 8, "mesh.data": 1, "mesh.expert": 8}
+    c = toy_config("gvpo", **MOE_OVERRIDES, **mesh, **{"rollout.prompts_per_step": 8})
+    with pytest.raises(Exception, match="num_experts=4 is not divisible by mesh axis 'expert'"):
+        make_run(c)

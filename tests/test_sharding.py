@@ -64,6 +64,8 @@ def _check_placement(state, mesh):
         want = EXPECTED_SPECS[path[-1]]
         if path[-1] in EXPERT_SPECS and arr.ndim == len(want) + 1 + isinstance(path[1], str):
             want = EXPERT_SPECS[path[-1]]
+            if "expert" in mesh.axis_names:  # expert parallelism: E split over `expert`
+                want = P("expert", *want[1:])
         if path[0] == "layers" and isinstance(path[1], str):  # stacked blocks (scan_layers):
             want = P(None, *want)  # the layers axis is never split
         assert arr.sharding.spec == want, (path, arr.sharding.spec)
@@ -257,9 +259,9 @@ def test_gemma3_step_on_a_mesh_equals_the_unsharded_step():
     _check_step_on_mesh(_unsharded_step(GEMMA_CFG), GEMMA_CFG, (2, 2, 2))
 
 
-def _check_step_on_mesh(unsharded, cfg, shape):
+def _check_step_on_mesh(unsharded, cfg, shape, expert=1):
     init, batch, logp_ref, params_ref, metrics_ref = unsharded
-    mesh = sharding.make_mesh(*shape)
+    mesh = sharding.make_mesh(*shape, expert=expert)
     rules = sharding.logical_rules(mesh, cfg)
     abstract = models.abstract_model(cfg)
     graphdef = nnx.split(abstract, nnx.Param)[0]
@@ -278,7 +280,7 @@ def _check_step_on_mesh(unsharded, cfg, shape):
         param_shardings=shardings.params,
         rules=rules,
     )(state.params, device_batch["tokens"], device_batch["attn_mask"])
-    assert logp.sharding.spec == P(("data", "fsdp"))
+    assert logp.sharding.spec == P(sharding.batch_axes(mesh))
     np.testing.assert_allclose(np.asarray(logp), logp_ref, atol=1e-5)
     update = train_step.jit_update(
         loss_fn, tx, 2, mesh=mesh, state_shardings=shardings, rules=rules
@@ -335,6 +337,29 @@ def test_moe_step_on_a_mesh_equals_the_unsharded_step():
     for rows, split in ((8, True), (6, False)):
         jaxpr = str(jax.make_jaxpr(forward)(state, jnp.zeros((rows, 6), jnp.int32)))
         assert ("shard_map" in jaxpr) == split, rows
+
+
+@pytest.mark.parametrize("shape,expert", [((2, 1, 1), 4), ((1, 2, 2), 2)],
+                         ids=["expert4xdata2", "expert2xfsdp2xtensor2"])  # fmt: skip
+def test_expert_parallel_moe_step_equals_the_unsharded_step(shape, expert):
+    """Expert parallelism: the 4 experts split over an `expert` mesh axis (each device holds
+    4 / expert of them, never all), the rows split over it as over data and fsdp, each token's
+    assignments sent to its experts' devices and back by all_to_all: the GVPO step equals one
+    device's, with expert 4 x data 2 and with expert 2 x fsdp 2 x tensor 2."""
+    _check_step_on_mesh(_unsharded_step(MOE_CFG), MOE_CFG, shape, expert=expert)
+    mesh = sharding.make_mesh(*shape, expert=expert)
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    rules = sharding.logical_rules(mesh, MOE_CFG)
+    graphdef, state = nnx.split(models.Transformer(MOE_CFG, rngs=nnx.Rngs(0)))
+
+    def forward(state, tokens):
+        with sharding.tracing_mesh(mesh, rules):
+            return nnx.merge(graphdef, state)(tokens)
+
+    jaxpr = str(jax.make_jaxpr(forward)(state, jnp.zeros((8, 6), jnp.int32)))
+    assert "all_to_all" in jaxpr
+    with pytest.raises(sharding.ShardingError, match="num_experts=4 is not divisible"):
+        sharding.logical_rules(sharding.make_mesh(1, 1, 1, expert=8), MOE_CFG)
 
 
 # ---------------------------------------------------------------------------------- sampling

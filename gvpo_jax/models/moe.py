@@ -189,3 +189,43 @@ def routing_stats(routes: Routes, recorded_BxSxMxK, fed_BxS, valid_BxS, num_expe
         "load_max_over_mean": jnp.max(load_MxE, axis=-1) * num_experts,
         "entropy": entropy_M,
     }
+
+
+def exchange(x_NxD, gates_NxK, experts_NxK, local, *, axis: str, shards: int, local_experts: int):
+    """Expert parallelism, inside a `shard_map` whose `axis` (of `shards` devices) splits the
+    experts: device j holds experts [j * local_experts, (j + 1) * local_experts). Each of this
+    device's N*k assignments goes to its expert's device and comes back, by two fixed-size
+    `all_to_all`s; `local(rows_RxD, experts_Rx1)` runs this device's experts on what it
+    received (local expert ids; R = shards * N * k).
+
+    Dropless with static shapes: the send buffer gives every destination room for all N*k of
+    this device's assignments (the worst case: every token routed to one device), so it and the
+    receive buffer are [shards, N*k, D], shards times the assignments' size, and the experts
+    run on all of it (empty rows gated off). That is XLA:CPU's and the fake mesh's exchange,
+    which has no `ragged_all_to_all`; a TPU / GPU run would send only the filled rows
+    (`jax.lax.ragged_all_to_all`) and run `ragged_dot` on them."""
+    n, k = experts_NxK.shape
+    a, d = n * k, x_NxD.shape[1]
+    flat_A = experts_NxK.reshape(-1)
+    dest_A = flat_A // local_experts
+    order_A = jnp.argsort(dest_A, stable=True)
+    dest_S = dest_A[order_A]  # the sorted assignments' destinations
+    counts = jnp.bincount(dest_A, length=shards).astype(jnp.int32)
+    pos_S = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[dest_S]
+    send_xD = (
+        jnp.zeros((shards, a, d), x_NxD.dtype)
+        .at[dest_S, pos_S]
+        .set(x_NxD[order_A // k], unique_indices=True)
+    )
+    send_e = (
+        jnp.full((shards, a), -1, jnp.int32)
+        .at[dest_S, pos_S]
+        .set(flat_A[order_A] % local_experts, unique_indices=True)
+    )
+    recv_xD = jax.lax.all_to_all(send_xD, axis, 0, 0)  # [j]: what device j sent here
+    recv_e = jax.lax.all_to_all(send_e, axis, 0, 0)
+    valid_R = (recv_e >= 0).reshape(-1, 1)
+    out_RxD = local(recv_xD.reshape(shards * a, d), jnp.maximum(recv_e, 0).reshape(-1, 1))
+    out_RxD = jnp.where(valid_R, out_RxD, jnp.zeros((), out_RxD.dtype))
+    back_xD = jax.lax.all_to_all(out_RxD.reshape(shards, a, d), axis, 0, 0)
+    return _combine(back_xD[dest_S, pos_S], order_A, gates_NxK)

@@ -309,23 +309,27 @@ class MoE(nnx.Module):
             weight(p, cdt)
             for p in (self.router_kernel, self.gate_kernel, self.up_kernel, self.down_kernel)
         )
-        local = functools.partial(self._local, replay=routing_BxTxK is not None)
         routing = () if routing_BxTxK is None else (routing_BxTxK,)
         axes = _batch_mesh_axes(x_BxTxD.shape[0])
+        experts = _expert_shards(axes)
+        local = functools.partial(self._local, replay=bool(routing), expert_shards=experts)
         if axes:
-            rows = jax.sharding.PartitionSpec(axes)
-            whole = jax.sharding.PartitionSpec()
+            P = jax.sharding.PartitionSpec
+            rows, whole = P(axes), P()
+            split = P("expert") if experts > 1 else whole  # the experts' [E, ...] over `expert`
             local = jax.shard_map(
                 local,
-                in_specs=(rows, (whole,) * 4, (rows,) * len(routing)),
+                in_specs=(rows, (whole, split, split, split), (rows,) * len(routing)),
                 out_specs=(rows, moe_lib.Routes(rows, rows)),
                 axis_names=set(axes),
             )
         out_BxTxD, routes = local(x_BxTxD, weights, routing)
         return constrain(out_BxTxD, ("batch", "length", "embed")), routes
 
-    def _local(self, x_BxTxD, weights, routing, *, replay: bool):
-        """The routing and dispatch of these rows' tokens (one batch shard's, under a mesh)."""
+    def _local(self, x_BxTxD, weights, routing, *, replay: bool, expert_shards: int = 1):
+        """The routing and dispatch of these rows' tokens (one batch shard's, under a mesh).
+        With `expert_shards` > 1 `weights` hold this device's share of the experts, and the
+        assignments travel to their experts' devices and back (`moe.exchange`)."""
         router_DxE, *experts = weights
         b, t, d = x_BxTxD.shape
         x_NxD = x_BxTxD.reshape(b * t, d)
@@ -336,18 +340,43 @@ class MoE(nnx.Module):
             logits_NxE, self.top_k, normalize=self.normalize, experts_NxK=forced
         )
         gates_NxK = gates_NxK.astype(x_NxD.dtype)
-        dispatch = moe_lib.resolve(self.dispatch)
-        if dispatch == "dense":
-            y_NxD = moe_lib.dense(x_NxD, *experts, gates_NxK, experts_NxK, swiglu)
-        elif dispatch == "ragged":
-            y_NxD = moe_lib.ragged(x_NxD, *experts, gates_NxK, experts_NxK, swiglu)
+        if expert_shards > 1:
+            run = functools.partial(self._dispatch, experts)
+            y_NxD = moe_lib.exchange(
+                x_NxD,
+                gates_NxK,
+                experts_NxK,
+                lambda rows_RxD, ids_Rx1: run(
+                    rows_RxD, jnp.ones(ids_Rx1.shape, x_NxD.dtype), ids_Rx1
+                ),
+                axis="expert",
+                shards=expert_shards,
+                local_experts=experts[0].shape[0],
+            )
         else:
-            block = moe_lib.block_size(b * t * self.top_k, router_DxE.shape[1], self.block)
-            y_NxD = moe_lib.grouped(x_NxD, *experts, gates_NxK, experts_NxK, swiglu, block=block)
+            y_NxD = self._dispatch(experts, x_NxD, gates_NxK, experts_NxK)
         routes = moe_lib.Routes(
             experts_NxK.reshape(b, t, -1), moe_lib.entropy(logits_NxE).reshape(b, t)
         )
         return y_NxD.reshape(b, t, d), routes
+
+    def _dispatch(self, experts, x_NxD, gates_NxK, experts_NxK):
+        """`cfg.moe_dispatch` of these tokens to `experts` (gate, up, down: [E, ...])."""
+        dispatch = moe_lib.resolve(self.dispatch)
+        if dispatch == "dense":
+            return moe_lib.dense(x_NxD, *experts, gates_NxK, experts_NxK, swiglu)
+        if dispatch == "ragged":
+            return moe_lib.ragged(x_NxD, *experts, gates_NxK, experts_NxK, swiglu)
+        n, k = experts_NxK.shape
+        block = moe_lib.block_size(n * k, experts[0].shape[0], self.block)
+        return moe_lib.grouped(x_NxD, *experts, gates_NxK, experts_NxK, swiglu, block=block)
+
+
+def _expert_shards(axes: tuple[str, ...]) -> int:
+    """The size of the `expert` mesh axis when it is among the shard_map's `axes`, else 1."""
+    if "expert" not in axes:
+        return 1
+    return jax.sharding.get_abstract_mesh().shape["expert"]
 
 
 def _batch_mesh_axes(rows: int) -> tuple[str, ...]:
