@@ -78,9 +78,10 @@ def test_logits_equal_transformers_with_and_without_padding(checkpoints, kind, s
                 mask[b, 9 - n :] = 1
     ref = _hf_logits(hf_model, tokens, None if side == "none" else mask)
     real = mask.astype(bool)
+    forward = jax.jit(lambda m, x, k: m(x, mask_BxT=k))
     for dispatch in ("dense", "grouped", "ragged"):
         ours = models.with_config(model, moe_dispatch=dispatch)
-        logits = np.asarray(ours(jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
+        logits = np.asarray(forward(ours, jnp.asarray(tokens), jnp.asarray(mask)))
         np.testing.assert_allclose(logits[real], ref[real], atol=TOL, rtol=0, err_msg=dispatch)
 
 
@@ -152,24 +153,6 @@ def test_grouped_block_size_follows_the_mean_group():
     assert moe.block_size(40, 4, 64) == 16
 
 
-def test_prefill_then_decode_equals_full_forward(checkpoints):
-    model = models.from_pretrained(checkpoints["norm"][0])
-    tp, steps, s = 5, 3, 10
-    tokens = _tokens((2, tp + steps), seed=2)
-    full = np.asarray(model(jnp.asarray(tokens)))
-    cache = model.init_cache(2, s)
-    pos = np.broadcast_to(np.arange(tp + steps), (2, tp + steps)).astype(np.int32)
-    logits, cache = model(jnp.asarray(tokens[:, :tp]), positions_BxT=jnp.asarray(pos[:, :tp]),
-                          cache=cache, cache_index=0)  # fmt: skip
-    np.testing.assert_allclose(np.asarray(logits), full[:, :tp], atol=TOL, rtol=0)
-    for i in range(steps):
-        t = tp + i
-        step, cache = model(jnp.asarray(tokens[:, t : t + 1]),
-                            positions_BxT=jnp.asarray(pos[:, t : t + 1]), cache=cache,
-                            cache_index=t)  # fmt: skip
-        np.testing.assert_allclose(np.asarray(step)[:, 0], full[:, t], atol=TOL, rtol=0)
-
-
 @pytest.mark.parametrize("num_slots", [0, 2], ids=["static", "continuous"])
 def test_greedy_generation_matches_transformers_generate(checkpoints, num_slots):
     path, hf_model = checkpoints["raw"]
@@ -212,13 +195,18 @@ def test_scanned_moe_layers_equal_unrolled_and_load_the_same_checkpoint(tmp_path
     scanned = models.from_pretrained(path, scan_layers=True)
     assert scanned.layers.mlp.gate_kernel.shape == (2, 8, 64, 32)
     tokens = jnp.asarray(_tokens((2, 6), seed=4) % 256)
-    np.testing.assert_allclose(scanned(tokens), model(tokens), atol=1e-5, rtol=0)
 
-    def loss(m):
-        return jnp.sum(m(tokens)[..., :5] ** 2)
+    @nnx.jit
+    def value_and_grad(m):
+        return nnx.value_and_grad(lambda m: jnp.sum(m(tokens)[..., :5] ** 2))(m)
 
-    g_unrolled = nnx.grad(loss)(model).layers[1].mlp.down_kernel[...]
-    g_scanned = nnx.grad(loss)(scanned).layers.mlp.down_kernel[...][1]
+    (v_unrolled, g_unrolled), (v_scanned, g_scanned) = (
+        value_and_grad(model),
+        value_and_grad(scanned),
+    )
+    np.testing.assert_allclose(v_scanned, v_unrolled, rtol=1e-5)
+    g_unrolled = g_unrolled.layers[1].mlp.down_kernel[...]
+    g_scanned = g_scanned.layers.mlp.down_kernel[...][1]
     np.testing.assert_allclose(g_scanned, g_unrolled, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="scan_layers=True with both dense and MoE layers"):
         cfg.replace(mlp_only_layers=(1,), scan_layers=True)
@@ -306,12 +294,13 @@ MOE_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("algo", ["gvpo", "gspo+packed", "grpo+lora", "gvpo+experts", "gvpo+bf16"])
+@pytest.mark.parametrize("algo", ["gspo+packed", "grpo+lora", "gvpo+experts", "gvpo+bf16"])
 def test_rl_steps_on_an_moe_policy(algo):
-    """Two trainer steps on an MoE policy: GVPO (the shared-prompt update), GSPO with two
+    """Two trainer steps on an MoE policy: GSPO with two
     minibatches and packed groups (the log-prob pass and the packed update recompute each
-    token's routing), GRPO with LoRA adapters, GVPO with the experts split over a 2-device
-    expert axis (`mesh.expert`), and GVPO computing in bf16 over fp32 masters: the policy
+    token's routing), GRPO with LoRA adapters, GVPO (the shared-prompt update) with the experts
+    split over a 2-device expert axis (`mesh.expert`), and GVPO computing in bf16 over fp32
+    masters: the policy
     changes, every metric is finite, and (fp32) the sampler's log-probs and routing equal the
     update's."""
     from gvpo_jax.rl_step import rl_step
@@ -361,7 +350,7 @@ def test_routes_are_recorded_and_replay_gives_the_same_values_and_gradients(scan
     cfg = models.PRESETS["tiny-moe"].replace(num_layers=3, scan_layers=scan)
     model = models.Transformer(cfg, rngs=nnx.Rngs(1))
     tokens = jnp.asarray(_tokens((2, 7), seed=6))
-    hidden, routes = model.hidden(tokens, with_routes=True)
+    hidden, routes = jax.jit(lambda m, x: m.hidden(x, with_routes=True))(model, tokens)
     assert routes.entropy.shape == (3, 2, 7) and float(routes.entropy.min()) > 0
     assert float(routes.entropy.max()) <= np.log(8) + 1e-6
     routes = routes.experts
@@ -373,36 +362,40 @@ def test_routes_are_recorded_and_replay_gives_the_same_values_and_gradients(scan
         m = models.with_config(nnx.merge(graphdef, state), remat=remat)
         return jnp.sum(jnp.sin(m.hidden(tokens, routing=routing)))
 
-    g_routed = jax.grad(loss)(state, None)
+    value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=2)
+    routed, g_routed = value_and_grad(state, None, False)
     for remat in (False, True):
-        np.testing.assert_allclose(loss(state, routes, remat), loss(state, None), rtol=1e-6)
-        g_replayed = jax.grad(loss)(state, routes, remat)
+        replayed, g_replayed = value_and_grad(state, routes, remat)
+        np.testing.assert_allclose(replayed, routed, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g_replayed), jax.tree.leaves(g_routed), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)  # fp32 sums' order
     other = (routes + 1) % 8  # every token to other experts
-    assert abs(float(loss(state, other)) - float(loss(state, None))) > 1e-3
-    router = jax.grad(loss)(state, other)["layers"]
+    moved, router = value_and_grad(state, other, False)
+    assert abs(float(moved) - float(routed)) > 1e-3
+    router = router["layers"]
     router = router["mlp"]["router_kernel"] if scan else router[0]["mlp"]["router_kernel"]
     assert float(jnp.abs(router[...]).max()) > 0
 
 
-def test_prefill_and_decode_routes_equal_the_full_forwards():
-    """The routing recorded by a cached prefill and then one decode step per token equals the
-    routing of one forward over the whole sequence (the sampler's record is the update's)."""
-    cfg = models.PRESETS["tiny-moe"]
-    model = models.Transformer(cfg, rngs=nnx.Rngs(2))
-    tp, steps = 4, 3
-    tokens = jnp.asarray(_tokens((2, tp + steps), seed=7))
-    full = model.hidden(tokens, with_routes=True)[1].experts
-    pos = jnp.broadcast_to(jnp.arange(tp + steps), (2, tp + steps))
-    _, cache, parts = model.hidden(tokens[:, :tp], pos[:, :tp], cache=model.init_cache(2, 8),
-                                   cache_index=0, with_routes=True)  # fmt: skip
-    parts = [parts.experts]
+def test_prefill_then_decode_equals_the_full_forward_in_logits_and_routes(checkpoints):
+    """A cached prefill and then one decode step per token give the logits and the routing of
+    one forward over the whole sequence (the sampler's record is the update's)."""
+    model = models.from_pretrained(checkpoints["norm"][0])
+    tp, steps = 5, 3
+    tokens = jnp.asarray(_tokens((2, tp + steps), seed=2))
+    pos = jnp.broadcast_to(jnp.arange(tp + steps, dtype=jnp.int32), (2, tp + steps))
+    full_logits, (_, full) = jax.jit(lambda m, x: (m(x), m.hidden(x, with_routes=True)))(
+        model, tokens
+    )
+    call = jax.jit(lambda m, x, p, c, i: m(x, p, cache=c, cache_index=i, with_routes=True))
+    logits, cache, routes = call(model, tokens[:, :tp], pos[:, :tp], model.init_cache(2, 10), 0)
+    np.testing.assert_allclose(logits, full_logits[:, :tp], atol=TOL, rtol=0)
+    parts = [routes.experts]
     for t in range(tp, tp + steps):
-        _, cache, step = model.hidden(tokens[:, t : t + 1], pos[:, t : t + 1], cache=cache,
-                                      cache_index=t, with_routes=True)  # fmt: skip
-        parts.append(step.experts)
-    np.testing.assert_array_equal(jnp.concatenate(parts, axis=2), full)
+        step, cache, routes = call(model, tokens[:, t : t + 1], pos[:, t : t + 1], cache, t)
+        np.testing.assert_allclose(step[:, 0], full_logits[:, t], atol=TOL, rtol=0)
+        parts.append(routes.experts)
+    np.testing.assert_array_equal(jnp.concatenate(parts, axis=2), full.experts)
 
 
 @pytest.mark.parametrize("mode", ["static", "shed", "continuous"])
@@ -421,22 +414,29 @@ def test_sampler_records_the_routes_a_full_forward_gives(mode):
         record_routes=True,
     )  # fmt: skip
     out = sampler.generate(model, ids, lens, settings, rng=jax.random.key(4))
-    plain = sampler.generate(model, ids, lens, dataclasses.replace(settings, record_routes=False),
-                             rng=jax.random.key(4))  # fmt: skip
-    np.testing.assert_array_equal(out.tokens_BxN, plain.tokens_BxN)  # recording changes nothing
-    assert plain.routes_BxNxMxK is None and plain.prompt_routes_PxTxMxK is None
+    if mode == "static":
+        plain = dataclasses.replace(settings, record_routes=False)
+        plain = sampler.generate(model, ids, lens, plain, rng=jax.random.key(4))
+        np.testing.assert_array_equal(out.tokens_BxN, plain.tokens_BxN)  # recording: no change
+        assert plain.routes_BxNxMxK is None and plain.prompt_routes_PxTxMxK is None
     assert out.routes_BxNxMxK.dtype == jnp.uint8 and out.routes_BxNxMxK.shape == (8, 6, 2, 2)
     lengths = np.asarray(out.lengths_B)
     assert len(set(lengths.tolist())) > 1  # rows of several lengths
+    # every row's prompt + response, right-padded, in one forward
+    rows = np.zeros((8, 12), np.int32)
+    mask = np.zeros((8, 12), np.int32)
     for b in range(8):
         prompt, n = prompts[b // 2], int(lengths[b])
-        row = np.concatenate([prompt, np.asarray(out.tokens_BxN[b, :n])])
-        _, full = model.hidden(jnp.asarray(row[None]), with_routes=True)
-        full = np.asarray(full.experts[:, 0]).swapaxes(0, 1)  # [T, M, K]
+        rows[b, : len(prompt) + n] = np.concatenate([prompt, np.asarray(out.tokens_BxN[b, :n])])
+        mask[b, : len(prompt) + n] = 1
+    _, full = jax.jit(lambda m, x, k: m.hidden(x, None, k, with_routes=True))(model, rows, mask)
+    full = np.asarray(full.experts).transpose(1, 2, 0, 3)  # [B, T, M, K]
+    for b in range(8):
+        prompt, n = prompts[b // 2], int(lengths[b])
         recorded = np.asarray(out.prompt_routes_PxTxMxK[b // 2, : len(prompt)])
-        np.testing.assert_array_equal(recorded, full[: len(prompt)])
+        np.testing.assert_array_equal(recorded, full[b, : len(prompt)])
         fed = np.asarray(out.routes_BxNxMxK[b, : n - 1])
-        np.testing.assert_array_equal(fed, full[len(prompt) : len(prompt) + n - 1], err_msg=b)
+        np.testing.assert_array_equal(fed, full[b, len(prompt) : len(prompt) + n - 1], err_msg=b)
         assert not np.asarray(out.routes_BxNxMxK[b, n - 1 :]).any()  # never fed: 0
 
 

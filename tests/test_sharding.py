@@ -314,11 +314,16 @@ MOE_CFG = models.ModelConfig(
 )  # fmt: skip
 
 
-def test_moe_step_on_a_mesh_equals_the_unsharded_step():
+@pytest.fixture(scope="module")
+def moe_unsharded_step():
+    return _unsharded_step(MOE_CFG)
+
+
+def test_moe_step_on_a_mesh_equals_the_unsharded_step(moe_unsharded_step):
     """An MoE policy's GVPO step on data x fsdp x tensor = 2 x 2 x 2 equals one device's (the
     grouped dispatch under sharded activations and expert weights), the experts' weights and
     their moments split [E, F/tensor, D/fsdp]."""
-    _check_step_on_mesh(_unsharded_step(MOE_CFG), MOE_CFG, (2, 2, 2))
+    _check_step_on_mesh(moe_unsharded_step, MOE_CFG, (2, 2, 2))
     mesh = sharding.make_mesh(2, 2, 2)
     specs = sharding.param_shardings(models.abstract_model(MOE_CFG), mesh,
                                      sharding.logical_rules(mesh, MOE_CFG))  # fmt: skip
@@ -341,12 +346,12 @@ def test_moe_step_on_a_mesh_equals_the_unsharded_step():
 
 @pytest.mark.parametrize("shape,expert", [((2, 1, 1), 4), ((1, 2, 2), 2)],
                          ids=["expert4xdata2", "expert2xfsdp2xtensor2"])  # fmt: skip
-def test_expert_parallel_moe_step_equals_the_unsharded_step(shape, expert):
+def test_expert_parallel_moe_step_equals_the_unsharded_step(moe_unsharded_step, shape, expert):
     """Expert parallelism: the 4 experts split over an `expert` mesh axis (each device holds
     4 / expert of them, never all), the rows split over it as over data and fsdp, each token's
     assignments sent to its experts' devices and back by all_to_all: the GVPO step equals one
     device's, with expert 4 x data 2 and with expert 2 x fsdp 2 x tensor 2."""
-    _check_step_on_mesh(_unsharded_step(MOE_CFG), MOE_CFG, shape, expert=expert)
+    _check_step_on_mesh(moe_unsharded_step, MOE_CFG, shape, expert=expert)
     mesh = sharding.make_mesh(*shape, expert=expert)
     assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
     rules = sharding.logical_rules(mesh, MOE_CFG)
