@@ -80,10 +80,10 @@ def child_env(devices: int | None = None, **changes: str) -> dict[str, str]:
 LONGEST_FIRST = (
     "test_models.py", "test_train.py", "test_learning_study.py", "test_checkpoint_damage.py",
     "test_continuous.py", "test_resume.py", "test_gguf.py", "test_lora.py", "test_async.py",
-    "test_attention.py", "test_multiprocess.py", "test_sharding.py", "test_buckets.py",
-    "test_sampler.py", "test_scan.py", "test_gemma3_gguf.py", "test_benchmarks.py",
-    "test_gpu_check.py", "test_main.py", "test_wiring.py", "test_eval_mode.py",
-    "test_study_stale.py",
+    "test_attention.py", "test_multiprocess.py", "test_moe.py", "test_sharding.py",
+    "test_buckets.py", "test_sampler.py", "test_scan.py", "test_gemma3_gguf.py",
+    "test_benchmarks.py", "test_whole_step_bench.py", "test_gpu_check.py", "test_main.py",
+    "test_wiring.py", "test_eval_mode.py", "test_study_stale.py", "test_plan_moe.py",
 )  # fmt: skip
 
 

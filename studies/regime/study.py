@@ -32,6 +32,7 @@ import gzip
 import json
 import os
 import shutil
+import tarfile
 import time
 
 import jax
@@ -63,6 +64,7 @@ PART3 = {f"{m} k={K}": f"{m} k={K}" for m in STALE} | {"gvpo k=0": "gvpo k=0"}
 CHECK = "gvpo"  # at k = K: the lr 1e-4 cell rerun at seed 0 to check the numerics are part 3's
 QUICK_CELLS = ("dr_grpo k=0 lr=3e-5", f"{MULTI} k={K} lr=3e-5")
 SUBSTANTIAL = 0.01  # "materially off-policy": the cap's share of drawn tokens
+START_ARCHIVE = "start.tar.gz"  # the SFT start's checkpoint, kept beside the results
 
 
 def name(method: str, k: int, lr: str) -> str:
@@ -272,18 +274,36 @@ def main(argv=None) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    kept = part3.load_records(args.out) if args.report_only else {}
+    # What earlier sessions kept beside the results (the work directory is not kept): every
+    # finished run's record and the SFT start, restored so that no run is repeated and the
+    # runs still to come start from the same checkpoint.
+    kept = part3.load_records(args.out)
     kept_summary = {}
     if args.report_only and os.path.exists(os.path.join(args.out, "results.json")):
         kept_summary = json.load(open(os.path.join(args.out, "results.json")))
     start_dir = os.path.join(args.workdir, "start")
     meta = os.path.join(start_dir, "start.json")
+    archive = os.path.join(args.out, START_ARCHIVE)
+    if not os.path.exists(meta) and os.path.exists(archive) and not args.quick:
+        with tarfile.open(archive) as tar:
+            tar.extractall(start_dir, filter="data")
     if not os.path.exists(meta) and not args.report_only:
-        # part 3's start: the same recipe, SFT steps and seed give the same checkpoint
         info = sft(config, start_dir, noise=0.0, steps=config.sft.steps, eval_points=2)
         with open(meta, "w") as fh:
             json.dump(info, fh)
+        if not args.quick:
+            with tarfile.open(archive, "w:gz") as tar:
+                for item in ("start.json", "checkpoints"):
+                    tar.add(os.path.join(start_dir, item), arcname=item)
     start = json.load(open(meta)) if os.path.exists(meta) else kept_summary.get("start")
+    for cell in todo:  # records kept beside the results, back where the runs look for them
+        key = config_key(cell, cell.load(args.quick), config)
+        for rec in kept.get(cell.name, []):
+            path = record_path(args.workdir, key, budget, rec.get("seed", -1))
+            if rec.get("seed") in seeds and not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as fh:
+                    json.dump(rec, fh)
 
     def run(cell: Cell, seed: int) -> dict | None:
         """The cell's record at `seed`: recorded, or run now (None when only reporting)."""
@@ -304,7 +324,9 @@ def main(argv=None) -> dict:
             print(f"   greedy {greedy:.3f}  avg@{eval_n} {sampled:.3f}  {rec['time_s']:.0f}s",
                   flush=True)  # fmt: skip
         with open(cached) as fh:
-            return json.load(fh)
+            rec = json.load(fh)
+        rec.setdefault("seed", seed)  # (records kept beside the results are restored by seed)
+        return rec
 
     # The numerics check: part 3's records stand for the recipe's lr when a rerun matches.
     check = kept_summary.get("numerics_check")
@@ -322,10 +344,8 @@ def main(argv=None) -> dict:
         if cell.name.endswith(f"lr={RECIPE_LR}") and old and reuse:
             records[cell.name] = part3_records[old][: len(seeds)]
             continue
-        for i, seed in enumerate(seeds):
+        for seed in seeds:
             rec = run(cell, seed)
-            if rec is None and i < len(kept.get(cell.name, [])):
-                rec = kept[cell.name][i]
             if rec is not None:
                 records.setdefault(cell.name, []).append(rec)
     start_greedy = start["curve"][-1][1] if start else float("nan")
