@@ -58,8 +58,7 @@ def _tokens(shape, seed=0):
     return np.random.default_rng(seed).integers(0, 96, size=shape).astype(np.int32)
 
 
-@pytest.mark.parametrize("kind", ["norm", "raw"])
-@pytest.mark.parametrize("side", ["none", "right", "left"])
+@pytest.mark.parametrize(("kind", "side"), [("norm", "none"), ("norm", "left"), ("raw", "right")])
 def test_logits_equal_transformers_with_and_without_padding(checkpoints, kind, side):
     """norm_topk_prob both ways, one dense layer between MoE layers; padded rows' real tokens
     equal transformers' (right and left padding), each dispatch."""
@@ -95,9 +94,9 @@ def _experts(seed, n=37, d=16, e=6, f=12, k=2):
     return x, w, logits, k
 
 
-@pytest.mark.parametrize("block", [4, 64])
+@pytest.mark.parametrize("block", [4])
 def test_dispatches_give_the_same_values_and_gradients(block):
-    """Dense reference == grouped (blocks of 4, and one block larger than every group) ==
+    """Dense reference == grouped (blocks of 4: several blocks per expert, partial ones) ==
     ragged_dot, for the outputs and the gradients of x, every expert weight and the router."""
     x, w, logits, k = _experts(0)
 
@@ -294,34 +293,30 @@ MOE_OVERRIDES = {
 }
 
 
-@pytest.mark.parametrize("algo", ["gspo+packed", "grpo+lora", "gvpo+experts", "gvpo+bf16"])
+@pytest.mark.parametrize("algo", ["gspo+packed+lora", "gvpo+experts"])
 def test_rl_steps_on_an_moe_policy(algo):
-    """Two trainer steps on an MoE policy: GSPO with two
-    minibatches and packed groups (the log-prob pass and the packed update recompute each
-    token's routing), GRPO with LoRA adapters, GVPO (the shared-prompt update) with the experts
-    split over a 2-device expert axis (`mesh.expert`), and GVPO computing in bf16 over fp32
-    masters: the policy
-    changes, every metric is finite, and (fp32) the sampler's log-probs and routing equal the
-    update's."""
+    """Two trainer steps on an MoE policy: GSPO with two minibatches, packed groups and LoRA
+    adapters (the log-prob pass and the packed update recompute each token's routing), and GVPO
+    (the shared-prompt update) with the experts split over a 2-device expert axis
+    (`mesh.expert`): the policy changes, every metric is finite, and the sampler's log-probs
+    and routing equal the update's."""
     from gvpo_jax.rl_step import rl_step
     from tests.test_train import _flat, make_run, toy_config
 
-    algo, _, extra = algo.partition("+")
+    algo, *extras = algo.split("+")
     changes = dict(MOE_OVERRIDES)
     if algo != "gvpo":
         changes["algo.num_minibatches"] = 2
-    if extra == "lora":
+    if "lora" in extras:
         changes.update({"lora.enabled": True, "lora.rank": 4, "optim.lr": 1e-2})
-    if extra == "experts":
+    if "experts" in extras:
         changes.update({"mesh.num_devices": 2, "mesh.data": 1, "mesh.expert": 2})
-    if extra == "packed":
+    if "packed" in extras:
         changes.update({"optim.length_buckets": 2, "optim.pack_groups": True})
-    if extra == "bf16":
-        changes["model.compute_dtype"] = "bfloat16"
     run, state, loop, ref = make_run(toy_config(algo, **changes))
     cfg = run.model(state.params).config
     assert cfg.moe and cfg.num_experts == 4
-    if extra == "experts":  # each device holds 2 of the 4 experts
+    if "experts" in extras:  # each device holds 2 of the 4 experts
         gate = state.params["layers"][0]["mlp"]["gate_kernel"].get_value()
         assert {s.data.shape[0] for s in gate.addressable_shards} == {2}
     before = _flat(state.params)
@@ -331,9 +326,6 @@ def test_rl_steps_on_an_moe_policy(algo):
     assert np.isfinite(after).all() and np.abs(after - before).max() > 1e-5
     for key in ("reward_mean", "loss", "grad_norm", "entropy_mc"):
         assert np.isfinite(metrics[key]), key
-    if extra == "bf16":  # bf16 sampling and log-prob passes: close, not equal
-        assert metrics["sampler_logp_gap_max"] < 0.5 and metrics["moe/routing_drift"] < 0.1
-        return
     assert metrics["sampler_logp_gap_max"] < 1e-4
     # the routing the sampler recorded is the update's, before the update moves it
     assert metrics["moe/routing_drift"] == 0.0
@@ -364,7 +356,7 @@ def test_routes_are_recorded_and_replay_gives_the_same_values_and_gradients(scan
 
     value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=2)
     routed, g_routed = value_and_grad(state, None, False)
-    for remat in (False, True):
+    for remat in (False, True) if scan else (False,):
         replayed, g_replayed = value_and_grad(state, routes, remat)
         np.testing.assert_allclose(replayed, routed, rtol=1e-6)
         for a, b in zip(jax.tree.leaves(g_replayed), jax.tree.leaves(g_routed), strict=True):
@@ -473,19 +465,21 @@ def test_routing_stats_against_a_count_by_hand():
 
 
 def test_stale_moe_rollouts_measure_routing_drift_and_carry_routes_in_the_queue():
-    """Rollouts sampled 2 updates before they train (rollout.staleness) carry their routing
-    through the queue; after updates at a high learning rate some tokens' experts changed."""
+    """Rollouts sampled 2 updates before they train (rollout.staleness), computing in bf16 over
+    fp32 masters, carry their routing through the queue; after updates at a high learning rate
+    some tokens' experts changed."""
     from gvpo_jax.rl_step import rl_step
     from tests.test_train import make_run, toy_config
 
-    changes = dict(MOE_OVERRIDES, **{"rollout.staleness": 2, "optim.lr": 3e-2})
+    changes = dict(MOE_OVERRIDES, **{"rollout.staleness": 2, "optim.lr": 3e-2,
+                                     "model.compute_dtype": "bfloat16"})  # fmt: skip
     run, state, loop, ref = make_run(toy_config("gvpo", **changes))
     drift = []
     for _ in range(4):
         state, metrics, _, _ = rl_step(run, state, loop, ref)
         drift.append(metrics["moe/routing_drift"])
     assert all("routes" in q.batch for q in loop.queue)
-    assert drift[0] == 0.0 and max(drift[2:]) > 0.0, drift
+    assert drift[0] < 0.05 and max(drift[2:]) > drift[0], drift  # bf16: the first is near 0
 
 
 def test_a_mixed_layer_pattern_stays_unrolled_on_auto_and_refuses_an_explicit_scan():
