@@ -59,8 +59,8 @@ TARGETS = {"v5p-64": (32, "v5p"), "v5e-64": (64, "v5e"), "8xh100": (8, "h100")}
 
 @pytest.mark.parametrize(
     "target,lora,fits",
-    [("v5p-64", False, True), ("v5p-64", True, True), ("v5e-64", False, True),
-     ("v5e-64", True, True), ("8xh100", False, False), ("8xh100", True, True)],
+    [("v5p-64", False, True), ("v5e-64", False, True), ("8xh100", False, False),
+     ("8xh100", True, True)],
 )  # fmt: skip
 def test_qwen3_30b_a3b_verdicts_on_the_readme_targets(target, lora, fits):
     """Full fine-tuning fits the TPU slices and not one 8-GPU node (fp32 masters, AdamW moments
@@ -81,7 +81,7 @@ def test_qwen3_30b_a3b_verdicts_on_the_readme_targets(target, lora, fits):
     assert ("DOES NOT FIT" in text) != fits
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1), (8, 1, 1), (2, 2, 2)])
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2)])
 def test_grouped_dispatch_bytes_against_xla(shape):
     """`moe_layer_bytes` of the grouped path (CPU's) within 40% of XLA's temporaries for one
     MoE layer's forward + backward on 8 x 1024 tokens (`transformer.MoE` as the trainer runs

@@ -94,7 +94,10 @@ def test_scanned_equals_unrolled_values_gradients_and_samples(family):
     if family in ("qwen3", "llama"):  # their caches and decode loops are qwen2's
         return
     # greedy in the static batch, sampled with continuous batching and with a shedding decode
-    for temperature, kw in ((0.0, {}), (1.0, dict(num_slots=3)), (1.0, dict(shed=1))):
+    # (Gemma 3: the static batch and the shedding one; continuous batching over its sliding
+    # windows is checked against transformers' generate in tests/test_models.py)
+    modes = ((0.0, {}), (1.0, dict(num_slots=3)), (1.0, dict(shed=1)))
+    for temperature, kw in modes if family == "qwen2" else (modes[0], modes[2]):
         settings = sampler.SamplingSettings(
             max_new_tokens=7, group_size=2, eos_ids=(3,), temperature=temperature, **kw
         )
@@ -102,6 +105,8 @@ def test_scanned_equals_unrolled_values_gradients_and_samples(family):
                 for m in (unrolled, scanned))  # fmt: skip
         np.testing.assert_array_equal(a.tokens_BxN, b.tokens_BxN, err_msg=str(kw))
         np.testing.assert_allclose(a.logp_BxN, b.logp_BxN, atol=2e-5)
+    if family != "qwen2":
+        return
     # scan_decode=False: the sampler slices the stacked blocks once and runs them unrolled
     sliced = models.with_config(scanned, scan_decode=False)
     c = sampler.generate(sliced, prompts, lens, settings, rng=jax.random.key(1))
