@@ -40,7 +40,8 @@ class Ahead:
 
     `submit(key, compile_fn)` queues `compile_fn()` (e.g. `jitted.lower(*args).compile()`).
     `ready(key)` goes before a call that would compile that program: it waits while the compile
-    runs, drops it when it has not started (the call compiles it itself), and returns at once
+    runs, drops it when it has not started (the call compiles it itself, counted in
+    `reached_first`: how many depends on the host's speed), and returns at once
     when it is done or was never submitted. A compile that fails is recorded in `failed` and
     left to the call, which compiles again and raises the error where it belongs.
     """
@@ -54,6 +55,7 @@ class Ahead:
         self._futures: dict[Hashable, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self.compiled = 0  # programs compiled ahead
+        self.reached_first = 0  # programs a call reached before their compile started
         self.failed: list[str] = []
 
     def submit(self, key: Hashable, compile_fn: Callable[[], object]) -> None:
@@ -73,7 +75,12 @@ class Ahead:
     def ready(self, key: Hashable) -> None:
         with self._lock:
             future = self._futures.pop(key, None)
-        if future is not None and not future.cancel():
+        if future is None:
+            return
+        if future.cancel():
+            with self._lock:
+                self.reached_first += 1
+        else:
             future.result()
 
     def pending(self) -> int:

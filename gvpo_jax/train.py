@@ -163,6 +163,7 @@ def _rl_steps(run_: assemble.Run, state, loop: LoopState, ref, on_step, counter,
             m.update(counter.take())
             if ahead is not None:
                 m["programs_compiled_ahead"] = float(ahead.compiled)
+                m["programs_reached_first"] = float(ahead.reached_first)
             loop.step = step
             done = bool(on_step(step, state, m)) if on_step is not None else False
             if step % c.train.log_every == 0:

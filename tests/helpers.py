@@ -5,7 +5,7 @@ import jax
 # Step metrics that count the programs a run met (`programs.Counter`): a second run in the same
 # process, or one reading the persistent compilation cache, finds programs already made, so two
 # runs that agree bit for bit still differ here (as in their wall-clock times).
-PROGRAM_COUNTS = ("new_programs", "programs_compiled_ahead")
+PROGRAM_COUNTS = ("new_programs", "programs_compiled_ahead", "programs_reached_first")
 
 
 def scale_matrices(state, factor: float, stacked: bool):

@@ -380,9 +380,11 @@ def test_no_compilation_once_the_replay_buffer_is_full(gvpo_runs):
     assert all(by_step[s] == 0 for s in range(3, GVPO_STEPS + 1)), by_step
     # The run compiles its update and log-prob programs ahead (train.compile_ahead), and each
     # step's metrics count the programs it met for the first time: the sampler's at step 1 and
-    # at step 2 (fewer fresh prompts), none after.
+    # at step 2 (fewer fresh prompts), none after. A program the first step reaches before its
+    # compile has started (a slow or busy host) is compiled by the step instead, and counted.
     rows = rl_rows(gvpo_runs["straight"])
-    assert rows[1]["programs_compiled_ahead"] == 4  # zeros, accumulate, apply, log-probs
+    ahead, first = rows[1]["programs_compiled_ahead"], rows[1]["programs_reached_first"]
+    assert ahead >= 1 and ahead + first == 4  # zeros, accumulate, apply, log-probs
     assert rows[1]["new_programs"] > 0 and rows[2]["new_programs"] > 0
     assert all(rows[s]["new_programs"] == 0 for s in range(3, GVPO_STEPS + 1)), rows
 
