@@ -97,7 +97,9 @@ def lora_spec(config: ml_collections.ConfigDict) -> lora.LoRASpec | None:
     if not c.enabled:
         return None
     targets = config_lib.lora_targets(config)
-    return lora.LoRASpec(rank=c.rank, alpha=float(c.alpha), targets=targets, rslora=c.rslora)
+    return lora.LoRASpec(
+        rank=c.rank, alpha=float(c.alpha), targets=targets, rslora=c.rslora, experts=c.experts
+    )
 
 
 def base_dtype(config: ml_collections.ConfigDict) -> str:
@@ -116,10 +118,12 @@ def check_lora(config: ml_collections.ConfigDict, cfg: models.ModelConfig) -> No
         "k_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
         "v_proj": (cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim),
         "o_proj": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-        "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-        "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
     }
+    # the MLP targets adapt the dense MLP layers, and with lora.experts each expert's MLP
+    mlp = [cfg.intermediate_size] if not all(map(cfg.moe_layer, range(cfg.num_layers))) else []
+    mlp += [cfg.moe_intermediate_size] if spec.experts and cfg.moe else []
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        widths[name] = (cfg.hidden_size, *mlp)
     for name in spec.targets:
         width = min(widths[name])
         if spec.rank > width:
@@ -539,6 +543,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
     check_mesh(config, mesh)
     tokenizer = build_tokenizer(config, workdir)
     model, tokenizer, rules = build_model(config, tokenizer, mesh)
+    config_lib.check_model_fields(config, model.config)
     model = attach_lora(config, model, mesh, rules)
     graphdef, params = nnx.split(model, nnx.Param)
     rng = jax.random.key_data(jax.random.key(config.seed))

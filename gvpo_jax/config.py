@@ -117,6 +117,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.lora.rslora = False  # rank-stabilised scaling alpha / sqrt(rank) instead
     c.lora.dropout = 0.0  # only 0: dropout would make the policy's log-probs random
     c.lora.targets = ",".join(LORA_TARGETS)  # projections that get adapters, comma-separated
+    c.lora.experts = False  # MoE layers: the MLP targets adapt each expert (else skipped there)
 
     c.tokenizer = ml_collections.ConfigDict()
     c.tokenizer.kind = (
@@ -191,6 +192,9 @@ def base_config() -> ml_collections.ConfigDict:
     # sequence weight leaves [1/cap, cap] are masked out). GVPO needs none.
     c.algo.rollout_correction = "none"
     c.algo.rollout_is_cap = 2.0  # the correction's cap (> 1)
+    # An MoE policy's router load-balancing loss (Switch / transformers' scale: k when balanced)
+    # added to the update's loss times this; 0 (off) as the peers' RL recipes run it.
+    c.algo.router_aux_loss_coef = 0.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-4  # peak learning rate of AdamW
@@ -324,6 +328,20 @@ def scan_layers(c, *, accelerator: bool | None = None, model=None) -> bool:
     return scan
 
 
+def check_model_fields(c, model) -> None:
+    """The run's settings that need an MoE policy, against the built model's ModelConfig."""
+    if c.algo.router_aux_loss_coef and not model.moe:
+        fail(
+            f"config.algo.router_aux_loss_coef is {c.algo.router_aux_loss_coef} but the model "
+            "has no MoE layers (no router to balance); set it to 0."
+        )
+    if c.lora.enabled and c.lora.experts and not model.moe:
+        fail(
+            "config.lora.experts is true but the model has no MoE layers (no experts to "
+            "adapt); set it to false."
+        )
+
+
 def scan_decode(c, *, accelerator: bool | None = None) -> bool:
     """Whether the sampler of a model with scanned layers scans them too (`model.scan_decode`;
     auto: on for TPU and GPU; off, it slices them once per call and runs them unrolled)."""
@@ -355,6 +373,7 @@ def algorithm(c: ml_collections.ConfigDict) -> losses.Algorithm:
             dynamic_sampling=a.dynamic_sampling,
             overlong_cache=a.overlong_cache,
             overlong_factor=a.overlong_factor,
+            router_aux_loss_coef=a.router_aux_loss_coef,
             **overrides,
         )
     except losses.AlgorithmError as e:
@@ -833,6 +852,13 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
             close = difflib.get_close_matches(name, LORA_TARGETS, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}?" if close else f"use {', '.join(LORA_TARGETS)}."
             _fail(f"config.lora.targets names {name!r}, which matches no projection; {hint}")
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    if c.lora.experts and not any(name in mlp for name in targets):
+        _fail(
+            f"config.lora.experts is True but lora.targets ({c.lora.targets}) names no MLP "
+            f"projection to put on the experts; add one of {', '.join(mlp)} to lora.targets "
+            "or set lora.experts=False."
+        )
     if c.model.param_dtype != "float32":
         _fail(
             f"config.model.param_dtype is {c.model.param_dtype} with lora.enabled, but LoRA keeps "

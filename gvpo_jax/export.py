@@ -14,7 +14,8 @@ def export(run_: assemble.Run, params) -> dict:
 
     Tensors are written in `train.export_dtype` (default: the compute dtype). A LoRA policy is
     exported merged (W + scale A B, summed in fp32) there, and its adapters alone in PEFT's
-    format in workdir/export_adapter. Returns {"export_dir"[, "adapter_dir"]}.
+    format in workdir/export_adapter (adapters on MoE experts, `lora.experts`, only in the
+    merged model: `lora.save_peft` says so). Returns {"export_dir"[, "adapter_dir"]}.
     """
     out = os.path.join(run_.workdir, "export")
     c = run_.config

@@ -1259,6 +1259,8 @@ class Algorithm:
     max_tokens: the response slots (Dr. GRPO's divisor, DAPO's overlong penalty). correction:
     (mode, cap) of `rollout_correction`, or None. overlong: DAPO's soft penalty (max_len,
     cache_len, factor), or None. dynamic_sampling: DAPO's filter of equal-reward groups.
+    router_aux_loss_coef: the MoE routers' load-balancing loss added to the update's, times this
+    (0: off, as RL recipes run it; `train_step.rl_loss`).
     """
 
     name: str
@@ -1269,6 +1271,7 @@ class Algorithm:
     correction: tuple[str, float] | None = None
     overlong: tuple[int, int, float] | None = None
     dynamic_sampling: bool = False
+    router_aux_loss_coef: float = 0.0
 
     @property
     def preset(self) -> LossPreset:
@@ -1387,6 +1390,7 @@ def resolve(
     dynamic_sampling: bool | None = None,
     overlong_cache: int = 4,
     overlong_factor: float = 1.0,
+    router_aux_loss_coef: float = 0.0,
     **overrides,
 ) -> Algorithm:
     """Preset `name` with `overrides` (None: the preset's own value) and the trainer-side
@@ -1396,6 +1400,7 @@ def resolve(
     divisor and DAPO's overlong penalty. rollout_correction / rollout_is_cap:
     `rollout_correction`'s mode ("none": off) and cap. dynamic_sampling: None takes the preset's
     choice. overlong_cache / overlong_factor: DAPO's soft penalty window and scale.
+    router_aux_loss_coef: an MoE policy's load-balancing loss coefficient (0: off).
     """
     if name not in LOSSES:
         raise AlgorithmError("name", f"is {name!r}; use one of {', '.join(LOSSES)}.")
@@ -1442,6 +1447,11 @@ def resolve(
             "response as one action (no token advantages to weight); use "
             "@rollout_correction=seq_mis.",
         )
+    if not router_aux_loss_coef >= 0:
+        raise AlgorithmError(
+            "router_aux_loss_coef",
+            f"is {router_aux_loss_coef}; use 0 (off) or a small positive value.",
+        )
     if not rollout_is_cap > 1.0:
         raise AlgorithmError("rollout_is_cap", f"is {rollout_is_cap}; use a cap > 1 such as 2.")
     _, kwargs, _ = _settings(name, overrides)
@@ -1468,4 +1478,5 @@ def resolve(
         correction=None if corr == "none" else (corr, float(rollout_is_cap)),
         overlong=overlong,
         dynamic_sampling=bool(dynamic_sampling),
+        router_aux_loss_coef=float(router_aux_loss_coef),
     )

@@ -376,9 +376,11 @@ class ParamCounts:
 
 
 def _is_expert(path, x) -> bool:
-    """An MoE expert's stacked weight: a Param whose logical axes name `expert`."""
+    """An MoE expert's stacked weight: a Param whose logical axes name `expert` (not the experts'
+    LoRA adapters, `lora.experts`: counted with the adapters)."""
     del path
-    axes = x.get_metadata().get("out_sharding") if isinstance(x, nnx.Param) else None
+    base = isinstance(x, nnx.Param) and not isinstance(x, nnx.LoRAParam)
+    axes = x.get_metadata().get("out_sharding") if base else None
     return "expert" in tuple(axes or ())
 
 

@@ -13,7 +13,7 @@ from flax import nnx, struct
 
 from gvpo_jax import losses, models, sharding
 from gvpo_jax.batch import BatchSpec, UpdateBatch
-from gvpo_jax.models import lora
+from gvpo_jax.models import lora, moe
 
 
 @struct.dataclass
@@ -131,9 +131,11 @@ def response_logprobs(
     chunk_size: int,
     group_size: int = 1,
     with_entropy: bool = False,
+    with_routes: bool = False,
 ):
     """log pi(y_t | x, y_<t) of the response slots [prompt_len:] of a left-padded batch -> [B, N]
-    (with_entropy: (logp, entropy), the entropy of pi(. | x, y_<t) at each slot, same sweep).
+    (with_entropy: (logp, entropy), the entropy of pi(. | x, y_<t) at each slot, same sweep;
+    with_routes: (that, the MoE routers' `moe.Routes` of the whole rows, None without MoE)).
 
     Rows are `[pad.., prompt, response, pad..]` with the prompt right-aligned at `prompt_len`, so
     slot prompt_len-1 always holds the last prompt token and positions come from the mask.
@@ -143,10 +145,17 @@ def response_logprobs(
     model = nnx.merge(graphdef, params)
     if group_size > 1:
         hidden_BxSxD = model.hidden_shared_prefix(
-            tokens_BxS, attn_mask_BxS, prefix_len=prompt_len, group_size=group_size
+            tokens_BxS,
+            attn_mask_BxS,
+            prefix_len=prompt_len,
+            group_size=group_size,
+            with_routes=with_routes,
         )
     else:
-        hidden_BxSxD = model.hidden(tokens_BxS, None, attn_mask_BxS)
+        hidden_BxSxD = model.hidden(tokens_BxS, None, attn_mask_BxS, with_routes=with_routes)
+    routes = None
+    if with_routes:
+        hidden_BxSxD, routes = hidden_BxSxD
     # Only the response slots need logits: hidden state s-1 predicts token s.
     out = models.chunked_logprobs(
         hidden_BxSxD[:, prompt_len - 1 : -1],
@@ -157,12 +166,22 @@ def response_logprobs(
     )
     real_BxN = attn_mask_BxS[:, prompt_len:] > 0
     if with_entropy:
-        return tuple(jnp.where(real_BxN, x, 0.0) for x in out)
-    return jnp.where(real_BxN, out, 0.0)
+        out = tuple(jnp.where(real_BxN, x, 0.0) for x in out)
+    else:
+        out = jnp.where(real_BxN, out, 0.0)
+    return (out, routes) if with_routes else out
 
 
 def packed_logprobs(
-    graphdef, params, packed, *, prompt_len: int, chunk_size: int, with_entropy: bool = False
+    graphdef,
+    params,
+    packed,
+    *,
+    prompt_len: int,
+    chunk_size: int,
+    with_entropy: bool = False,
+    with_routes: bool = False,
+    group_size: int = 1,
 ):
     """`response_logprobs` of a packed micro-batch -> [B, N] in the unpacked layout.
 
@@ -172,12 +191,22 @@ def packed_logprobs(
     each packed response slot (the last prompt slot for a response's first token); `index`
     [B, N] where row b's response token t sits in the flattened [R * W] packed slots (-1: none).
     The output layer runs on the R * W packed slots only; the [B, N] result is 0 where index is
-    -1, as masked slots are.
+    -1, as masked slots are. `with_routes`: (that, the routers' `moe.Routes` in the packed
+    layout, each prompt's load counted `group_size` times as the unpacked rows hold it).
     """
     model = nnx.merge(graphdef, params)
     hidden_RxSxD = model.hidden_packed(
-        packed.tokens, packed.valid, packed.positions, packed.segments, prefix_len=prompt_len
+        packed.tokens,
+        packed.valid,
+        packed.positions,
+        packed.segments,
+        prefix_len=prompt_len,
+        prefix_copies=group_size,
+        with_routes=with_routes,
     )
+    routes = None
+    if with_routes:
+        hidden_RxSxD, routes = hidden_RxSxD
     hidden_RxWxD = jnp.take_along_axis(hidden_RxSxD, packed.pred[:, :, None], axis=1)
     out = models.chunked_logprobs(
         hidden_RxWxD,
@@ -192,7 +221,8 @@ def packed_logprobs(
     def unpack(x_RxW):
         return jnp.where(found_BxN, jnp.take(x_RxW.reshape(-1), jnp.maximum(index_BxN, 0)), 0.0)
 
-    return tuple(unpack(x) for x in out) if with_entropy else unpack(out)
+    out = tuple(unpack(x) for x in out) if with_entropy else unpack(out)
+    return (out, routes) if with_routes else out
 
 
 def jit_packed_logprobs(
@@ -293,16 +323,21 @@ def rl_loss(
     constant. `algorithm.correction` = (mode, cap) of `losses.rollout_correction` against
     `behaviour_logp`: token_tis scales the token advantages by the truncated weights, seq_mis
     masks responses out of the loss. `advantages`, when carried, were computed on the whole
-    rollout batch (`losses.uses_batch_statistics`) and are used as they are.
+    rollout batch (`losses.uses_batch_statistics`) and are used as they are. With
+    `algorithm.router_aux_loss_coef` (an MoE policy) the routers' load-balancing loss over the
+    micro-batch's real tokens (`moe.balance_loss`) is added, times that coefficient.
     """
     with_entropy = algorithm.entropy_coef != 0.0
-    kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, with_entropy=with_entropy)
+    balanced = algorithm.router_aux_loss_coef != 0.0
+    kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, with_entropy=with_entropy,
+              with_routes=balanced, group_size=group_size)  # fmt: skip
     if spec.packed:  # a packed micro-batch (`gvpo_jax.buckets`): the same log-probs
         out = packed_logprobs(graphdef, params, batch.packed, **kw)
     else:
-        out = response_logprobs(
-            graphdef, params, batch.tokens, batch.valid, group_size=group_size, **kw
-        )
+        out = response_logprobs(graphdef, params, batch.tokens, batch.valid, **kw)
+    routes = None
+    if balanced:
+        out, routes = out
     logp_BxN, entropy_BxN = out if with_entropy else (out, None)
     mask_BxN = batch.loss_mask
     ref_logp = batch.ref_logp if spec.ref_logp else None
@@ -342,6 +377,9 @@ def rl_loss(
         entropy=entropy_BxN,
     )
     aux = dict(aux) | is_aux
+    if balanced:
+        aux["router_balance_loss"] = _balance_loss(routes)
+        loss = loss + algorithm.router_aux_loss_coef * aux["router_balance_loss"]
     # The tokens the loss counted (the mask it was given, after seq_mis): length buckets weight
     # their micro-batches by it for a token mean's exact value (`gvpo_jax.buckets`).
     aux["loss_tokens"] = jnp.sum(loss_mask).astype(jnp.float32)
@@ -361,6 +399,15 @@ def rl_loss(
         k3 = jnp.exp(diff) - diff - 1.0
         aux["kl_ref"] = jnp.sum(k3 * mask_BxN) / jnp.maximum(jnp.sum(mask_BxN), 1.0)
     return loss, aux
+
+
+def _balance_loss(routes) -> jax.Array:
+    """`moe.balance_loss` of a forward's routes (ValueError for a policy with no router)."""
+    if routes is None:
+        raise ValueError(
+            "algo.router_aux_loss_coef is set but the policy has no MoE layers; set it to 0."
+        )
+    return moe.balance_loss(routes.balance)
 
 
 def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from gvpo_jax import assemble, models, plan, sharding, train_step
 from gvpo_jax import config as config_lib
-from gvpo_jax.models import lora
+from gvpo_jax.models import lora, safetensors_io
 from gvpo_jax.rl_step import rl_step
 from tests import mp_worker
 from tests.conftest import child_env
@@ -55,6 +55,65 @@ def test_fresh_adapters_give_exactly_the_base_logits():
     np.testing.assert_array_equal(_logits(model, tokens), _logits(base, tokens))
     assert all(np.all(np.asarray(a.b.get_value()) == 0) for _, _, a in lora.adapters(model))
     assert len(lora.adapters(model)) == 7 * CFG.num_layers  # every projection by default
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_expert_adapters_train_the_experts_and_merge_exactly(scan, tmp_path, capsys):
+    """`LoRASpec.experts` (config.lora.experts): per-expert A [E, in, r] / B [E, r, out] on an
+    MoE layer's gate / up / down kernels, sharded like the experts. Fresh, the base's logits;
+    with B drawn the logits move and equal the merged plain model's, and with the adapters off
+    the base's; the gradient reaches every expert A and B and the base stays frozen; the PEFT
+    export skips them with a note. Without the option the experts get none."""
+    cfg = models.PRESETS["tiny-moe"].replace(scan_layers=scan)
+    targets = ("q_proj", "gate_proj", "up_proj", "down_proj")
+    base = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    copy = lambda: nnx.merge(*nnx.split(base))  # the same base arrays
+    plain = lora.attach(copy(), lora.LoRASpec(rank=4, alpha=8.0, targets=targets), seed=0)
+    assert [name for _, name, _ in lora.adapters(plain)] == ["q_proj"] * (1 if scan else 2)
+    spec = lora.LoRASpec(rank=4, alpha=8.0, targets=targets, experts=True)
+    model = lora.attach(copy(), spec, seed=0)
+    experts = [(n, a) for _, n, a in lora.adapters(model) if isinstance(a, lora.ExpertAdapter)]
+    assert sorted({n for n, _ in experts}) == ["down_proj", "gate_proj", "up_proj"]
+    assert len(experts) == 3 * (1 if scan else cfg.num_layers)
+    e, d, f, lead = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, scan * ("layers",)
+    for name, adapter in experts:
+        d_in, d_out, ax_in, ax_out = (
+            (f, d, "expert_mlp", "embed") if name == "down_proj" else (d, f, "embed", "expert_mlp")
+        )
+        assert adapter.a.shape[scan:] == (e, d_in, 4) and adapter.b.shape[scan:] == (e, 4, d_out)
+        assert adapter.a.get_metadata()["out_sharding"] == (*lead, "expert", ax_in, None)
+        assert adapter.b.get_metadata()["out_sharding"] == (*lead, "expert", None, ax_out)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
+    want = _logits(base, tokens)
+    np.testing.assert_array_equal(_logits(model, tokens), want)
+    for i, (_, adapter) in enumerate(experts):  # only the experts' B: their delta alone moves
+        adapter.b.set_value(0.2 * jax.random.normal(jax.random.key(10 + i), adapter.b.shape))
+    got = _logits(model, tokens)
+    assert np.abs(got - want).max() > 1e-2
+    np.testing.assert_allclose(_logits(lora.merged(model), tokens), got, atol=1e-5, rtol=1e-5)
+    graphdef, params = nnx.split(model, nnx.Param)
+    off = nnx.merge(lora.with_adapters(graphdef, params, False), params)
+    np.testing.assert_array_equal(_logits(off, tokens), want)
+    trained, frozen = lora.split_trainable(params)
+    paths = lambda state: [p for p, _ in nnx.to_flat_state(state)]
+    assert all(any("_lora" in str(x) for x in p) for p in paths(trained))
+    assert not any(any("_lora" in str(x) for x in p) for p in paths(frozen))
+    assert any(p[-1] == "gate_kernel" for p in paths(frozen))
+
+    def loss(trained_):
+        logits = nnx.merge(graphdef, lora.join(trained_, frozen))(tokens)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    grads = _flat(jax.jit(jax.grad(loss))(trained))
+    for path, g in grads.items():
+        if path[-2] in ("gate_lora", "up_lora", "down_lora"):
+            assert np.abs(g).max() > 0, path
+    assert sum(p[-2] in ("gate_lora", "up_lora", "down_lora") for p in grads) == 2 * len(experts)
+    lora.save_peft(model, tmp_path, spec)
+    note = capsys.readouterr().out
+    assert note.count("PEFT export") == 1 and "MoE experts (gate_proj, up_proj, down_proj)" in note
+    header = safetensors_io.SafetensorsFile(tmp_path / "adapter_model.safetensors").keys()
+    assert header and all(".self_attn.q_proj." in k for k in header)
 
 
 def test_reference_logprobs_with_adapters_off_equal_the_base_model():
@@ -299,6 +358,8 @@ def test_lora_resume_after_sigkill_is_bit_exact_and_checkpoints_hold_no_base(tmp
         ({"model.param_dtype": "bfloat16", "model.allow_bf16_params": True},
          "config.model.param_dtype is bfloat16 with lora.enabled"),
         ({"lora.dropout": 0.1}, "config.lora.dropout is 0.1"),
+        ({"lora.targets": "q_proj,v_proj", "lora.experts": True},
+         "config.lora.experts is True but lora.targets"),
     ],
 )  # fmt: skip
 def test_bad_lora_settings_fail_with_one_sentence(changes, words):

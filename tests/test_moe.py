@@ -2,6 +2,7 @@
 decoding, export, presets and bad configs."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,62 @@ def test_logits_equal_transformers_with_and_without_padding(checkpoints, kind, s
         ours = models.with_config(model, moe_dispatch=dispatch)
         logits = np.asarray(forward(ours, jnp.asarray(tokens), jnp.asarray(mask)))
         np.testing.assert_allclose(logits[real], ref[real], atol=TOL, rtol=0, err_msg=dispatch)
+
+
+def test_balance_loss_is_transformers_per_layer_on_every_update_path(checkpoints):
+    """`moe.balance_loss` is transformers' `load_balancing_loss_func` of each MoE layer's router
+    logits over the real tokens (left-padded prompts, right-padded responses), averaged over
+    the layers; the shared-prompt and packed update paths give the same value and router
+    gradient as the plain forward."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from gvpo_jax import buckets, train_step
+    from gvpo_jax.batch import UpdateBatch
+
+    path, hf_model = checkpoints["raw"]
+    model = models.from_pretrained(path)
+    g, j = 2, 3  # two groups of two responses behind 3 prompt slots
+    tokens = np.array([[0, 5, 6, 10, 11, 12, 0], [0, 5, 6, 20, 0, 0, 0],
+                       [7, 8, 9, 30, 31, 0, 0], [7, 8, 9, 40, 41, 42, 43]], np.int32)  # fmt: skip
+    resp = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]], np.float32)
+    mask = np.concatenate([[[0, 1, 1]] * 2 + [[1, 1, 1]] * 2, resp], axis=1).astype(np.float32)
+    with torch.no_grad():
+        out = hf_model(torch.tensor(tokens, dtype=torch.long),
+                       attention_mask=torch.tensor(mask, dtype=torch.long),
+                       position_ids=torch.tensor(np.maximum(np.cumsum(mask, 1) - 1, 0),
+                                                 dtype=torch.long),
+                       output_router_logits=True)  # fmt: skip
+    per_layer = [float(load_balancing_loss_func((logits,), 6, 2, torch.tensor(mask)))
+                 for logits in out.router_logits]  # fmt: skip
+    assert len(per_layer) == 2 and max(per_layer) > 2.0  # k = 2 when balanced: these are not
+    graphdef, params = nnx.split(model)
+    packed = buckets.pack(UpdateBatch(tokens=tokens, valid=mask, loss_mask=resp,
+                                      rewards=np.zeros(4, np.float32)),
+                          np.arange(4), 8, j, g).packed  # fmt: skip
+    kw = dict(prompt_len=j, chunk_size=4, with_routes=True)
+    paths = {
+        "plain": lambda p: train_step.response_logprobs(graphdef, p, tokens, mask, **kw),
+        "shared": lambda p: train_step.response_logprobs(
+            graphdef, p, tokens, mask, group_size=g, **kw
+        ),  # fmt: skip
+        "packed": lambda p: train_step.packed_logprobs(graphdef, p, packed, group_size=g, **kw),
+    }
+
+    def balance(path_fn, p):
+        return moe.balance_loss(path_fn(p)[1].balance)
+
+    results = {
+        name: jax.jit(jax.value_and_grad(functools.partial(balance, fn)))(params)
+        for name, fn in paths.items()
+    }
+    value, grads = results["plain"]
+    assert float(value) == pytest.approx(np.mean(per_layer), rel=1e-5)
+    router = grads["layers"][0]["mlp"]["router_kernel"][...]
+    assert float(jnp.abs(router).max()) > 1e-4  # the loss reaches the router
+    for name in ("shared", "packed"):
+        assert float(results[name][0]) == pytest.approx(float(value), rel=1e-5), name
+        for a, b in zip(jax.tree.leaves(results[name][1]), jax.tree.leaves(grads), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4, err_msg=name)
 
 
 def _experts(seed, n=37, d=16, e=6, f=12, k=2):
@@ -295,8 +352,9 @@ MOE_OVERRIDES = {
 
 @pytest.mark.parametrize("algo", ["gspo+packed+lora", "gvpo+experts"])
 def test_rl_steps_on_an_moe_policy(algo):
-    """Two trainer steps on an MoE policy: GSPO with two minibatches, packed groups and LoRA
-    adapters (the log-prob pass and the packed update recompute each token's routing), and GVPO
+    """Two trainer steps on an MoE policy: GSPO with two minibatches, packed groups, LoRA
+    adapters and the router's balance loss (the log-prob pass and the packed update recompute
+    each token's routing), and GVPO
     (the shared-prompt update) with the experts split over a 2-device expert axis
     (`mesh.expert`): the policy changes, every metric is finite, and the sampler's log-probs
     and routing equal the update's."""
@@ -308,11 +366,14 @@ def test_rl_steps_on_an_moe_policy(algo):
     if algo != "gvpo":
         changes["algo.num_minibatches"] = 2
     if "lora" in extras:
-        changes.update({"lora.enabled": True, "lora.rank": 4, "optim.lr": 1e-2})
+        changes.update(
+            {"lora.enabled": True, "lora.rank": 4, "optim.lr": 1e-2, "lora.experts": True}
+        )
     if "experts" in extras:
         changes.update({"mesh.num_devices": 2, "mesh.data": 1, "mesh.expert": 2})
     if "packed" in extras:
         changes.update({"optim.length_buckets": 2, "optim.pack_groups": True})
+        changes["algo.router_aux_loss_coef"] = 0.01  # the balance loss on the packed path
     run, state, loop, ref = make_run(toy_config(algo, **changes))
     cfg = run.model(state.params).config
     assert cfg.moe and cfg.num_experts == 4
@@ -332,6 +393,10 @@ def test_rl_steps_on_an_moe_policy(algo):
     assert 1.0 <= metrics["moe/load_max_over_mean"] <= metrics["moe/load_max_over_mean_max"] <= 4
     assert 0.0 < metrics["moe/router_entropy"] <= np.log(4) + 1e-6
     assert metrics["moe/load_max_over_mean/layer_0"] == metrics["moe/load_max_over_mean"]
+    if "packed" in extras:  # 2 (top-k) when balanced, up to 4 (E) when one expert takes all
+        assert 1.0 < metrics["router_balance_loss"] <= 4.0
+    else:
+        assert "router_balance_loss" not in metrics
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
@@ -527,3 +592,11 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_one_sentence():
     c = toy_config("gvpo", **MOE_OVERRIDES, **mesh, **{"rollout.prompts_per_step": 8})
     with pytest.raises(Exception, match="num_experts=4 is not divisible by mesh axis 'expert'"):
         make_run(c)
+    # the router's balance loss needs a router, and a coefficient that is not negative
+    with pytest.raises(config_lib.ConfigError, match="router_aux_loss_coef is 0.01 but the model"):
+        make_run(toy_config("gvpo", **{"algo.router_aux_loss_coef": 0.01}))
+    lora = {"lora.enabled": True, "lora.rank": 2, "lora.experts": True}
+    with pytest.raises(config_lib.ConfigError, match="config.lora.experts is true but the model"):
+        make_run(toy_config("gvpo", **lora))
+    with pytest.raises(config_lib.ConfigError, match="config.algo.router_aux_loss_coef is -1.0;"):
+        toy_config("gvpo", **MOE_OVERRIDES, **{"algo.router_aux_loss_coef": -1.0})

@@ -11,6 +11,9 @@ fp32 masters with their Adam moments) and the frozen base (in the compute dtype,
 optimizer). They carry the logical axes of the weight they adapt (`embed`, `heads`, `mlp`, ...)
 on their in / out dimensions and none on the rank, so the mesh rules shard them as the base.
 
+With `LoRASpec.experts` an MoE layer's experts get adapters too (`ExpertAdapter`: per-expert A
+[E, in, r] and B [E, r, out] on the MLP targets, applied as merged weights W + scale A B).
+
 Switching the adapters off (`with_adapters(graphdef, False)`) changes the graph, not the
 parameters: the reference policy of a LoRA run is the same parameters run without the adapter
 branch, so no second copy of the weights exists. Why a hand-written adapter and not
@@ -54,6 +57,7 @@ class LoRASpec:
     alpha: float
     targets: tuple[str, ...] = tuple(TARGETS)
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+    experts: bool = False  # the MLP targets of an MoE layer adapt its experts (ExpertAdapter)
 
     @property
     def scale(self) -> float:
@@ -94,6 +98,37 @@ class Adapter(nnx.Module):
         return scale * jnp.tensordot(a, b, axes=1)
 
 
+class ExpertAdapter(nnx.Module):
+    """Per-expert LoRA on an MoE layer's stacked expert kernel [E, in, out]: A [E, in, r] (uniform
+    in +-1/sqrt(in), as `Adapter`), B [E, r, out] zero, fp32 masters. The layer uses it as the
+    merged weight W + `delta()` (`MoE.__call__`), so every dispatch and the expert-parallel
+    exchange see plain [E, ...] weights. `enabled` is static, as for `Adapter`.
+    """
+
+    def __init__(self, experts, d_in, d_out, axes, *, rank: int, scale: float, rngs: nnx.Rngs):
+        """`axes`: the kernel's logical axes (expert, in, out), which A and B take over."""
+        expert_axis, in_axis, out_axis = axes
+        bound = 1.0 / math.sqrt(d_in)
+        a = jax.random.uniform(rngs.params(), (experts, d_in, rank), jnp.float32, -bound, bound)
+        self.a = nnx.LoRAParam(a, out_sharding=(expert_axis, in_axis, None), eager_sharding=False)
+        b = jnp.zeros((experts, rank, d_out), jnp.float32)
+        self.b = nnx.LoRAParam(b, out_sharding=(expert_axis, None, out_axis), eager_sharding=False)
+        self.scale = scale
+        self.enabled = True
+
+    def delta(self) -> jax.Array:
+        """fp32 scale * A @ B per expert, [E, in, out]."""
+        return self.product(self.a[...], self.b[...], self.scale)
+
+    @staticmethod
+    def product(a, b, scale) -> jax.Array:
+        return scale * jnp.einsum("edr,erf->edf", a, b, preferred_element_type=jnp.float32)
+
+    def merge(self, w_ExIxO: jax.Array, dtype) -> jax.Array:
+        """The kernel W + delta, summed in fp32 and stored in `dtype` (as `merged` writes it)."""
+        return (w_ExIxO.astype(jnp.float32) + self.delta()).astype(dtype)
+
+
 def _kernel(module, stem: str):
     return getattr(module, f"{stem}_kernel")
 
@@ -111,7 +146,8 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
     """Adds fresh adapters (B = 0) to `spec.targets` of every layer, in place; returns `model`.
 
     Their A matrices come from their own stream (`seed`), so the base is untouched and equal to
-    the model built without LoRA.
+    the model built without LoRA. On an MoE layer the MLP targets adapt the experts
+    (`ExpertAdapter`) with `spec.experts`, and are skipped without it.
     """
     rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 0x10A))  # not the base's
     stacked = model.config.scan_layers  # one Block of stacked [L, ...] kernels
@@ -121,25 +157,30 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
         for name in spec.targets:
             part, stem = TARGETS[name]
             module = getattr(block, part)
-            if isinstance(module, MoE):  # the MLP targets adapt dense MLPs, not the experts
-                continue
             kernel = _kernel(module, stem)
             k, axes = _input_dims(stem) + stacked, _axes(kernel)[stacked:]
-            adapter = Adapter(
-                kernel.shape[stacked:k],
-                kernel.shape[k:],
-                axes[: k - stacked],
-                axes[k - stacked :],
-                rank=spec.rank,
-                scale=spec.scale,
-                rngs=rngs,
-            )
+            if isinstance(module, MoE):  # the experts' kernels [E, in, out]: only with `experts`
+                if not spec.experts:
+                    continue
+                adapter = ExpertAdapter(
+                    *kernel.shape[stacked:], axes, rank=spec.rank, scale=spec.scale, rngs=rngs
+                )
+            else:
+                adapter = Adapter(
+                    kernel.shape[stacked:k],
+                    kernel.shape[k:],
+                    axes[: k - stacked],
+                    axes[k - stacked :],
+                    rank=spec.rank,
+                    scale=spec.scale,
+                    rngs=rngs,
+                )
             made[name].append(adapter)
             if not stacked:
                 setattr(module, f"{stem}_lora", adapter)
     if stacked:  # each target's adapters stacked like the kernels they adapt
         for name, per_layer in made.items():
-            if not per_layer:  # an MLP target of an all-MoE model
+            if not per_layer:  # an MLP target of an all-MoE model without `experts`
                 continue
             part, stem = TARGETS[name]
             setattr(getattr(model.layers, part), f"{stem}_lora", stack_blocks(per_layer))
@@ -159,9 +200,10 @@ def _abstract_split(cfg, spec: LoRASpec):
     )
 
 
-def adapters(model: Transformer) -> list[tuple[int | None, str, Adapter]]:
-    """(layer, target name, adapter) of every adapter attached to `model`; with `scan_layers`
-    one adapter per target whose A and B are stacked [L, ...], and layer None."""
+def adapters(model: Transformer) -> list[tuple[int | None, str, Adapter | ExpertAdapter]]:
+    """(layer, target name, adapter) of every adapter attached to `model` (an MoE layer's MLP
+    targets: `ExpertAdapter`s); with `scan_layers` one adapter per target whose A and B are
+    stacked [L, ...], and layer None."""
     out = []
     stacked = model.config.scan_layers
     for i, block in [(None, model.layers)] if stacked else enumerate(model.layers):
@@ -201,8 +243,9 @@ def join(trained, frozen):
 
 
 def merged(model: Transformer, dtype=None) -> Transformer:
-    """A plain model (no adapters) whose kernels are W + scale * A @ B, summed in fp32 and stored
-    in `dtype` (default: the base's dtype). Adapters that are off are not merged."""
+    """A plain model (no adapters) whose kernels are W + scale * A @ B (per expert on an MoE
+    layer), summed in fp32 and stored in `dtype` (default: the base's dtype). Adapters that are
+    off are not merged."""
     graphdef, _ = nnx.split(abstract_model(model.config), nnx.Param)
     state = nnx.state(model, nnx.Param)
     state = nnx.split_state(state, nnx.LoRAParam, ...)[1] if has_adapters(state) else state
@@ -217,10 +260,10 @@ def merged(model: Transformer, dtype=None) -> Transformer:
             else ("layers", i, part, f"{stem}_kernel")
         )
         w = flat[path].get_value()
-        delta = (
+        delta = (  # an MoE layer's kernels (the same paths) take their ExpertAdapter's product
             adapter.delta()
             if i is not None
-            else jax.vmap(Adapter.product, (0, 0, None))(
+            else jax.vmap(type(adapter).product, (0, 0, None))(
                 adapter.a[...], adapter.b[...], adapter.scale
             )
         )
@@ -235,12 +278,27 @@ def save_peft(model: Transformer, out_dir, spec: LoRASpec, *, base_model: str = 
 
     PEFT's lora_A.weight is [r, in_features] and lora_B.weight [out_features, r], with the
     features flattened as transformers' Linear weights are (q_proj out = heads x head_dim).
+    Adapters on MoE experts (`ExpertAdapter`) are not written (transformers 5 fuses the experts
+    into 3-D parameters, not the Linear modules `target_modules` names); a note printed once
+    says so, and the merged export (`merged`) carries them.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sources = []
     per_layer = []  # (layer, name, A shape, B shape, A, B): A [*in, r], B [r, *out] on demand
+    skipped = sorted(
+        {name for _, name, adapter in adapters(model) if isinstance(adapter, ExpertAdapter)},
+        key=list(TARGETS).index,
+    )
+    if skipped:
+        print(
+            f"PEFT export: the adapters on the MoE experts ({', '.join(skipped)}) are not "
+            f"written to {out_dir} (transformers 5 fuses the experts into 3-D parameters, not "
+            "the Linear modules PEFT's target_modules name); the merged export carries them."
+        )
     for i, name, adapter in adapters(model):
+        if isinstance(adapter, ExpertAdapter):
+            continue
         a_shape, b_shape = adapter.a.shape[i is None :], adapter.b.shape[i is None :]
         if i is not None:
             per_layer.append((i, name, a_shape, b_shape, adapter.a.get_value, adapter.b.get_value))

@@ -31,14 +31,28 @@ import jax.numpy as jnp
 DISPATCHES = ("dense", "grouped", "ragged")
 
 
+class Balance(NamedTuple):
+    """An MoE layer's load over the real tokens of one call, as sums (so calls and shards add
+    up exactly): `tokens` [S] real tokens, `counts` [S, E] the assignments each expert
+    received (top-k slots: they sum to k x tokens; no gradient), `probs` [S, E] the router's
+    fp32 softmax summed over those tokens (differentiable). S: one entry per batch shard of
+    the layer's `shard_map` (1 without). What the load-balancing loss reads (`balance_loss`)."""
+
+    tokens: jax.Array
+    counts: jax.Array
+    probs: jax.Array
+
+
 class Routes(NamedTuple):
     """What an MoE layer's router decided for each token: `experts` int32 [..., K], the
-    experts it went to (what replay feeds back), and `entropy` fp32 [...], the entropy in nats
-    of the router's softmax over all E experts (a metric). `Transformer.hidden(with_routes=
-    True)` stacks them over the MoE layers, [M, B, T, ...]."""
+    experts it went to (what replay feeds back), `entropy` fp32 [...], the entropy in nats
+    of the router's softmax over all E experts (a metric), and `balance` (`Balance`: the
+    call's load, per batch shard). `Transformer.hidden(with_routes=True)` stacks them over
+    the MoE layers, [M, B, T, ...] and [M, S, ...]."""
 
     experts: jax.Array
     entropy: jax.Array
+    balance: Balance | None = None
 
 
 def resolve(dispatch: str, platform: str | None = None) -> str:
@@ -53,6 +67,42 @@ def entropy(logits_NxE: jax.Array) -> jax.Array:
     """The router softmax's entropy per token, fp32 [N] (nats; log E when uniform)."""
     logp_NxE = jax.nn.log_softmax(logits_NxE.astype(jnp.float32), axis=-1)
     return -jnp.sum(jnp.exp(logp_NxE) * logp_NxE, axis=-1)
+
+
+def balance(logits_NxE: jax.Array, experts_NxK: jax.Array, valid_N: jax.Array) -> Balance:
+    """One call's `Balance` over its valid tokens (a leading axis of 1: this shard's entry)."""
+    e = logits_NxE.shape[-1]
+    valid_N = valid_N.astype(jnp.float32)
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    w_NxK = jnp.broadcast_to(valid_N[:, None], experts_NxK.shape)
+    counts_E = jnp.zeros((e,), jnp.float32).at[experts_NxK.reshape(-1)].add(w_NxK.reshape(-1))
+    return Balance(
+        tokens=jnp.sum(valid_N)[None],
+        counts=jax.lax.stop_gradient(counts_E)[None],
+        probs=jnp.einsum("ne,n->e", probs_NxE, valid_N)[None],
+    )
+
+
+def balance_loss(b: Balance) -> jax.Array:
+    """The router's load-balancing loss of stacked layers' `Balance` ([M, S, ...]): per MoE
+    layer E * sum_e f_e * P_e, with f_e = the assignments expert e received per real token
+    and P_e = its mean router probability over them (the Switch Transformer's loss on
+    transformers' scale: f sums to k, so a perfectly balanced layer scores k), then the mean
+    over layers. Its gradient reaches the router through P; f is a count."""
+    e = b.counts.shape[-1]
+    tokens_M = jnp.maximum(jnp.sum(b.tokens, axis=1), 1.0)
+    f_MxE = jnp.sum(b.counts, axis=1) / tokens_M[:, None]
+    p_MxE = jnp.sum(b.probs, axis=1) / tokens_M[:, None]
+    return jnp.mean(e * jnp.sum(f_MxE * p_MxE, axis=-1))
+
+
+def combine_balance(parts: list[tuple[Balance, float]]) -> Balance:
+    """The `Balance` of several calls' tokens ([M, S, ...] each, equal M), each weighted (a
+    shared prompt run once for G rows counts G times), summed over their shards."""
+    return Balance(*(
+        sum(w * jnp.sum(getattr(b, f), axis=1, keepdims=True) for b, w in parts)
+        for f in Balance._fields
+    ))  # fmt: skip
 
 
 def route(

@@ -293,23 +293,39 @@ class MoE(nnx.Module):
         self.gate_kernel = _param(rngs, _normal, (e, d, f), dt, ("expert", "embed", "expert_mlp"))
         self.up_kernel = _param(rngs, _normal, (e, d, f), dt, ("expert", "embed", "expert_mlp"))
         self.down_kernel = _param(rngs, _normal, (e, f, d), dt, ("expert", "expert_mlp", "embed"))
+        # LoRA on the experts (models/lora.py ExpertAdapter, `lora.experts`)
+        self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)
 
-    def __call__(self, x_BxTxD: jax.Array, routing_BxTxK=None) -> tuple[jax.Array, moe_lib.Routes]:
-        """(output [B, T, D], the router's decisions: `moe.Routes` of [B, T, K] experts and
-        [B, T] entropies). `routing_BxTxK` replays a recorded routing: those experts, gated by
-        this router's probabilities at them (renormalised as the model does), so the router
-        keeps its gradient.
+    def __call__(
+        self, x_BxTxD: jax.Array, valid_BxT=None, routing_BxTxK=None
+    ) -> tuple[jax.Array, moe_lib.Routes]:
+        """(output [B, T, D], the router's decisions: `moe.Routes` of [B, T, K] experts, [B, T]
+        entropies and the load over the real tokens (`valid_BxT`, default all) per batch
+        shard). `routing_BxTxK` replays a recorded routing: those experts, gated by this
+        router's probabilities at them (renormalised as the model does), so the router keeps
+        its gradient.
 
         Under a mesh whose batch axes split the rows, each batch shard routes and dispatches
         its own tokens (`shard_map` over those axes; the expert weights enter whole along them,
         as an FSDP layer gathers its weights): sorting the assignments of the global batch
         would gather every token onto every device."""
         cdt = self.compute_dtype
-        weights = tuple(
-            weight(p, cdt)
-            for p in (self.router_kernel, self.gate_kernel, self.up_kernel, self.down_kernel)
+        # Expert LoRA as merged weights W + scale A B per expert (summed in fp32, then cast):
+        # exact, and every dispatch, the shard_map and the expert axis see plain [E, ...]
+        # weights. It costs E*D*r*F FLOPs per projection, small against the tokens' N*k*D*F
+        # in an update (N*k >> E*r); a decode step's few tokens pay it at every step.
+        kernels = (
+            (self.gate_kernel, self.gate_lora),
+            (self.up_kernel, self.up_lora),
+            (self.down_kernel, self.down_lora),
+        )
+        weights = (weight(self.router_kernel, cdt),) + tuple(
+            weight(p, cdt) if lo is None or not lo.enabled else lo.merge(p[...], cdt)
+            for p, lo in kernels
         )
         routing = () if routing_BxTxK is None else (routing_BxTxK,)
+        if valid_BxT is None:
+            valid_BxT = jnp.ones(x_BxTxD.shape[:2], jnp.bool_)
         axes = _batch_mesh_axes(x_BxTxD.shape[0])
         experts = _expert_shards(axes)
         local = functools.partial(self._local, replay=bool(routing), expert_shards=experts)
@@ -319,14 +335,14 @@ class MoE(nnx.Module):
             split = P("expert") if experts > 1 else whole  # the experts' [E, ...] over `expert`
             local = jax.shard_map(
                 local,
-                in_specs=(rows, (whole, split, split, split), (rows,) * len(routing)),
-                out_specs=(rows, moe_lib.Routes(rows, rows)),
+                in_specs=(rows, rows, (whole, split, split, split), (rows,) * len(routing)),
+                out_specs=(rows, moe_lib.Routes(rows, rows, moe_lib.Balance(rows, rows, rows))),
                 axis_names=set(axes),
             )
-        out_BxTxD, routes = local(x_BxTxD, weights, routing)
+        out_BxTxD, routes = local(x_BxTxD, valid_BxT, weights, routing)
         return constrain(out_BxTxD, ("batch", "length", "embed")), routes
 
-    def _local(self, x_BxTxD, weights, routing, *, replay: bool, expert_shards: int = 1):
+    def _local(self, x_BxTxD, valid_BxT, weights, routing, *, replay: bool, expert_shards: int = 1):
         """The routing and dispatch of these rows' tokens (one batch shard's, under a mesh).
         With `expert_shards` > 1 `weights` hold this device's share of the experts, and the
         assignments travel to their experts' devices and back (`moe.exchange`)."""
@@ -356,7 +372,9 @@ class MoE(nnx.Module):
         else:
             y_NxD = self._dispatch(experts, x_NxD, gates_NxK, experts_NxK)
         routes = moe_lib.Routes(
-            experts_NxK.reshape(b, t, -1), moe_lib.entropy(logits_NxE).reshape(b, t)
+            experts_NxK.reshape(b, t, -1),
+            moe_lib.entropy(logits_NxE).reshape(b, t),
+            moe_lib.balance(logits_NxE, experts_NxK, valid_BxT.reshape(b * t)),
         )
         return y_NxD.reshape(b, t, d), routes
 
@@ -419,13 +437,30 @@ class Block(nnx.Module):
         x_BxTxD = x_BxTxD + attn_BxTxD
         routes_BxTxK = None
         if isinstance(self.mlp, MoE):
-            mlp_BxTxD, routes_BxTxK = self.mlp(self.mlp_norm(x_BxTxD), routing)
+            mlp_BxTxD, routes_BxTxK = self.mlp(self.mlp_norm(x_BxTxD), valid_BxT, routing)
         else:
             mlp_BxTxD = self.mlp(self.mlp_norm(x_BxTxD))
         if self.post_mlp_norm is not None:
             mlp_BxTxD = self.post_mlp_norm(mlp_BxTxD)
         x_BxTxD = x_BxTxD + mlp_BxTxD
         return constrain(x_BxTxD, ("batch", "length", "embed")), layer_cache, routes_BxTxK
+
+
+def _join_routes(prefix, rest, *, repeat: int = 1, weight: int | None = None):
+    """The routes of a prefix pass ([M, P, J, ...]) and of the pass that continues it
+    ([M, B, N, ...]) as one pass over [prefix, continuation] would give them: the prefix's rows
+    repeated `repeat` times, and its load counted `weight` times (default `repeat`). None
+    without MoE layers."""
+    if prefix is None:
+        return None
+    tile = functools.partial(jnp.repeat, repeats=repeat, axis=1)
+    return moe_lib.Routes(
+        experts=jnp.concatenate([tile(prefix.experts), rest.experts], axis=2),
+        entropy=jnp.concatenate([tile(prefix.entropy), rest.entropy], axis=2),
+        balance=moe_lib.combine_balance(
+            [(prefix.balance, repeat if weight is None else weight), (rest.balance, 1)]
+        ),
+    )
 
 
 def layer_kind(cfg: ModelConfig, layer: int) -> tuple:
@@ -655,7 +690,9 @@ class Transformer(nnx.Module):
         # (every layer is an MoE layer or none is: a mixed pattern is not scanned)
         return jax.lax.scan(body, x_BxTxD, (kind_L, state, cache, routing))
 
-    def hidden_shared_prefix(self, tokens_BxS, mask_BxS, *, prefix_len: int, group_size: int):
+    def hidden_shared_prefix(
+        self, tokens_BxS, mask_BxS, *, prefix_len: int, group_size: int, with_routes=False
+    ):
         """`hidden(tokens_BxS, None, mask_BxS)` for rows that share their prefix in groups.
 
         Rows come in groups of `group_size` consecutive rows whose first `prefix_len` tokens
@@ -665,6 +702,9 @@ class Transformer(nnx.Module):
         rollout batch skips (G - 1) / G of the prompt tokens' work; gradients through the
         shared prefix sum over the group. Same values as `hidden` (fp32 rounding aside);
         returns final-norm hidden states [B, S, D], the prefix slots repeated per row.
+        `with_routes`: (hidden, routes) with the routes laid out as `hidden`'s would be (the
+        prefix's repeated per row, its load counted once per row); routes is None without
+        MoE layers.
         """
         b, s = tokens_BxS.shape
         g, j = group_size, prefix_len
@@ -676,20 +716,39 @@ class Transformer(nnx.Module):
         positions_BxS = default_positions(mask_BxS, b, s)
         valid_BxS = mask_BxS.astype(bool)
         p = b // g
-        prefix_PxJxD, cache = self.hidden(
+        prefix_PxJxD, cache, *prefix_routes = self.hidden(
             tokens_BxS[::g, :j],
             positions_BxS[::g, :j],
             valid_BxS[::g, :j],
             cache=self.init_cache(p, j),
             cache_index=0,
+            with_routes=with_routes,
         )
         cache = self.share_prefix_cache(cache, g, s - j)
-        new_BxNxD, _ = self.hidden(
-            tokens_BxS[:, j:], positions_BxS[:, j:], valid_BxS[:, j:], cache=cache, cache_index=0
+        new_BxNxD, _, *new_routes = self.hidden(
+            tokens_BxS[:, j:],
+            positions_BxS[:, j:],
+            valid_BxS[:, j:],
+            cache=cache,
+            cache_index=0,
+            with_routes=with_routes,
         )
-        return jnp.concatenate([jnp.repeat(prefix_PxJxD, g, axis=0), new_BxNxD], axis=1)
+        hidden_BxSxD = jnp.concatenate([jnp.repeat(prefix_PxJxD, g, axis=0), new_BxNxD], axis=1)
+        if not with_routes:
+            return hidden_BxSxD
+        return hidden_BxSxD, _join_routes(prefix_routes[0], new_routes[0], repeat=g)
 
-    def hidden_packed(self, tokens_RxS, mask_RxS, positions_RxS, segments_RxW, *, prefix_len: int):
+    def hidden_packed(
+        self,
+        tokens_RxS,
+        mask_RxS,
+        positions_RxS,
+        segments_RxW,
+        *,
+        prefix_len: int,
+        prefix_copies: int = 1,
+        with_routes=False,
+    ):
         """Final-norm hidden states [R, S, D] of packed rows: row r is a prefix of
         `prefix_len` slots (left-padded) followed by several continuations back to back, each
         with its own segment id (`segments_RxW`, W = S - prefix_len, ids non-decreasing along
@@ -698,22 +757,34 @@ class Transformer(nnx.Module):
         only (`cache.PackedPrefixCache`), so a token's hidden state is the one it has in an
         unpacked row [prefix, its continuation] (fp32 rounding aside): the update runs a
         group's G responses behind one copy of its prompt with no padding between them.
+        `with_routes`: (hidden, routes) in the packed layout, the prefix's load counted
+        `prefix_copies` times (G: as often as the unpacked rows hold it).
         """
         j = prefix_len
         r = tokens_RxS.shape[0]
         valid_RxS = mask_RxS.astype(bool)
-        prefix_RxJxD, cache = self.hidden(
+        prefix_RxJxD, cache, *prefix_routes = self.hidden(
             tokens_RxS[:, :j],
             positions_RxS[:, :j],
             valid_RxS[:, :j],
             cache=self.init_cache(r, j),
             cache_index=0,
+            with_routes=with_routes,
         )
         packed = caches.per_layer(lambda c: caches.PackedPrefixCache.share(c, segments_RxW), cache)
-        new_RxWxD, _ = self.hidden(
-            tokens_RxS[:, j:], positions_RxS[:, j:], valid_RxS[:, j:], cache=packed, cache_index=0
+        new_RxWxD, _, *new_routes = self.hidden(
+            tokens_RxS[:, j:],
+            positions_RxS[:, j:],
+            valid_RxS[:, j:],
+            cache=packed,
+            cache_index=0,
+            with_routes=with_routes,
         )
-        return jnp.concatenate([prefix_RxJxD, new_RxWxD], axis=1)
+        hidden_RxSxD = jnp.concatenate([prefix_RxJxD, new_RxWxD], axis=1)
+        if not with_routes:
+            return hidden_RxSxD
+        routes = _join_routes(prefix_routes[0], new_routes[0], weight=prefix_copies)
+        return hidden_RxSxD, routes
 
     def unembed_matrix(self) -> jax.Array:
         """[V, D] output projection (the embedding when tied), in the compute dtype."""
