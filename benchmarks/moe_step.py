@@ -10,7 +10,9 @@ does not depend on what the weights say, only on the lengths they sample, which 
   - moe E=8 grouped: the config as it is (8 experts of width 96, top-2; CPU's grouped path);
   - moe E=8 dense-dispatch: every expert on every token (the reference path);
   - moe E=32 grouped: 32 experts of the same width at top-2 (4x the expert weights, the same
-    active FLOPs): the grouped path's cost should stay flat in E.
+    active FLOPs): the grouped path's cost should stay flat in E;
+  - a variant name may add "block=N" (the grouped path's largest block, `moe_block`) and
+    "no-metrics" (`train.routing_metrics=false`: without the routing metrics' forward).
 One GVPO step each: the rollout (128 prompts x 4 samples, up to 5 new tokens), rewards, the
 old-policy log-prob pass, the update, and for the MoE runs the routing metrics' forward
 (`gvpo_jax.routing`). The variants step round-robin (one step of each per round, so a drifting
@@ -55,9 +57,15 @@ def config(variant: str, quick: bool):
         ):
             del o[name]
     elif variant.startswith("moe"):
-        _, experts, dispatch = variant.split()
+        _, experts, dispatch, *extras = variant.split()
         o.num_experts = int(experts.removeprefix("E="))
         o.moe_dispatch = {"grouped": "grouped", "dense-dispatch": "dense"}[dispatch]
+        for extra in extras:  # "block=N": the grouped path's largest block; "no-metrics"
+            if extra.startswith("block="):
+                o.moe_block = int(extra.removeprefix("block="))
+            else:
+                assert extra == "no-metrics", extra
+                c.train.routing_metrics = False
     c.sft.steps = 0
     c.train.eval_every = 0
     c.train.sample_log_every = 0
@@ -69,7 +77,13 @@ def config(variant: str, quick: bool):
     return c
 
 
-VARIANTS = ("dense", "moe E=8 grouped", "moe E=8 dense-dispatch", "moe E=32 grouped")
+VARIANTS = (
+    "dense",
+    "moe E=8 grouped",
+    "moe E=8 grouped no-metrics",
+    "moe E=8 dense-dispatch",
+    "moe E=32 grouped",
+)
 
 
 class Stepper:

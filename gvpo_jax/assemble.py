@@ -202,6 +202,7 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         max_bad_steps=c.train.max_bad_steps,
         grad_clip=c.optim.grad_clip,
         staleness=c.rollout.staleness,
+        routing_metrics=bool(c.train.routing_metrics),
     )
 
 

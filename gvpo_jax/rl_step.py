@@ -59,6 +59,7 @@ class StepSettings:
     max_bad_steps: int  # consecutive non-finite updates before the run stops
     grad_clip: float = 0.0  # the optimizer's global-norm clip (0: off), for grad_clipped_frac
     staleness: int = 0  # the rollout of step t comes from the policy of step t - staleness
+    routing_metrics: bool = True  # an MoE policy's moe/* metrics (one more forward per step)
 
 
 @dataclasses.dataclass
@@ -278,7 +279,9 @@ def rl_step(run, state, loop: LoopState, ref_params):
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
     # An MoE policy: its routing now (the parameters pi_old is computed with) against the
     # sampler's, before the updates change them.
-    moe_metrics = routing.metrics(run, state.params, fresh) if "routes" in fresh else {}
+    moe_metrics = {}
+    if "routes" in fresh and s.routing_metrics:
+        moe_metrics = routing.metrics(run, state.params, fresh)
     # Response slots computed per real response token (1.0: no padding) of a log-prob pass.
     real = max(float(batch.loss_mask.sum()), 1.0)
     pad_ratio = {"logprob_pad_ratio": updater.logprob_slots(batch.valid) / real}

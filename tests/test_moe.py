@@ -545,6 +545,11 @@ def test_stale_moe_rollouts_measure_routing_drift_and_carry_routes_in_the_queue(
         drift.append(metrics["moe/routing_drift"])
     assert all("routes" in q.batch for q in loop.queue)
     assert drift[0] < 0.05 and max(drift[2:]) > drift[0], drift  # bf16: the first is near 0
+    # train.routing_metrics=false: no moe/* metrics (no extra forward), routes still recorded
+    quiet = dataclasses.replace(run.settings, routing_metrics=False)
+    state, metrics, _, _ = rl_step(dataclasses.replace(run, settings=quiet), state, loop, ref)
+    assert not [k for k in metrics if k.startswith("moe/")]
+    assert all("routes" in q.batch for q in loop.queue)
 
 
 def test_a_mixed_layer_pattern_stays_unrolled_on_auto_and_refuses_an_explicit_scan():
