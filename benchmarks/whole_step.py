@@ -530,8 +530,7 @@ def main(argv=None) -> dict:
     results, failed, info = {}, {}, {}
     if args.alone:  # one worker at a time, all its steps; then the first one's again (drift)
         passes = [[spec] for spec in specs]
-        if len(specs) > 1:
-            passes.append([(f"{specs[0][0]} (again)", *specs[0][1:])])
+        passes.append([(f"{specs[0][0]} (again)", *specs[0][1:])])
     else:  # every worker alive at once, one step of each per round
         passes = [specs]
     for group in passes:

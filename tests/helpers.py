@@ -7,6 +7,16 @@ import jax
 # runs that agree bit for bit still differ here (as in their wall-clock times).
 PROGRAM_COUNTS = ("new_programs", "programs_compiled_ahead", "programs_reached_first")
 
+# A tiny Qwen3-MoE policy for the trainer's toy configs: 4 experts of width 16, top-2.
+MOE_OVERRIDES = {
+    "model.overrides.architecture": "qwen3_moe",
+    "model.overrides.qk_norm": True,
+    "model.overrides.attention_bias": False,
+    "model.overrides.num_experts": 4,
+    "model.overrides.num_experts_per_tok": 2,
+    "model.overrides.moe_intermediate_size": 16,
+}
+
 
 def scale_matrices(state, factor: float, stacked: bool):
     """Every parameter that is a matrix or more per layer (kernels and biases, not the norm

@@ -15,7 +15,7 @@ import pytest
 from gvpo_jax import config as config_lib
 from gvpo_jax import losses, rl_step, rollout, sampling_ops, train
 from gvpo_jax.batch import BatchSpec, UpdateBatch
-from tests.helpers import PROGRAM_COUNTS
+from tests.helpers import MOE_OVERRIDES, PROGRAM_COUNTS
 from tests.test_train import make_run, toy_config
 
 
@@ -138,7 +138,7 @@ _KILLED_IN_STEP_3 = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from gvpo_jax import rl_step, train
-from tests.test_async import _arith_config
+from tests.test_async import _moe_arith_config
 real, calls = rl_step.collect_groups, []
 def collect_groups(run, *args, **kw):
     calls.append(1)
@@ -147,14 +147,21 @@ def collect_groups(run, *args, **kw):
         os.kill(os.getpid(), signal.SIGKILL)
     return real(run, *args, **kw)
 rl_step.collect_groups = collect_groups
-train.run(_arith_config(**{{"train.steps": 4}}), {workdir!r})
+train.run(_moe_arith_config(), {workdir!r})
 """
+
+
+def _moe_arith_config():
+    """`_arith_config` with a Qwen3-MoE policy (4 experts, top-2), 4 steps: its rollouts carry
+    their routing through the queue and its checkpoint."""
+    return _arith_config(**{"train.steps": 4, **MOE_OVERRIDES})
 
 
 def test_sigkill_with_rollouts_in_the_queue_then_resume_is_bit_exact(tmp_path):
     """SIGKILL inside step 3 (its checkpoint 2 holds R_3 and R_4, sampled but not trained on);
     the resumed run logs the same metrics and ends with the same parameters as a run that was
-    never interrupted."""
+    never interrupted. The policy is an MoE: the queued rollouts' routing records are restored
+    with them (the routing metrics of steps 3 and 4 read them)."""
     import subprocess
     import sys
 
@@ -167,15 +174,16 @@ def test_sigkill_with_rollouts_in_the_queue_then_resume_is_bit_exact(tmp_path):
     script = _KILLED_IN_STEP_3.format(repo=repo, workdir=killed)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=repo, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    train.run(_arith_config(**{"train.steps": 4}), straight)  # meanwhile, in this process
+    train.run(_moe_arith_config(), straight)  # meanwhile, in this process
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == -9, err[-3000:]
     meta = json.load(open(os.path.join(killed, "checkpoints", "2", "meta", "metadata")))
     assert [q["policy_step"] for q in meta["queue"]] == [1, 2]  # R_3 (step 1), R_4 (step 2)
     assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["2"]
-    train.run(_arith_config(**{"train.steps": 4}), killed)
+    train.run(_moe_arith_config(), killed)
     a, b = _rows(straight), _rows(killed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4] and a == b
+    assert all("moe/routing_drift" in a[t] for t in (1, 2, 3, 4))
     assert [a[t]["rollout_lag"] for t in (1, 2, 3, 4)] == [0.0, 1.0, 2.0, 2.0]
     x = load_file(os.path.join(straight, "export", "model.safetensors"))
     y = load_file(os.path.join(killed, "export", "model.safetensors"))

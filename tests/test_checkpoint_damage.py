@@ -351,12 +351,14 @@ def straight(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", list(DAMAGE))
+@pytest.mark.parametrize("kind", ["truncated", "flipped_byte"])
 def test_trainer_resumes_from_the_last_good_step_to_the_uninterrupted_weights(
     straight, tmp_path, kind
 ):
     """Step 4 damaged: the rerun says so in one line, moves it aside, resumes from step 2 and
-    ends with the weights of the uninterrupted run (resume is bit-exact)."""
+    ends with the weights of the uninterrupted run (resume is bit-exact). Two kinds of damage
+    through the trainer: one its size check sees, one only the checksums see (every kind
+    goes through `restore_newest` above; the trainer's path after it is the same)."""
     workdir = tmp_path / "run"
     shutil.copytree(straight, workdir)
     shutil.rmtree(workdir / "export")

@@ -15,6 +15,7 @@ from flax import nnx
 from gvpo_jax import models, sampler
 from gvpo_jax.models import moe
 from gvpo_jax.models.transformer import swiglu
+from tests.helpers import MOE_OVERRIDES
 
 TOL = 1e-4
 
@@ -338,16 +339,6 @@ def test_a_missing_expert_tensor_is_named(checkpoints, tmp_path):
     safetensors_io.write_file(dst / "model.safetensors", kept)
     with pytest.raises(models.CheckpointError, match=f"missing tensor '{gone}'"):
         models.from_pretrained(dst)
-
-
-MOE_OVERRIDES = {
-    "model.overrides.architecture": "qwen3_moe",
-    "model.overrides.qk_norm": True,
-    "model.overrides.attention_bias": False,
-    "model.overrides.num_experts": 4,
-    "model.overrides.num_experts_per_tok": 2,
-    "model.overrides.moe_intermediate_size": 16,
-}
 
 
 @pytest.mark.parametrize("algo", ["gspo+packed+lora", "gvpo+experts"])
