@@ -66,6 +66,8 @@ class Run:
     # mesh.rollout_devices > 0: the devices that only sample (rollout_queue.SamplingMesh)
     sampling_mesh: rollout_queue.SamplingMesh | None = None
     lora: lora.LoRASpec | None = None  # config.lora.enabled: the adapters on a frozen base
+    # rollout.compute_dtype other than the model's: the policy's graph computing in that dtype
+    rollout_graphdef: nnx.GraphDef | None = None
 
     @property
     def algorithm(self) -> losses.Algorithm:
@@ -79,6 +81,23 @@ class Run:
 
     def model(self, params) -> models.Transformer:
         return nnx.merge(self.graphdef, params)
+
+    def rollout_model(self, params) -> models.Transformer:
+        """The policy as the rollout samples it: in `rollout.compute_dtype` (the same
+        parameters), or as `model` when that is the model's own."""
+        return nnx.merge(self.rollout_graphdef or self.graphdef, params)
+
+
+def rollout_graphdef(config: ml_collections.ConfigDict, cfg: models.ModelConfig):
+    """The policy's graph definition computing in `rollout.compute_dtype` (LoRA adapters
+    included), or None when that is the model's own dtype."""
+    dtype = config.rollout.compute_dtype
+    if not dtype or dtype == cfg.compute_dtype:
+        return None
+    cfg = cfg.replace(compute_dtype=dtype)
+    spec = lora_spec(config)
+    abstract = lora.abstract_lora_model(cfg, spec) if spec else models.abstract_model(cfg)
+    return nnx.split(abstract, nnx.Param)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,7 +519,8 @@ def sampling_mesh(
     cfg = nnx.merge(graphdef, params).config
     rules = sharding.logical_rules(mesh, cfg)
     shardings = sharding.param_shardings(jax.eval_shape(lambda p: p, params), mesh, rules)
-    return rollout_queue.SamplingMesh(mesh, rules, shardings, cfg.compute_dtype)
+    dtype = c.rollout.compute_dtype or cfg.compute_dtype  # what the sampler computes in
+    return rollout_queue.SamplingMesh(mesh, rules, shardings, dtype)
 
 
 def prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -553,7 +573,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         state, _ = train_step.init_state_sharded(params, tx, rng, mesh, rules)
     else:
         state = train_step.params_only_state(params, tx, rng, shardings)
-    moe = model.config.moe
+    moe, model_cfg = model.config.moe, model.config
     del model, params  # the state holds the parameters now; a restore may replace them
     task = tasks.build_task(
         config, tokenizer, shard=sharding.data_shard(mesh), allgather=sharding.host_allgather
@@ -584,6 +604,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         updater=updater,
         sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),
         lora=lora_spec(config),
+        rollout_graphdef=rollout_graphdef(config, model_cfg),
     )
     record_config(config, workdir)
     if sharding.is_primary():

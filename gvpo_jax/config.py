@@ -148,6 +148,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0  # sampling temperature of the rollout policy
     c.rollout.top_k = 0  # 0 disables top-k
     c.rollout.top_p = 1.0  # 1.0 disables nucleus sampling
+    # The sampler's own precision: "" = model.compute_dtype; bfloat16 samples in bf16 while the
+    # update and log-prob passes keep model.compute_dtype (as a bf16 inference engine beside an
+    # fp32 trainer: the mismatch rollout correction and routing replay exist for).
+    c.rollout.compute_dtype = ""
     c.rollout.stop = ""  # extra one-token stop strings, comma-separated ("\\n": end of line)
     # Decode slots S (continuous batching): 0 = one per row (P*G, the static batch); S < P*G
     # slots take the rows in order, a slot moving to the next row as soon as its row ends, so
@@ -644,6 +648,11 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
     for path in ("model.param_dtype", "model.compute_dtype"):
         if _get(c, path) not in ("float32", "bfloat16"):
             _fail(f"config.{path} is {_get(c, path)!r}; use float32 or bfloat16.")
+    if c.rollout.compute_dtype not in ("", "float32", "bfloat16"):
+        _fail(
+            f"config.rollout.compute_dtype is {c.rollout.compute_dtype!r}; use float32, bfloat16 "
+            'or "" (model.compute_dtype).'
+        )
     if c.train.export_dtype not in ("", "float32", "bfloat16"):
         _fail(
             f"config.train.export_dtype is {c.train.export_dtype!r}; use float32, bfloat16 or "

@@ -34,7 +34,7 @@ def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *, mesh=
     every process); completions / examples are this process's rows of the first round.
     """
     s, G = run.settings, run.settings.group_size
-    model = run.model(params)
+    model = run.rollout_model(params)  # in rollout.compute_dtype
     kept, info_acc, completions_all, examples_all = [], {}, [], []
     num_kept, rounds_run = 0, 0
     for r in range(1 + (s.max_extra_rounds if s.algorithm.dynamic_sampling else 0)):

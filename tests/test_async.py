@@ -487,3 +487,20 @@ def test_the_planner_counts_the_sampling_mesh_and_the_queue():
     assert "(32 training devices of 64)" in text and "sampling mesh: data=8 tensor=4" in text
     assert re.search(r"v5e\s+16 GiB: FITS \(peak [\d.]+ GiB\); sampling mesh: FITS", text)
     assert re.search(r"KV cache of the rollout batch\s+0\.000 GiB", text)
+
+
+def test_rollout_compute_dtype_samples_in_bf16_while_the_update_stays_fp32():
+    """rollout.compute_dtype=bfloat16 on an fp32 LoRA policy: the sampler computes in bf16 (its
+    recorded log-probs differ from the update's fp32 ones: the training-inference gap), the
+    update and its log-prob passes stay fp32, and a bad value is one sentence."""
+    lora = {"lora.enabled": True, "lora.rank": 2}  # the adapters carried into the bf16 graph
+    c = toy_config("gvpo", **{"rollout.compute_dtype": "bfloat16", **lora})
+    run, state, loop, ref = make_run(c)
+    assert run.model(state.params).config.compute_dtype == "float32"
+    assert run.rollout_model(state.params).config.compute_dtype == "bfloat16"
+    state, m, _, _ = rl_step.rl_step(run, state, loop, ref)
+    # the same step sampled in fp32 gives a gap of ~5e-7 (summation order); bf16's is 1000x
+    assert 1e-4 < m["sampler_logp_gap_max"] < 0.1, m["sampler_logp_gap_max"]
+    assert np.isfinite(m["loss"])
+    with pytest.raises(config_lib.ConfigError, match="config.rollout.compute_dtype is 'fp16'"):
+        toy_config("gvpo", **{"rollout.compute_dtype": "fp16"})
