@@ -260,7 +260,9 @@ def init_sharded(
 
     The init runs under `jax.jit` with the parameter shardings as `out_shardings`, so every
     device computes only its own slice (never a full copy on one device); the values equal an
-    unsharded init with the same seed (threefry keys are independent of the sharding).
+    unsharded init with the same seed (threefry keys are independent of the sharding). The
+    draws are `nnx.Rngs(seed)`'s, through `models.KeyStream` (no counter to update while
+    tracing).
     """
     rules = logical_rules(mesh, model_cfg) if rules is None else rules
     graphdef, abstract = nnx.split(models.abstract_model(model_cfg))
@@ -268,7 +270,8 @@ def init_sharded(
 
     @functools.partial(jax.jit, out_shardings=shardings)
     def init():
-        return nnx.state(models.Transformer(model_cfg, rngs=nnx.Rngs(seed)))
+        rngs = models.KeyStream(jax.random.key(seed))  # nnx.Rngs(seed)'s draws
+        return nnx.state(models.Transformer(model_cfg, rngs=rngs))
 
     return nnx.merge(graphdef, init())
 

@@ -28,6 +28,7 @@ from gvpo_jax.models.logprobs import chunked_logprobs, naive_logprobs, token_log
 from gvpo_jax.models.transformer import (
     ACTIVATION_AXES,
     PARAM_AXES,
+    KeyStream,
     Transformer,
     abstract_model,
     cast_floating,
@@ -46,6 +47,7 @@ __all__ = [
     "PARAM_AXES",
     "PRESETS",
     "CheckpointError",
+    "KeyStream",
     "KVCache",
     "ModelConfig",
     "PackedPrefixCache",

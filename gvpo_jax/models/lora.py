@@ -34,7 +34,13 @@ import numpy as np
 from flax import nnx
 
 from gvpo_jax.models import safetensors_io
-from gvpo_jax.models.transformer import MoE, Transformer, abstract_model, stack_blocks
+from gvpo_jax.models.transformer import (
+    KeyStream,
+    MoE,
+    Transformer,
+    abstract_model,
+    stack_blocks,
+)
 
 # Target name (as PEFT and transformers name the modules) -> (sub-module, attribute stem).
 TARGETS = {
@@ -149,7 +155,8 @@ def attach(model: Transformer, spec: LoRASpec, *, seed: int) -> Transformer:
     the model built without LoRA. On an MoE layer the MLP targets adapt the experts
     (`ExpertAdapter`) with `spec.experts`, and are skipped without it.
     """
-    rngs = nnx.Rngs(params=jax.random.fold_in(jax.random.key(seed), 0x10A))  # not the base's
+    # not the base's stream; the draws of nnx.Rngs(params=that key), without its state
+    rngs = KeyStream(jax.random.fold_in(jax.random.key(seed), 0x10A))
     stacked = model.config.scan_layers  # one Block of stacked [L, ...] kernels
     blocks = [model.layers] * model.config.num_layers if stacked else list(model.layers)
     made = {name: [] for name in spec.targets}
@@ -196,7 +203,9 @@ def abstract_lora_model(cfg, spec: LoRASpec) -> Transformer:
 @functools.lru_cache(maxsize=16)
 def _abstract_split(cfg, spec: LoRASpec):
     return nnx.split(
-        nnx.eval_shape(lambda: attach(Transformer(cfg, rngs=nnx.Rngs(0)), spec, seed=0))
+        nnx.eval_shape(
+            lambda: attach(Transformer(cfg, rngs=KeyStream(jax.random.key(0))), spec, seed=0)
+        )
     )
 
 
