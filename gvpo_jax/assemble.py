@@ -27,6 +27,7 @@ from flax import nnx
 from gvpo_jax import (
     buckets,
     checkpoint,
+    decode,
     losses,
     metrics,
     models,
@@ -189,26 +190,36 @@ def optimizer(config: ml_collections.ConfigDict, total_updates: int):
     )
 
 
-def rl_loss_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef):
-    """`train_step.rl_loss` with the run's algorithm, batch spec and layout bound."""
+def rl_loss_fn(config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, *, moe: bool = False):
+    """`train_step.rl_loss` with the run's algorithm, batch spec and layout bound (`moe`: the
+    policy has MoE layers)."""
     c = config
     return functools.partial(
         train_step.rl_loss,
         graphdef=graphdef,
         algorithm=config_lib.algorithm(c),
-        spec=batch_spec(c),
+        spec=batch_spec(c, moe=moe),
         group_size=c.rollout.group_size,
         prompt_len=c.data.max_prompt_len,
         chunk_size=c.model.logprob_chunk,
     )
 
 
-def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
+def step_settings(
+    config: ml_collections.ConfigDict, model_cfg: models.ModelConfig | None = None
+) -> StepSettings:
+    """The step's settings from the config (and the built model's config: an MoE policy's
+    routing record shape)."""
     c = config
+    record = ()
+    if model_cfg is not None and model_cfg.moe:
+        layers = sum(model_cfg.moe_layer(i) for i in range(model_cfg.num_layers))
+        dtype = np.dtype(decode.routes_dtype(model_cfg.num_experts)).name
+        record = (layers, model_cfg.num_experts_per_tok, dtype)
     return StepSettings(
         algorithm=config_lib.algorithm(c),
         reference=reference(c),
-        spec=batch_spec(c),
+        spec=batch_spec(c, moe=bool(model_cfg and model_cfg.moe)),
         prompts_per_step=c.rollout.prompts_per_step,
         group_size=c.rollout.group_size,
         prompt_len=c.data.max_prompt_len,
@@ -222,6 +233,8 @@ def step_settings(config: ml_collections.ConfigDict) -> StepSettings:
         grad_clip=c.optim.grad_clip,
         staleness=c.rollout.staleness,
         routing_metrics=bool(c.train.routing_metrics),
+        routing_replay=c.algo.routing_replay,
+        record=record,
     )
 
 
@@ -410,10 +423,12 @@ def attach_lora(config: ml_collections.ConfigDict, model, mesh, rules):
     return sharding.shard_model(lora.attach(model, spec, seed=config.seed), mesh, rules)
 
 
-def batch_spec(config: ml_collections.ConfigDict) -> BatchSpec:
+def batch_spec(config: ml_collections.ConfigDict, *, moe: bool = False) -> BatchSpec:
     """The optional fields every update batch of the run carries, from its algorithm, its
-    reference and the step's layout (`batch.BatchSpec`)."""
+    reference and the step's layout (`batch.BatchSpec`); an MoE policy's (`moe`) carry its
+    routing record when the step replays it or measures its drift (`train.routing_metrics`)."""
     c, algo = config, config_lib.algorithm(config)
+    replay = c.algo.routing_replay != "none"
     single_update = c.algo.num_epochs * c.algo.num_minibatches == 1
     # one loss call over all rows: the loss computes whole-batch statistics itself
     whole = single_update and c.optim.micro_batches == 1 and not c.optim.length_buckets
@@ -424,6 +439,8 @@ def batch_spec(config: ml_collections.ConfigDict) -> BatchSpec:
         sampler_logp=algo.anchor == "sampler" or single_update,
         advantages=algo.batch_statistics and not whole,
         packed=bool(c.optim.pack_groups),
+        routing=moe and (replay or bool(c.train.routing_metrics)),
+        replay=moe and replay,
     )
 
 
@@ -452,13 +469,14 @@ def step_functions(
     )
     if c.optim.pack_groups:  # one row per group: its prompt, then its G responses back to back
         widths = buckets.pack_widths(n, G, K)
-        logprobs = train_step.jit_packed_logprobs(graphdef, **kw)
+        logprobs = train_step.jit_packed_logprobs(graphdef, group_size=G, **kw)
     else:
         widths = buckets.bucket_widths(n, K) if K else (n,)  # no buckets: full width
         logprobs = train_step.jit_logprobs(graphdef, group_size=G, **kw)
-    spec = batch_spec(c)
+    moe = nnx.merge(graphdef, params).config.moe
+    spec = batch_spec(c, moe=moe)
     updater = Updater(
-        rl_loss_fn(config, graphdef),
+        rl_loss_fn(config, graphdef, moe=moe),
         tx,
         lr_fn,
         logprobs,
@@ -587,7 +605,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         tokenizer=tokenizer,
         task=task,
         sampling=sampling_settings(config, tokenizer, moe=moe),
-        settings=step_settings(config),
+        settings=step_settings(config, model_cfg),
         writer=metrics.MetricWriter(
             workdir,
             wandb_project=config.train.wandb_project,

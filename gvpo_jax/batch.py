@@ -23,7 +23,10 @@ class BatchSpec:
     correction's mu. sampler_logp: the sampler's own log-probs of the rows it drew (GVPO's
     anchor "sampler", and with one update per step the sampler-consistency metrics, `drawn`
     beside it). advantages: computed once on the whole rollout batch (whole-batch statistics
-    split into parts). packed: micro-batches in the packed layout (`PackedRows`)."""
+    split into parts). packed: micro-batches in the packed layout (`PackedRows`). routing: an MoE
+    policy's routing record (the sampler's; R2: the old-policy pass's), which the updates
+    compare with their routers' choice (`train.routing_metrics`) and with `replay` replay
+    (`algo.routing_replay`)."""
 
     old_logp: bool = False
     ref_logp: bool = False
@@ -31,6 +34,8 @@ class BatchSpec:
     sampler_logp: bool = False
     advantages: bool = False
     packed: bool = False
+    routing: bool = False
+    replay: bool = False
 
 
 @struct.dataclass
@@ -42,6 +47,8 @@ class PackedRows:
     positions restarting with each response); segments: [R, W] (g + 1: response g; G + 1:
     padding); pred: [R, W] the slot whose hidden state predicts each packed response slot;
     index: [B, N] where row b's response token t sits in the flattened [R * W] slots (-1: none).
+    routing / routing_mask: [R, J + W, M, K] and [R, J + W], the rows' recorded routing packed
+    as the tokens are (routing replay; None without).
     """
 
     tokens: Any
@@ -50,10 +57,13 @@ class PackedRows:
     segments: Any
     pred: Any
     index: Any
+    routing: Any = None
+    routing_mask: Any = None
 
     def group_arrays(self) -> dict:
         """The [R, ...] arrays, one row per group (split over the mesh by groups)."""
-        return {k: getattr(self, k) for k in ("tokens", "valid", "positions", "segments", "pred")}
+        names = ("tokens", "valid", "positions", "segments", "pred", "routing", "routing_mask")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
 @struct.dataclass
@@ -66,9 +76,10 @@ class UpdateBatch:
     loss_mask: [B, N] 1.0 on the response tokens the loss counts (a tool's output, say, exists
     but is not counted). rewards: [B]. Optional ([B, N] unless said; which ones a run carries is
     its `BatchSpec`): old_logp, ref_logp, behaviour_logp, sampler_logp, drawn ([B], 1.0 on rows
-    the sampler drew this step), advantages ([B] or [B, N]), routing ([B, N, ...] integer
-    per-token records, e.g. expert routing). A packed micro-batch has `packed` instead of
-    tokens / valid.
+    the sampler drew this step), advantages ([B] or [B, N]), routing and routing_mask (an MoE
+    rollout's recorded routing, replayed: [B, J + N, M, K] experts of every token in each of
+    the M MoE layers, and [B, J + N] 1.0 where the record holds). A packed micro-batch has
+    `packed` instead of tokens / valid / routing / routing_mask.
     """
 
     loss_mask: Any
@@ -82,6 +93,7 @@ class UpdateBatch:
     drawn: Any = None
     advantages: Any = None
     routing: Any = None
+    routing_mask: Any = None
     packed: PackedRows | None = None
 
     def arrays(self) -> dict:
@@ -106,6 +118,13 @@ class UpdateBatch:
                 )
         if spec.sampler_logp != (self.drawn is not None):
             raise ValueError("the update batch's drawn rows do not match its sampler_logp.")
+        if spec.routing != (self.routing is not None) or spec.routing != (
+            self.routing_mask is not None
+        ):
+            raise ValueError(
+                f"the update batch {'lacks' if spec.routing else 'has'} a routing record, "
+                f"which its BatchSpec says it {'has' if spec.routing else 'lacks'}."
+            )
 
 
 def layout_batch(

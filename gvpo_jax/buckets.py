@@ -46,7 +46,8 @@ from gvpo_jax import sharding, train_step
 from gvpo_jax.batch import BatchSpec, PackedRows, UpdateBatch
 from gvpo_jax.models import lora
 
-SEQUENCE_FIELDS = ("tokens", "valid")  # [B, prompt_len + N]; every other 2-D field is [B, N]
+# [B, prompt_len + N, ...]; every other 2-D field is [B, N]
+SEQUENCE_FIELDS = ("tokens", "valid", "routing", "routing_mask")
 
 
 def bucket_widths(max_new_tokens: int, buckets: int) -> tuple[int, ...]:
@@ -113,10 +114,17 @@ def pack(
     """The given rows (whole groups) of a host batch in the packed layout: `packed` holds the
     `PackedRows` (one row per group: its prompt, then its responses back to back, `width`
     response slots; segment g + 1 is response g, padding G + 1), every other [B, ...] field is
-    as it is (full width; the loss reads those unpacked), and tokens / valid are dropped."""
+    as it is (full width; the loss reads those unpacked), and tokens / valid (and a routing
+    record, packed beside the tokens) are dropped."""
     G, J = group_size, prompt_len
     tokens = np.asarray(batch.tokens)[rows]
     attn = np.asarray(batch.valid)[rows]
+    record = batch.routing is not None
+    if record:
+        routing, routing_mask = (
+            np.asarray(batch.routing)[rows],
+            np.asarray(batch.routing_mask)[rows],
+        )
     b, n = len(rows), tokens.shape[1] - J
     r = b // G
     ends = response_ends(attn[:, J:])
@@ -128,12 +136,20 @@ def pack(
         pred=np.full((r, width), J - 1, np.int32),
         index=np.full((b, n), -1, np.int32),
     )
+    if record:
+        p = p.replace(
+            routing=np.zeros((r, J + width, *routing.shape[2:]), routing.dtype),
+            routing_mask=np.zeros((r, J + width), routing_mask.dtype),
+        )
     for g in range(r):
         first = g * G
         p.tokens[g, :J] = tokens[first, :J]
         p.valid[g, :J] = attn[first, :J]
         real = np.cumsum(attn[first, :J] > 0)
         p.positions[g, :J] = np.maximum(real - 1, 0)
+        if record:
+            p.routing[g, :J] = routing[first, :J]
+            p.routing_mask[g, :J] = routing_mask[first, :J]
         offset = 0
         for i in range(G):
             row, length = first + i, int(ends[first + i])
@@ -150,11 +166,15 @@ def pack(
             p.segments[g, offset + at] = i + 1
             p.pred[g, offset + at[1:]] = slots[:-1]  # token 0: the last prompt slot
             p.index[row, :length] = g * width + offset + at
+            if record:
+                p.routing[g, slots] = routing[first + i, J : J + length]
+                p.routing_mask[g, slots] = routing_mask[first + i, J : J + length]
             offset += length
     per_row = {
         k: np.asarray(v)[rows] for k, v in batch.arrays().items() if k not in SEQUENCE_FIELDS
     }
-    return batch.replace(tokens=None, valid=None, packed=p, **per_row)
+    gone = dict.fromkeys(SEQUENCE_FIELDS)
+    return batch.replace(packed=p, **gone, **per_row)
 
 
 def to_device(batch: UpdateBatch, mesh, group_size: int) -> UpdateBatch:
@@ -290,12 +310,13 @@ class Updater:
         if self.ahead is not None:
             self.ahead.ready(key)
 
-    def compile_ahead(self, ahead, state, example: UpdateBatch, passes=(False,)) -> None:
+    def compile_ahead(self, ahead, state, example: UpdateBatch, passes=((False, None),)) -> None:
         """Hands every program the passes can meet to `ahead` (a `programs.Ahead`), widest
         first: the accumulation at each width, the optimizer step (and the token-mean
-        normalisation), and the log-prob pass at each width for each flag of `passes` (False:
-        the policy, also the frozen reference copy; True: LoRA's adapters off; () when the
-        step runs no log-prob pass). `example` is a host micro-batch of zeros with the step's
+        normalisation), and the log-prob pass at each width for each (reference flag,
+        `train_step.Pass` or None: plain) of `passes` (False: the policy, also the frozen
+        reference copy; True: LoRA's adapters off; () when the step runs no log-prob pass; the
+        Pass: routing replay's). `example` is a host micro-batch of zeros with the step's
         fields at full width (`rl_step.example_batch`), `state` the train state; only their
         shapes, dtypes and shardings are read, here, so the state may be donated meanwhile.
         From then on each call of one of these programs waits for its compile."""
@@ -323,11 +344,11 @@ class Updater:
                 ahead.submit(("apply",), lambda: self._apply.lower(state, acc).compile())
                 if self.token_weighted:
                     ahead.submit(("normalize",), lambda: self._normalize.lower(acc).compile())
-            for off in passes:
-                args = (mb.packed,) if self.packed else (mb.tokens, mb.valid)
-                args += (True,) if off else ()
+            for off, mode in passes:
+                mode = mode or train_step.PLAIN
+                args = self._pass_args(mb, off, mode)
                 ahead.submit(
-                    ("logprobs", width, off),
+                    ("logprobs", width, off, mode),
                     lambda args=args: self._logprobs.lower(params, *args).compile(),
                 )
 
@@ -392,33 +413,54 @@ class Updater:
         ratio = computed / real_tokens(batch.valid, self.prompt_len)
         return state, {**metrics, "update_slot_frac": slot_frac, "update_pad_ratio": ratio}
 
-    def logprobs(self, params, tokens, valid, reference: bool = False) -> np.ndarray:
+    def _pass_args(self, dev: UpdateBatch, reference: bool, mode: train_step.Pass) -> tuple:
+        """The log-prob program's arguments after the parameters for a device chunk."""
+        if self.packed:
+            return (dev.packed, reference, mode)
+        routing = (dev.routing, dev.routing_mask) if mode.replay else None
+        return (dev.tokens, dev.valid, reference, mode, routing)
+
+    def logprobs(
+        self, params, tokens, valid, reference: bool = False, *, routing=None, record=None
+    ):
         """[B, N] response log-probs of host rows (tokens, valid: [B, prompt_len + N], whole
         groups), chunk by chunk; slots past a row's response are 0, as masked slots are.
         reference=True: with the LoRA adapters off (`train_step.jit_logprobs` /
-        `jit_packed_logprobs`)."""
-        n = np.asarray(tokens).shape[1] - self.prompt_len
+        `jit_packed_logprobs`). `routing` (experts [B, prompt_len + N, M, K], mask [B,
+        prompt_len + N]) replays a recorded routing; `record` (an integer dtype) also returns
+        the routing this pass computes, (log-probs, experts [B, prompt_len + N, M, K])."""
+        tokens = np.asarray(tokens)
+        n = tokens.shape[1] - self.prompt_len
         rows_b = len(tokens)
+        mode = train_step.Pass(
+            replay=routing is not None,
+            record=record is not None,
+            record_dtype=np.dtype(record or "uint8").name,
+        )
         sequences = UpdateBatch(
             loss_mask=np.zeros((rows_b, n), np.float32),
             rewards=np.zeros(rows_b, np.float32),
-            tokens=np.asarray(tokens),
+            tokens=tokens,
             valid=np.asarray(valid),
+            routing=None if routing is None else np.asarray(routing[0]),
+            routing_mask=None if routing is None else np.asarray(routing[1]),
         )
         parts = []
-        off = (True,) if reference else ()  # LoRA: the adapters off
         for rows, dev in self._device_chunks(sequences, self.chunks):
             # dispatch every chunk, then wait for all of them
-            self._ready("logprobs", mb_width(dev), reference)
-            if self.packed:
-                parts.append((rows, self._logprobs(params, dev.packed, *off)))
-            else:
-                parts.append((rows, self._logprobs(params, dev.tokens, dev.valid, *off)))
+            self._ready("logprobs", mb_width(dev), reference, mode)
+            parts.append((rows, self._logprobs(params, *self._pass_args(dev, reference, mode))))
         out = np.zeros((rows_b, n), np.float32)
-        for rows, logp in parts:
-            logp = sharding.gather(logp)
+        experts = None
+        for rows, got in parts:
+            logp = sharding.gather(got[0] if mode.record else got)
             out[rows, : logp.shape[1]] = logp
-        return out
+            if mode.record:
+                e = sharding.gather(got[1])
+                if experts is None:
+                    experts = np.zeros((rows_b, tokens.shape[1], *e.shape[2:]), e.dtype)
+                experts[rows, : e.shape[1]] = e
+        return (out, experts) if mode.record else out
 
 
 def mb_width(batch: UpdateBatch) -> int:

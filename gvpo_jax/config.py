@@ -199,6 +199,10 @@ def base_config() -> ml_collections.ConfigDict:
     # An MoE policy's router load-balancing loss (Switch / transformers' scale: k when balanced)
     # added to the update's loss times this; 0 (off) as the peers' RL recipes run it.
     c.algo.router_aux_loss_coef = 0.0
+    # An MoE policy's routing replay (docs/routing_replay.md): none | r2 (the old-policy pass's
+    # routing replayed in the step's updates; needs more than one update per step) | r3 (the
+    # sampler's routing replayed in the old-policy pass and the updates)
+    c.algo.routing_replay = "none"
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-4  # peak learning rate of AdamW
@@ -339,6 +343,11 @@ def check_model_fields(c, model) -> None:
         fail(
             f"config.algo.router_aux_loss_coef is {c.algo.router_aux_loss_coef} but the model "
             "has no MoE layers (no router to balance); set it to 0."
+        )
+    if c.algo.routing_replay != "none" and not model.moe:
+        fail(
+            f"config.algo.routing_replay is {c.algo.routing_replay!r} but the model has no MoE "
+            "layers (no routing to replay); set it to none."
         )
     if c.lora.enabled and c.lora.experts and not model.moe:
         fail(
@@ -742,6 +751,15 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
             f"{c.rollout.num_slots} (continuous batching, whose slots take the next row as soon "
             "as one ends), where there is no static batch to halve; set rollout.shed=0 or "
             "rollout.num_slots=0."
+        )
+    if c.algo.routing_replay not in ("none", "r2", "r3"):
+        _fail(f"config.algo.routing_replay is {c.algo.routing_replay!r}; use none, r2 or r3.")
+    if c.algo.routing_replay == "r2" and c.algo.num_epochs * c.algo.num_minibatches == 1:
+        _fail(
+            "config.algo.routing_replay is r2, which replays the old-policy pass's routing in "
+            "a step's later updates, but a step makes one update (algo.num_epochs x "
+            "algo.num_minibatches = 1) whose own forward is the old policy: nothing to replay; "
+            "use r3 (the sampler's routing), none, or several updates per step."
         )
     if P % c.algo.num_minibatches:
         _fail(

@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from gvpo_jax import assemble, buckets, models, sampler, sharding, train_step
+from gvpo_jax import assemble, buckets, decode, models, sampler, sharding, train_step
 from gvpo_jax import config as config_lib
 from gvpo_jax.batch import UpdateBatch
 from gvpo_jax.models import attention as attention_kernels
@@ -71,6 +71,8 @@ class MemoryPlan:
     trains: bool = True  # False for mode=eval: only the evaluation's peak counts
     experts: int = 0  # of `params`: the MoE experts' weights (0 for dense models)
     moe_dispatch: int = 0  # of `activations`: one MoE layer's dispatch buffers
+    rollout_record: int = 0  # MoE: the sampler's routing record of the rollout batch
+    replay_record: int = 0  # MoE with routing replay: one micro-batch's record and its mask
 
     @property
     def resident(self) -> int:
@@ -79,13 +81,15 @@ class MemoryPlan:
 
     @property
     def update_peak(self) -> int:
-        """During an update: the resident bytes + gradients + activations."""
-        return self.resident + self.gradients + self.activations
+        """During an update: the resident bytes + gradients + activations (+ the routing
+        record a replaying update reads)."""
+        return self.resident + self.gradients + self.activations + self.replay_record
 
     @property
     def rollout_peak(self) -> int:
-        """During the rollout: the resident bytes + the KV cache of the rollout batch."""
-        return self.resident + self.kv_cache
+        """During the rollout: the resident bytes + the KV cache of the rollout batch (+ an MoE
+        sampler's routing record)."""
+        return self.resident + self.kv_cache + self.rollout_record
 
     @property
     def eval_peak(self) -> int:
@@ -113,6 +117,8 @@ class MemoryPlan:
             ("activations of one micro-batch", self.activations, "estimate"),
             ("  of which one MoE layer's dispatch", self.moe_dispatch, "estimate"),
             ("KV cache of the rollout batch", self.kv_cache, "estimate"),
+            ("MoE routing record of the rollout (sampler)", self.rollout_record, "exact"),
+            ("MoE routing record of a micro-batch (replay)", self.replay_record, "exact"),
             ("KV cache of an evaluation call", self.eval_kv_cache, "estimate"),
             ("peak during update", self.update_peak, ""),
             ("peak during rollout", self.rollout_peak, ""),
@@ -296,6 +302,16 @@ def activation_bytes(
 # Mixture of experts
 
 
+def record_bytes_per_token(cfg: models.ModelConfig) -> int:
+    """An MoE policy's routing record per token: k expert indices in each MoE layer, in the
+    record's integer (`decode.routes_dtype`: 1 byte up to 256 experts); 0 when dense."""
+    if not cfg.moe:
+        return 0
+    layers = sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
+    itemsize = np.dtype(decode.routes_dtype(cfg.num_experts)).itemsize
+    return layers * cfg.num_experts_per_tok * itemsize
+
+
 def planned_dispatch(cfg: models.ModelConfig) -> str:
     """The MoE dispatch a plan assumes: `auto` is ragged_dot, as on TPU and GPU (plans are for
     accelerators, as `config.scan_layers(accelerator=True)`); `--compile` on CPU runs the
@@ -453,9 +469,20 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
     experts = tree_bytes(nnx.filter_state(params, _is_expert), mesh, rules) if cfg.moe else 0
     if c.mode == "eval" and experts:
         experts = tree_bytes(nnx.filter_state(compute, _is_expert), mesh, rules)
-    moe_dispatch = 0
+    moe_dispatch = rollout_record = replay_record = 0
+    per_token = record_bytes_per_token(cfg)
     if cfg.moe:
         moe_dispatch = moe_layer_bytes(cfg, micro_rows, Tp + N, sizes)
+        # the sampler records every row's response tokens [B, N] and each prompt's [P, Tp]
+        shards = row_shards(sizes)
+        rollout_record = per_token * (-(-P * G // shards) * N + -(-P // shards) * Tp)
+        if c.algo.routing_replay != "none":  # the micro-batch's record and its fp32 mask
+            replay_record = -(-micro_rows // shards) * (Tp + N) * (per_token + 4)
+        notes.append(
+            f"MoE routing record: {per_token} bytes per token ({per_token / 2**10:.2f} KiB), "
+            f"{P * G * (Tp + N) * per_token / GiB:.3f} GiB per rollout on the host (and per "
+            "queued rollout), whatever algo.routing_replay is: the sampler always records it."
+        )
         notes.append(
             f"MoE: the {planned_dispatch(cfg)} dispatch (TPU and GPU); no expert mesh axis yet, "
             f"so every expert is split over fsdp x tensor (1/{fsdp * tensor} of each on a "
@@ -503,6 +530,8 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         trains=c.mode != "eval",
         experts=experts,
         moe_dispatch=moe_dispatch,
+        rollout_record=rollout_record if trains else 0,
+        replay_record=replay_record if trains else 0,
     )
 
 
@@ -526,8 +555,10 @@ def plan_sampling_mesh(config: ml_collections.ConfigDict, num_devices: int) -> d
     P, G, N = c.rollout.prompts_per_step, c.rollout.group_size, c.rollout.max_new_tokens
     Tp = c.data.max_prompt_len
     kv = kv_cache_bytes(cfg, P, G, Tp, N, sizes, c.rollout.num_slots)
-    # tokens (int32) + attention mask over Tp + N; response mask and three log-prob rows over N
-    queue = c.rollout.staleness * P * G * ((Tp + N) * 8 + N * 16)
+    # tokens (int32) + attention mask over Tp + N; response mask and three log-prob rows over N;
+    # an MoE policy's routing record over Tp + N
+    per_row = (Tp + N) * (8 + record_bytes_per_token(cfg)) + N * 16
+    queue = c.rollout.staleness * P * G * per_row
     lines = [
         f"sampling mesh: data={sizes['data']} tensor={sizes['tensor']} ({n} devices; the "
         f"training mesh above has the other {num_devices - n}), per device:",

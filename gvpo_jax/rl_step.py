@@ -60,6 +60,9 @@ class StepSettings:
     grad_clip: float = 0.0  # the optimizer's global-norm clip (0: off), for grad_clipped_frac
     staleness: int = 0  # the rollout of step t comes from the policy of step t - staleness
     routing_metrics: bool = True  # an MoE policy's moe/* metrics (one more forward per step)
+    routing_replay: str = "none"  # an MoE policy's routing replay: none | r2 | r3
+    # An MoE policy's routing record per token: (MoE layers, experts per token, integer dtype)
+    record: tuple = ()
 
 
 @dataclasses.dataclass
@@ -130,17 +133,21 @@ class LoopState:
         return f"{what}; their prompts are sampled again from stream position {self.data.position}."
 
 
-def logprob_passes(s: StepSettings) -> tuple[bool, ...]:
-    """The log-prob passes a step runs, by their adapters-off flag (`Updater.logprobs`'s
-    `reference`): False for pi_old, the frozen reference copy or the advantages' pi_old, True
-    for LoRA's reference (the adapters off); () when the update's own forward is pi_old and
-    nothing else is needed (step 4 below)."""
-    policy = (
-        s.spec.old_logp
-        or s.reference.kind == "copy"
-        or (s.spec.advantages and s.algorithm.advantages_need_old)
+def logprob_passes(s: StepSettings) -> tuple[tuple[bool, train_step.Pass], ...]:
+    """The log-prob passes a step runs, as (adapters-off flag, `train_step.Pass`) pairs
+    (`Updater.compile_ahead`'s `passes`): pi_old's (for old_logp or the advantages' pi_old;
+    replaying the sampler's routing under R3, recording its own under R2), the frozen
+    reference copy's and LoRA's reference (the adapters off: True); () when the update's own
+    forward is pi_old and nothing else is needed (step 4 below)."""
+    old = s.spec.old_logp or (s.spec.advantages and s.algorithm.advantages_need_old)
+    mode = train_step.Pass(
+        replay=s.routing_replay == "r3",
+        record=s.routing_replay == "r2",
+        record_dtype=s.record[2] if s.record else "uint8",
     )
-    return (False,) * policy + (True,) * (s.reference.kind == "adapters_off")
+    passes = ((False, mode),) * old + ((False, train_step.PLAIN),) * (s.reference.kind == "copy")
+    passes += ((True, train_step.PLAIN),) * (s.reference.kind == "adapters_off")
+    return tuple(dict.fromkeys(passes))
 
 
 def example_batch(s: StepSettings, rows: int, max_new_tokens: int) -> UpdateBatch:
@@ -153,6 +160,12 @@ def example_batch(s: StepSettings, rows: int, max_new_tokens: int) -> UpdateBatc
         return np.zeros(shape, dtype)
 
     per_token = ("old_logp", "ref_logp", "behaviour_logp", "sampler_logp")
+    record = {}
+    if spec.routing:
+        m, k, dtype = s.record
+        record = dict(
+            routing=zeros(rows, J + N, m, k, dtype=dtype), routing_mask=zeros(rows, J + N)
+        )
     batch = UpdateBatch(
         tokens=zeros(rows, J + N, dtype=np.int32),
         valid=zeros(rows, J + N),
@@ -160,6 +173,7 @@ def example_batch(s: StepSettings, rows: int, max_new_tokens: int) -> UpdateBatc
         rewards=zeros(rows),
         drawn=zeros(rows) if spec.sampler_logp else None,
         **{k: zeros(rows, N) for k in per_token if getattr(spec, k)},
+        **record,
     )
     if spec.advantages:
         old = zeros(rows, N) if s.algorithm.advantages_need_old else None
@@ -244,6 +258,9 @@ def rl_step(run, state, loop: LoopState, ref_params):
         else None,
         drawn=np.pad(fresh["sampled"], (0, n_old)) if spec.sampler_logp else None,
     )
+    if spec.routing and s.routing_replay != "r2":  # the sampler's record, where it holds
+        experts, mask = routing.sampler_record(fresh, s.prompt_len, extra_rows=n_old)
+        batch = batch.replace(routing=experts, routing_mask=mask)
 
     # 4. Log-probs: pi_old (GVPO's anchor "old") and the reference for every row, replayed ones
     #    included, one forward each with the parameters the rollout used. With one update per
@@ -255,8 +272,20 @@ def rl_step(run, state, loop: LoopState, ref_params):
     def logprobs(params, adapters_off=False):  # [B, N] on the host, every row (a pass runs)
         return updater.logprobs(params, batch.tokens, batch.valid, reference=adapters_off)
 
+    def old_logprobs():  # pi_old: R3 replays the sampler's routing in it, R2 records its own
+        if s.routing_replay == "r3":
+            record = (batch.routing, batch.routing_mask)
+            return batch, updater.logprobs(state.params, batch.tokens, batch.valid, routing=record)
+        if s.routing_replay == "r2":
+            old, experts = updater.logprobs(
+                state.params, batch.tokens, batch.valid, record=s.record[2]
+            )
+            return batch.replace(routing=experts, routing_mask=batch.valid), old
+        return batch, logprobs(state.params)
+
     if spec.old_logp:
-        batch = batch.replace(old_logp=logprobs(state.params))
+        batch, old = old_logprobs()
+        batch = batch.replace(old_logp=old)
     if s.reference.kind == "copy":
         batch = batch.replace(ref_logp=logprobs(ref_params))
     elif s.reference.kind == "adapters_off":  # LoRA: the base, the parameters without adapters
@@ -267,7 +296,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
         # pi_old, which a single update otherwise takes from its own forward.
         old = batch.old_logp
         if old is None and algo.advantages_need_old:
-            old = logprobs(state.params)
+            old = old_logprobs()[1]
         adv = algo.advantages(
             rewards=batch.rewards,
             mask=batch.loss_mask,
@@ -367,6 +396,10 @@ def rl_step(run, state, loop: LoopState, ref_params):
         value = float(np.mean([x[k] for x in update_metrics]))
         metrics[k if k not in metrics else f"loss/{k}"] = value
     metrics["skipped_updates"] = float(np.sum([x["skipped"] for x in update_metrics]))
+    if spec.routing:  # recorded (token, layer) pairs whose experts the updates' routers change
+        recorded = max(float(np.sum([x["routing_recorded"] for x in update_metrics])), 1.0)
+        drifted = float(np.sum([x["routing_drifted"] for x in update_metrics]))
+        metrics["moe/update_routing_drift"] = drifted / recorded
     # grad_norm above is the mean over this step's updates (before clipping); how often the
     # global-norm clip acted shows whether clipping, not the loss, shaped the updates.
     norms = np.array([float(x["grad_norm"]) for x in update_metrics])

@@ -132,10 +132,15 @@ def response_logprobs(
     group_size: int = 1,
     with_entropy: bool = False,
     with_routes: bool = False,
+    routing=None,
+    replay: bool = True,
 ):
     """log pi(y_t | x, y_<t) of the response slots [prompt_len:] of a left-padded batch -> [B, N]
     (with_entropy: (logp, entropy), the entropy of pi(. | x, y_<t) at each slot, same sweep;
     with_routes: (that, the MoE routers' `moe.Routes` of the whole rows, None without MoE)).
+    `routing` (experts [B, S, M, K], mask [B, S]: `UpdateBatch.routing` / `routing_mask`) is a
+    recorded routing, replayed where the mask is set (`replay`; else only compared with the
+    routers' choice, `moe.Routes.drift`): docs/routing_replay.md.
 
     Rows are `[pad.., prompt, response, pad..]` with the prompt right-aligned at `prompt_len`, so
     slot prompt_len-1 always holds the last prompt token and positions come from the mask.
@@ -143,16 +148,20 @@ def response_logprobs(
     rollout batch), and each prompt is run once per group (`Transformer.hidden_shared_prefix`).
     """
     model = nnx.merge(graphdef, params)
+    replay = _replay(routing, apply=replay)
     if group_size > 1:
         hidden_BxSxD = model.hidden_shared_prefix(
             tokens_BxS,
             attn_mask_BxS,
             prefix_len=prompt_len,
             group_size=group_size,
+            routing=replay,
             with_routes=with_routes,
         )
     else:
-        hidden_BxSxD = model.hidden(tokens_BxS, None, attn_mask_BxS, with_routes=with_routes)
+        hidden_BxSxD = model.hidden(
+            tokens_BxS, None, attn_mask_BxS, routing=replay, with_routes=with_routes
+        )
     routes = None
     if with_routes:
         hidden_BxSxD, routes = hidden_BxSxD
@@ -172,6 +181,31 @@ def response_logprobs(
     return (out, routes) if with_routes else out
 
 
+def _replay(routing, *, apply: bool = True) -> moe.Replay | None:
+    """An update batch's (experts [B, S, M, K], mask [B, S]) as the model's `moe.Replay`
+    ([M, B, S, K]), replayed wherever it holds when `apply` (else only compared); None stays
+    None."""
+    if routing is None:
+        return None
+    experts, mask = routing
+    held = mask > 0
+    return moe.Replay(jnp.moveaxis(experts, 2, 0), held, held if apply else jnp.zeros_like(held))
+
+
+def unpack_routes(experts_MxRxSxK, packed, *, prompt_len: int, group_size: int) -> jax.Array:
+    """The experts of a packed micro-batch's tokens ([M, R, J + W, K], `packed_logprobs`'s
+    routes) in the unpacked update layout [B, J + N, M, K]: each row's prompt slots from its
+    group's packed row, its response tokens through `packed.index` (0 where it is -1)."""
+    j = prompt_len
+    m, r, _, k = experts_MxRxSxK.shape
+    prefix_MxBxJxK = jnp.repeat(experts_MxRxSxK[:, :, :j], group_size, axis=1)
+    flat_MxAxK = experts_MxRxSxK[:, :, j:].reshape(m, -1, k)
+    index_BxN = packed.index
+    rest_MxBxNxK = jnp.take(flat_MxAxK, jnp.maximum(index_BxN, 0), axis=1)
+    rest_MxBxNxK = jnp.where((index_BxN >= 0)[None, :, :, None], rest_MxBxNxK, 0)
+    return jnp.moveaxis(jnp.concatenate([prefix_MxBxJxK, rest_MxBxNxK], axis=2), 0, 2)
+
+
 def packed_logprobs(
     graphdef,
     params,
@@ -182,6 +216,8 @@ def packed_logprobs(
     with_entropy: bool = False,
     with_routes: bool = False,
     group_size: int = 1,
+    routing: bool = False,
+    replay: bool = True,
 ):
     """`response_logprobs` of a packed micro-batch -> [B, N] in the unpacked layout.
 
@@ -193,6 +229,8 @@ def packed_logprobs(
     The output layer runs on the R * W packed slots only; the [B, N] result is 0 where index is
     -1, as masked slots are. `with_routes`: (that, the routers' `moe.Routes` in the packed
     layout, each prompt's load counted `group_size` times as the unpacked rows hold it).
+    `routing` True reads the packed rows' record (`packed.routing`, `packed.routing_mask`),
+    replayed when `replay` (as `response_logprobs`'s).
     """
     model = nnx.merge(graphdef, params)
     hidden_RxSxD = model.hidden_packed(
@@ -202,6 +240,7 @@ def packed_logprobs(
         packed.segments,
         prefix_len=prompt_len,
         prefix_copies=group_size,
+        routing=_replay((packed.routing, packed.routing_mask), apply=replay) if routing else None,
         with_routes=with_routes,
     )
     routes = None
@@ -225,29 +264,60 @@ def packed_logprobs(
     return (out, routes) if with_routes else out
 
 
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """What a log-prob pass does besides the log-probs (a static argument of the jitted
+    passes): `replay` the batch's recorded routing (routing replay's old-policy pass),
+    `record` the routing it computes, returned beside the log-probs as [B, S, M, K]
+    `record_dtype` integers (R2's record)."""
+
+    replay: bool = False
+    record: bool = False
+    record_dtype: str = "uint8"
+
+
+PLAIN = Pass()
+
+
 def jit_packed_logprobs(
     graphdef,
     *,
     prompt_len: int,
     chunk_size: int,
+    group_size: int = 1,
     mesh,
     param_shardings,
     rules=sharding.LOGICAL_RULES,
     reference_graphdef=None,
 ):
     """`packed_logprobs` jitted as (params, `batch.PackedRows`) -> [B, N], rows over data x
-    fsdp; a third argument True runs `reference_graphdef` instead (as in `jit_logprobs`)."""
+    fsdp; a third argument True runs `reference_graphdef` instead, and a fourth (`Pass`)
+    replays the packed rows' routing and / or records the routing (as in `jit_logprobs`)."""
     rows = sharding.batch_sharding(mesh)
 
-    def logprobs(params, packed, reference=False):
+    def logprobs(params, packed, reference=False, mode=PLAIN):
         graph = reference_graphdef if reference else graphdef
         with sharding.tracing_mesh(mesh, rules):
-            return packed_logprobs(
-                graph, params, packed, prompt_len=prompt_len, chunk_size=chunk_size
+            out = packed_logprobs(
+                graph,
+                params,
+                packed,
+                prompt_len=prompt_len,
+                chunk_size=chunk_size,
+                routing=mode.replay,
+                with_routes=mode.record,
+                group_size=group_size,
             )
+            if not mode.record:
+                return out
+            logp, routes = out
+            experts = unpack_routes(
+                routes.experts, packed, prompt_len=prompt_len, group_size=group_size
+            )
+            return logp, experts.astype(mode.record_dtype)
 
     return jax.jit(
-        logprobs, in_shardings=(param_shardings, rows), out_shardings=rows, static_argnums=2
+        logprobs, in_shardings=(param_shardings, rows), out_shardings=rows, static_argnums=(2, 3)
     )
 
 
@@ -267,21 +337,62 @@ def jit_logprobs(
     group_size > 1: batches of whole groups sharing their prompt (see `response_logprobs`).
     Explicit shardings: params as given, rows over data x fsdp in and out, with the model's
     activation constraints active under `rules`; the same function serves the policy and the
-    frozen reference, which share their shardings. A fourth argument True (static, positional:
-    jit takes no keywords with in_shardings) runs `reference_graphdef` instead: with LoRA, the
-    same parameters with the adapters off.
+    frozen reference, which share their shardings. Positional arguments after those (jit takes
+    no keywords with in_shardings): `reference` (static: True runs `reference_graphdef`
+    instead: with LoRA, the same parameters with the adapters off), `mode` (static, a `Pass`:
+    replay `routing`, record the routing and return (log-probs, experts [B, S, M, K])) and
+    `routing` (experts [B, S, M, K], mask [B, S], or None). `.lower` takes the same arguments.
     """
     kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, group_size=group_size)
     rows = sharding.batch_sharding(mesh)
 
-    def logprobs(params, tokens_BxS, attn_mask_BxS, reference=False):
+    def logprobs(params, tokens_BxS, attn_mask_BxS, routing, reference, mode):
         graph = reference_graphdef if reference else graphdef
         with sharding.tracing_mesh(mesh, rules):
-            return response_logprobs(graph, params, tokens_BxS, attn_mask_BxS, **kw)
+            out = response_logprobs(
+                graph,
+                params,
+                tokens_BxS,
+                attn_mask_BxS,
+                routing=routing if mode.replay else None,
+                with_routes=mode.record,
+                **kw,
+            )
+            if not mode.record:
+                return out
+            logp, routes = out
+            return logp, jnp.moveaxis(routes.experts, 0, 2).astype(mode.record_dtype)
 
-    return jax.jit(
-        logprobs, in_shardings=(param_shardings, rows, rows), out_shardings=rows, static_argnums=3
+    jitted = jax.jit(
+        logprobs,
+        in_shardings=(param_shardings, rows, rows, rows),
+        out_shardings=rows,
+        static_argnums=(4, 5),
     )
+    return _RoutingLast(jitted)
+
+
+class _RoutingLast:
+    """A jitted pass of (params, tokens, valid, routing, reference, mode) called as (params,
+    tokens, valid, reference=False, mode=PLAIN, routing=None): the optional routing last, so a
+    caller that passes no routing passes what it always did (jit counts every positional
+    argument against its in_shardings, so the routing cannot simply default)."""
+
+    def __init__(self, jitted):
+        self._jitted = jitted
+
+    @staticmethod
+    def _order(params, tokens, valid, reference=False, mode=PLAIN, routing=None):
+        return (params, tokens, valid, routing, reference, mode)
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted(*self._order(*args, **kwargs))
+
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*self._order(*args, **kwargs))
+
+    def _cache_size(self) -> int:
+        return self._jitted._cache_size()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,18 +436,26 @@ def rl_loss(
     masks responses out of the loss. `advantages`, when carried, were computed on the whole
     rollout batch (`losses.uses_batch_statistics`) and are used as they are. With
     `algorithm.router_aux_loss_coef` (an MoE policy) the routers' load-balancing loss over the
-    micro-batch's real tokens (`moe.balance_loss`) is added, times that coefficient.
+    micro-batch's real tokens (`moe.balance_loss`) is added, times that coefficient. With
+    `spec.routing` the batch carries a routing record (the sampler's; R2: the old-policy
+    pass's), which the forward replays with `spec.replay` (routing replay), and the aux counts
+    the recorded (token, layer) pairs whose record the router does not pick itself.
     """
     with_entropy = algorithm.entropy_coef != 0.0
     balanced = algorithm.router_aux_loss_coef != 0.0
     kw = dict(prompt_len=prompt_len, chunk_size=chunk_size, with_entropy=with_entropy,
-              with_routes=balanced, group_size=group_size)  # fmt: skip
+              with_routes=balanced or spec.routing, group_size=group_size)  # fmt: skip
     if spec.packed:  # a packed micro-batch (`gvpo_jax.buckets`): the same log-probs
-        out = packed_logprobs(graphdef, params, batch.packed, **kw)
+        out = packed_logprobs(
+            graphdef, params, batch.packed, routing=spec.routing, replay=spec.replay, **kw
+        )
     else:
-        out = response_logprobs(graphdef, params, batch.tokens, batch.valid, **kw)
+        routing = (batch.routing, batch.routing_mask) if spec.routing else None
+        out = response_logprobs(
+            graphdef, params, batch.tokens, batch.valid, routing=routing, replay=spec.replay, **kw
+        )
     routes = None
-    if balanced:
+    if kw["with_routes"]:
         out, routes = out
     logp_BxN, entropy_BxN = out if with_entropy else (out, None)
     mask_BxN = batch.loss_mask
@@ -377,6 +496,14 @@ def rl_loss(
         entropy=entropy_BxN,
     )
     aux = dict(aux) | is_aux
+    if spec.routing:  # recorded (token, layer) pairs, and those the router picks otherwise
+        recorded = (batch.packed.routing_mask if spec.packed else batch.routing_mask) > 0
+        recorded = recorded.astype(jnp.float32)
+        if spec.packed:  # a packed row's prompt stands for its G unpacked rows' copies
+            recorded = recorded.at[:, :prompt_len].multiply(group_size)
+        layers = routes.drift.shape[0]
+        aux["routing_drifted"] = jnp.sum(routes.drift * recorded[None])
+        aux["routing_recorded"] = layers * jnp.sum(recorded)
     if balanced:
         aux["router_balance_loss"] = _balance_loss(routes)
         loss = loss + algorithm.router_aux_loss_coef * aux["router_balance_loss"]
@@ -429,6 +556,7 @@ def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
 # rl_loss's aux totals over an update's micro-batches (every other aux value is their mean).
 AUX_SUMS = (
     "sampled_logp_sum", "sampled_tokens", "loss_tokens", "sampler_logp_gap_sum", "sampler_over_cap",
+    "routing_drifted", "routing_recorded",
 )  # fmt: skip
 AUX_MAXES = ("sampler_logp_gap_max", "is_weight_max", "is_seq_log_weight_abs_max")
 

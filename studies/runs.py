@@ -31,7 +31,8 @@ REPO = arms.REPO
 STEP_KEYS = (
     "adv_term", "var_term", "cov_term", "reward_corr", "rollout_lag", "is_weight_mean",
     "is_weight_max", "is_clipped_frac", "is_masked_frac", "sampler_logp_gap_max",
-    "sampler_logp_gap_mean", "sampler_over_cap_frac",
+    "sampler_logp_gap_mean", "sampler_over_cap_frac", "moe/routing_drift",
+    "moe/update_routing_drift",
 )  # fmt: skip
 
 

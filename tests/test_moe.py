@@ -159,7 +159,7 @@ def test_dispatches_give_the_same_values_and_gradients(block):
     x, w, logits, k = _experts(0)
 
     def out(dispatch, x, w, logits):
-        gates, experts = moe.route(logits, k, normalize=True)
+        gates, experts, _ = moe.route(logits, k, normalize=True)
         args = (x, *w, gates, experts, swiglu)
         if dispatch == "grouped":
             return moe.grouped(*args, block=block)
@@ -182,7 +182,7 @@ def test_routing_is_dropless_when_every_token_picks_one_expert():
     path (blocks of 4: 10 blocks for one expert) still equals the dense reference."""
     x, w, logits, k = _experts(1)
     logits = logits.at[:, 3].add(50.0)
-    gates, experts = moe.route(logits, k, normalize=False)
+    gates, experts, _ = moe.route(logits, k, normalize=False)
     assert (np.asarray(experts)[:, 0] == 3).all()
     ref = moe.dense(x, *w, gates, experts, swiglu)
     got = moe.grouped(x, *w, gates, experts, swiglu, block=4)
@@ -196,7 +196,7 @@ def test_router_softmax_runs_in_fp32():
     logits = jnp.asarray(np.random.default_rng(5).normal(size=(16, 8)), jnp.bfloat16)
     probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float32)), np.float64)
     for normalize in (False, True):
-        gates, experts = moe.route(logits, 2, normalize=normalize)
+        gates, experts, _ = moe.route(logits, 2, normalize=normalize)
         assert gates.dtype == jnp.float32 and experts.dtype == jnp.int32
         want = np.take_along_axis(probs, np.argsort(-probs, axis=1)[:, :2], axis=1)
         if normalize:
@@ -381,6 +381,9 @@ def test_rl_steps_on_an_moe_policy(algo):
     assert metrics["sampler_logp_gap_max"] < 1e-4
     # the routing the sampler recorded is the update's, before the update moves it
     assert metrics["moe/routing_drift"] == 0.0
+    if algo == "gvpo":  # one update, from the sampler's parameters: its routing is the same
+        assert metrics["moe/update_routing_drift"] == 0.0
+    assert 0.0 <= metrics["moe/update_routing_drift"] < 0.5
     assert 1.0 <= metrics["moe/load_max_over_mean"] <= metrics["moe/load_max_over_mean_max"] <= 4
     assert 0.0 < metrics["moe/router_entropy"] <= np.log(4) + 1e-6
     assert metrics["moe/load_max_over_mean/layer_0"] == metrics["moe/load_max_over_mean"]
@@ -523,23 +526,27 @@ def test_routing_stats_against_a_count_by_hand():
 def test_stale_moe_rollouts_measure_routing_drift_and_carry_routes_in_the_queue():
     """Rollouts sampled 2 updates before they train (rollout.staleness), computing in bf16 over
     fp32 masters, carry their routing through the queue; after updates at a high learning rate
-    some tokens' experts changed."""
+    some tokens' experts changed, and R3 (`algo.routing_replay`) replays the stale record in
+    the update, overriding the router there."""
     from gvpo_jax.rl_step import rl_step
     from tests.test_train import make_run, toy_config
 
     changes = dict(MOE_OVERRIDES, **{"rollout.staleness": 2, "optim.lr": 3e-2,
-                                     "model.compute_dtype": "bfloat16"})  # fmt: skip
+                                     "model.compute_dtype": "bfloat16",
+                                     "algo.routing_replay": "r3"})  # fmt: skip
     run, state, loop, ref = make_run(toy_config("gvpo", **changes))
-    drift = []
+    drift, at_update = [], []
     for _ in range(4):
         state, metrics, _, _ = rl_step(run, state, loop, ref)
         drift.append(metrics["moe/routing_drift"])
+        at_update.append(metrics["moe/update_routing_drift"])
     assert all("routes" in q.batch for q in loop.queue)
     assert drift[0] < 0.05 and max(drift[2:]) > drift[0], drift  # bf16: the first is near 0
-    # train.routing_metrics=false: no moe/* metrics (no extra forward), routes still recorded
+    assert max(at_update[2:]) > at_update[0], at_update  # the record R3 replays: stale
+    # train.routing_metrics=false: no moe/* metrics of the extra forward, routes still recorded
     quiet = dataclasses.replace(run.settings, routing_metrics=False)
     state, metrics, _, _ = rl_step(dataclasses.replace(run, settings=quiet), state, loop, ref)
-    assert not [k for k in metrics if k.startswith("moe/")]
+    assert [k for k in metrics if k.startswith("moe/")] == ["moe/update_routing_drift"]  # free
     assert all("routes" in q.batch for q in loop.queue)
 
 
@@ -596,3 +603,10 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_one_sentence():
         make_run(toy_config("gvpo", **lora))
     with pytest.raises(config_lib.ConfigError, match="config.algo.router_aux_loss_coef is -1.0;"):
         toy_config("gvpo", **MOE_OVERRIDES, **{"algo.router_aux_loss_coef": -1.0})
+    # routing replay needs a router, a known mode, and R2 an update after the first
+    with pytest.raises(config_lib.ConfigError, match="routing_replay is 'r3' but the model has"):
+        make_run(toy_config("gvpo", **{"algo.routing_replay": "r3"}))
+    with pytest.raises(config_lib.ConfigError, match="routing_replay is 'r4'; use none, r2 or r3"):
+        toy_config("gvpo", **MOE_OVERRIDES, **{"algo.routing_replay": "r4"})
+    with pytest.raises(config_lib.ConfigError, match="a step makes one update .* nothing to"):
+        toy_config("gvpo", **MOE_OVERRIDES, **{"algo.routing_replay": "r2"})

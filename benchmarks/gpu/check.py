@@ -468,7 +468,7 @@ def part_moe(shape: dict, tiny: bool, env: dict) -> dict:
     x_NxD = normal((n, d), 1)
     experts = (normal((e, d, f), d), normal((e, d, f), d), normal((e, f, d), f))
     mlp = (normal((d, f * k), d), normal((d, f * k), d), normal((f * k, d), f))
-    gates_NxK, chosen_NxK = moe_lib.route(normal((n, e), 1), k, normalize=True)
+    gates_NxK, chosen_NxK, _ = moe_lib.route(normal((n, e), 1), k, normalize=True)
     gates_NxK = gates_NxK.astype(jnp.bfloat16)
     block = moe_lib.block_size(n * k, e, 64)
     blocks = -(-(n * k + e * (block - 1)) // block)

@@ -45,14 +45,31 @@ class Balance(NamedTuple):
 
 class Routes(NamedTuple):
     """What an MoE layer's router decided for each token: `experts` int32 [..., K], the
-    experts it went to (what replay feeds back), `entropy` fp32 [...], the entropy in nats
-    of the router's softmax over all E experts (a metric), and `balance` (`Balance`: the
-    call's load, per batch shard). `Transformer.hidden(with_routes=True)` stacks them over
-    the MoE layers, [M, B, T, ...] and [M, S, ...]."""
+    experts it went to (what replay feeds back; the replayed ones where a record was
+    replayed), `entropy` fp32 [...], the entropy in nats of the router's softmax over all E
+    experts (a metric), `balance` (`Balance`: the call's load, per batch shard) and `drift`
+    fp32 [...], 1.0 where a token's recorded experts (`Replay`) differ from the set this router
+    picks itself, replayed or not (0 where there is no record).
+    `Transformer.hidden(with_routes=True)` stacks them over the MoE layers, [M, B, T, ...] and
+    [M, S, ...]."""
 
     experts: jax.Array
     entropy: jax.Array
     balance: Balance | None = None
+    drift: jax.Array | None = None
+
+
+class Replay(NamedTuple):
+    """A recorded routing (routing replay, docs/routing_replay.md): `experts` [M, B, T, K]
+    integers, the experts of each token in each of the M MoE layers (layer order); `mask` [B,
+    T], True where the record holds (padding, a response's last token the sampler never fed
+    back and rows with no record have none); `apply` [B, T], True where the record replaces
+    the router's choice (elsewhere the router picks and the record is only compared with it,
+    `Routes.drift`)."""
+
+    experts: jax.Array
+    mask: jax.Array
+    apply: jax.Array
 
 
 def resolve(dispatch: str, platform: str | None = None) -> str:
@@ -106,21 +123,37 @@ def combine_balance(parts: list[tuple[Balance, float]]) -> Balance:
 
 
 def route(
-    logits_NxE: jax.Array, k: int, *, normalize: bool, experts_NxK: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """(gate weights [N, K] fp32, expert indices [N, K] int32) of the k experts of highest
-    router probability per token, the probabilities a softmax in fp32 (ties: the lower index
-    first, as `lax.top_k`), renormalised over the k when `normalize`. Given `experts_NxK` (a
-    recorded routing replayed), those experts instead, gated by their probabilities here."""
+    logits_NxE: jax.Array,
+    k: int,
+    *,
+    normalize: bool,
+    experts_NxK: jax.Array | None = None,
+    replay_N: jax.Array | None = None,
+    recorded_N: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(gate weights [N, K] fp32, expert indices [N, K] int32, drift [N] fp32) of the k
+    experts of highest router probability per token, the probabilities a softmax in fp32
+    (ties: the lower index first, as `lax.top_k`), renormalised over the k when `normalize`.
+
+    Given a record `experts_NxK` (held where `recorded_N`, default everywhere), `drift` is 1.0
+    where the record's set of experts differs from the router's own top k (else 0); where
+    `replay_N` (default: where recorded) the record's experts are used instead, gated by this
+    router's probabilities at them and renormalised the same way, so the router keeps its
+    gradient."""
     probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
-    if experts_NxK is None:
-        weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, k)
-    else:
-        experts_NxK = experts_NxK.astype(jnp.int32)
-        weights_NxK = jnp.take_along_axis(probs_NxE, experts_NxK, axis=-1)
+    weights_NxK, own_NxK = jax.lax.top_k(probs_NxE, k)
+    drift_N = jnp.zeros(own_NxK.shape[:1], jnp.float32)
+    if experts_NxK is not None:
+        record_NxK = experts_NxK.astype(jnp.int32)
+        recorded_N = jnp.ones_like(drift_N, bool) if recorded_N is None else recorded_N
+        replay_N = recorded_N if replay_N is None else replay_N & recorded_N
+        differs_N = jnp.any(jnp.sort(record_NxK, axis=-1) != jnp.sort(own_NxK, axis=-1), axis=-1)
+        drift_N = (differs_N & recorded_N).astype(jnp.float32)
+        own_NxK = jnp.where(replay_N[:, None], record_NxK, own_NxK)
+        weights_NxK = jnp.take_along_axis(probs_NxE, own_NxK, axis=-1)
     if normalize:
         weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
-    return weights_NxK, experts_NxK.astype(jnp.int32)
+    return weights_NxK, own_NxK, drift_N
 
 
 def dense(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, act):

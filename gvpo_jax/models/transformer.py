@@ -314,13 +314,14 @@ class MoE(nnx.Module):
         self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)
 
     def __call__(
-        self, x_BxTxD: jax.Array, valid_BxT=None, routing_BxTxK=None
+        self, x_BxTxD: jax.Array, valid_BxT=None, routing=None
     ) -> tuple[jax.Array, moe_lib.Routes]:
         """(output [B, T, D], the router's decisions: `moe.Routes` of [B, T, K] experts, [B, T]
         entropies and the load over the real tokens (`valid_BxT`, default all) per batch
-        shard). `routing_BxTxK` replays a recorded routing: those experts, gated by this
-        router's probabilities at them (renormalised as the model does), so the router keeps
-        its gradient.
+        shard). `routing` = (experts [B, T, K], mask [B, T], apply [B, T]) is a recorded
+        routing (where mask), replayed where apply: those experts, gated by this router's
+        probabilities at them (renormalised as the model does), so the router keeps its
+        gradient; elsewhere only compared with the router's choice (`Routes.drift`).
 
         Under a mesh whose batch axes split the rows, each batch shard routes and dispatches
         its own tokens (`shard_map` over those axes; the expert weights enter whole along them,
@@ -340,7 +341,7 @@ class MoE(nnx.Module):
             weight(p, cdt) if lo is None or not lo.enabled else lo.merge(p[...], cdt)
             for p, lo in kernels
         )
-        routing = () if routing_BxTxK is None else (routing_BxTxK,)
+        routing = () if routing is None else tuple(routing)
         if valid_BxT is None:
             valid_BxT = jnp.ones(x_BxTxD.shape[:2], jnp.bool_)
         axes = _batch_mesh_axes(x_BxTxD.shape[0])
@@ -353,7 +354,10 @@ class MoE(nnx.Module):
             local = jax.shard_map(
                 local,
                 in_specs=(rows, rows, (whole, split, split, split), (rows,) * len(routing)),
-                out_specs=(rows, moe_lib.Routes(rows, rows, moe_lib.Balance(rows, rows, rows))),
+                out_specs=(
+                    rows,
+                    moe_lib.Routes(rows, rows, moe_lib.Balance(rows, rows, rows), rows),
+                ),
                 axis_names=set(axes),
             )
         out_BxTxD, routes = local(x_BxTxD, valid_BxT, weights, routing)
@@ -368,9 +372,18 @@ class MoE(nnx.Module):
         x_NxD = x_BxTxD.reshape(b * t, d)
         # the router's logits in the compute dtype (as transformers), its softmax in fp32
         logits_NxE = x_NxD @ router_DxE
-        forced = routing[0].reshape(b * t, -1) if replay else None
-        gates_NxK, experts_NxK = moe_lib.route(
-            logits_NxE, self.top_k, normalize=self.normalize, experts_NxK=forced
+        record, mask, apply = (
+            (routing[0].reshape(b * t, -1), *(r.reshape(b * t).astype(bool) for r in routing[1:]))
+            if replay
+            else (None, None, None)
+        )
+        gates_NxK, experts_NxK, drift_N = moe_lib.route(
+            logits_NxE,
+            self.top_k,
+            normalize=self.normalize,
+            experts_NxK=record,
+            replay_N=apply,
+            recorded_N=mask,
         )
         gates_NxK = gates_NxK.astype(x_NxD.dtype)
         if expert_shards > 1:
@@ -392,6 +405,7 @@ class MoE(nnx.Module):
             experts_NxK.reshape(b, t, -1),
             moe_lib.entropy(logits_NxE).reshape(b, t),
             moe_lib.balance(logits_NxE, experts_NxK, valid_BxT.reshape(b * t)),
+            drift_N.reshape(b, t),
         )
         return y_NxD.reshape(b, t, d), routes
 
@@ -445,7 +459,8 @@ class Block(nnx.Module):
         self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None, routing=None
     ):
         """(x [B, T, D], the updated layer cache, the router's `moe.Routes` or None in a dense
-        layer); `routing` [B, T, K] replays an MoE layer's experts."""
+        layer); `routing` (experts [B, T, K], mask [B, T], apply [B, T]): an MoE layer's
+        recorded experts, replayed where apply (`MoE`)."""
         attn_BxTxD, layer_cache = self.attn(
             self.attn_norm(x_BxTxD), positions_BxT, valid_BxT, layer_cache, cache_index
         )
@@ -477,6 +492,20 @@ def _join_routes(prefix, rest, *, repeat: int = 1, weight: int | None = None):
         balance=moe_lib.combine_balance(
             [(prefix.balance, repeat if weight is None else weight), (rest.balance, 1)]
         ),
+        drift=jnp.concatenate([tile(prefix.drift), rest.drift], axis=2),
+    )
+
+
+def _split_replay(routing, prefix_len: int, rows=slice(None)):
+    """A `moe.Replay` ([M, B, S, K], [B, S], [B, S]) cut into its prefix's (the given rows'
+    first `prefix_len` slots) and the rest's; (None, None) without one."""
+    if routing is None:
+        return None, None
+    experts, mask, apply = routing
+    j = prefix_len
+    return (
+        moe_lib.Replay(experts[:, rows, :j], mask[rows, :j], apply[rows, :j]),
+        moe_lib.Replay(experts[:, :, j:], mask[:, j:], apply[:, j:]),
     )
 
 
@@ -610,8 +639,10 @@ class Transformer(nnx.Module):
         cache/cache_index: the T new keys/values go to slots [cache_index, cache_index + T);
           the caller keeps cache_index + T <= S (dynamic_update_slice would clamp the start).
           With a `slot_cache`, cache_index is int32 [B]: each row's own write column.
-        routing: int [M, B, T, K], the experts of each token in each of the M MoE layers (in
-          layer order) to replay instead of routing (`MoE`); None routes.
+        routing: a recorded routing (`MoE`): `moe.Replay` (experts int [M, B, T, K] of each
+          token in each of the M MoE layers, in layer order, the mask [B, T] of the tokens it
+          holds for and where it replaces the router's choice), or the experts alone (replayed
+          at every token); None routes.
         with_routes: also return the routers' decisions, `moe.Routes` of experts int32
           [M, B, T, K] and entropies fp32 [M, B, T] (None for a model without MoE layers), as
           the last element of a tuple.
@@ -619,6 +650,9 @@ class Transformer(nnx.Module):
         cfg = self.config
         b, t = tokens_BxT.shape
         valid_BxT = jnp.ones((b, t), jnp.bool_) if mask_BxT is None else mask_BxT.astype(bool)
+        if routing is not None and not isinstance(routing, moe_lib.Replay):
+            every = jnp.ones((b, t), jnp.bool_)
+            routing = moe_lib.Replay(routing, every, every)
         if positions_BxT is None:
             if cache is not None:
                 raise ValueError("positions_BxT is required with a KV cache (per-row positions).")
@@ -653,7 +687,7 @@ class Transformer(nnx.Module):
                 layer_cache = None if cache is None else cache[layer_index]
                 replay = None
                 if routing is not None and cfg.moe_layer(layer_index):
-                    replay, m = routing[m], m + 1
+                    replay, m = (routing.experts[m], routing.mask, routing.apply), m + 1
                 x_BxTxD, layer_cache, layer_routes = forward(
                     block, x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, replay
                 )
@@ -685,8 +719,11 @@ class Transformer(nnx.Module):
         layers = range(cfg.num_layers)
         kinds = list(dict.fromkeys(layer_kind(cfg, i) for i in layers))
 
+        masks = None if routing is None else (routing.mask, routing.apply)  # every layer's
+
         def run(x_BxTxD, layer_state, layer_cache, replay, layer):
             block = as_layer(nnx.merge(graphdef, layer_state), cfg, layer)
+            replay = None if replay is None else (replay, *masks)
             x_BxTxD, layer_cache, routes = block(
                 x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, replay
             )
@@ -705,10 +742,18 @@ class Transformer(nnx.Module):
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=False)
         # (every layer is an MoE layer or none is: a mixed pattern is not scanned)
-        return jax.lax.scan(body, x_BxTxD, (kind_L, state, cache, routing))
+        experts = None if routing is None else routing.experts
+        return jax.lax.scan(body, x_BxTxD, (kind_L, state, cache, experts))
 
     def hidden_shared_prefix(
-        self, tokens_BxS, mask_BxS, *, prefix_len: int, group_size: int, with_routes=False
+        self,
+        tokens_BxS,
+        mask_BxS,
+        *,
+        prefix_len: int,
+        group_size: int,
+        routing=None,
+        with_routes=False,
     ):
         """`hidden(tokens_BxS, None, mask_BxS)` for rows that share their prefix in groups.
 
@@ -719,6 +764,8 @@ class Transformer(nnx.Module):
         rollout batch skips (G - 1) / G of the prompt tokens' work; gradients through the
         shared prefix sum over the group. Same values as `hidden` (fp32 rounding aside);
         returns final-norm hidden states [B, S, D], the prefix slots repeated per row.
+        `routing`: a `moe.Replay` of the whole rows, as `hidden`'s (each group's prefix
+        replayed from its first row).
         `with_routes`: (hidden, routes) with the routes laid out as `hidden`'s would be (the
         prefix's repeated per row, its load counted once per row); routes is None without
         MoE layers.
@@ -733,12 +780,14 @@ class Transformer(nnx.Module):
         positions_BxS = default_positions(mask_BxS, b, s)
         valid_BxS = mask_BxS.astype(bool)
         p = b // g
+        prefix_replay, rest_replay = _split_replay(routing, j, slice(None, None, g))
         prefix_PxJxD, cache, *prefix_routes = self.hidden(
             tokens_BxS[::g, :j],
             positions_BxS[::g, :j],
             valid_BxS[::g, :j],
             cache=self.init_cache(p, j),
             cache_index=0,
+            routing=prefix_replay,
             with_routes=with_routes,
         )
         cache = self.share_prefix_cache(cache, g, s - j)
@@ -748,6 +797,7 @@ class Transformer(nnx.Module):
             valid_BxS[:, j:],
             cache=cache,
             cache_index=0,
+            routing=rest_replay,
             with_routes=with_routes,
         )
         hidden_BxSxD = jnp.concatenate([jnp.repeat(prefix_PxJxD, g, axis=0), new_BxNxD], axis=1)
@@ -764,6 +814,7 @@ class Transformer(nnx.Module):
         *,
         prefix_len: int,
         prefix_copies: int = 1,
+        routing=None,
         with_routes=False,
     ):
         """Final-norm hidden states [R, S, D] of packed rows: row r is a prefix of
@@ -774,18 +825,21 @@ class Transformer(nnx.Module):
         only (`cache.PackedPrefixCache`), so a token's hidden state is the one it has in an
         unpacked row [prefix, its continuation] (fp32 rounding aside): the update runs a
         group's G responses behind one copy of its prompt with no padding between them.
+        `routing`: a `moe.Replay` in the packed layout ([M, R, S, K], [R, S]).
         `with_routes`: (hidden, routes) in the packed layout, the prefix's load counted
         `prefix_copies` times (G: as often as the unpacked rows hold it).
         """
         j = prefix_len
         r = tokens_RxS.shape[0]
         valid_RxS = mask_RxS.astype(bool)
+        prefix_replay, rest_replay = _split_replay(routing, j)
         prefix_RxJxD, cache, *prefix_routes = self.hidden(
             tokens_RxS[:, :j],
             positions_RxS[:, :j],
             valid_RxS[:, :j],
             cache=self.init_cache(r, j),
             cache_index=0,
+            routing=prefix_replay,
             with_routes=with_routes,
         )
         packed = caches.per_layer(lambda c: caches.PackedPrefixCache.share(c, segments_RxW), cache)
@@ -795,6 +849,7 @@ class Transformer(nnx.Module):
             valid_RxS[:, j:],
             cache=packed,
             cache_index=0,
+            routing=rest_replay,
             with_routes=with_routes,
         )
         hidden_RxSxD = jnp.concatenate([prefix_RxJxD, new_RxWxD], axis=1)
