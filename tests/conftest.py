@@ -83,7 +83,8 @@ LONGEST_FIRST = (
     "test_attention.py", "test_multiprocess.py", "test_moe.py", "test_sharding.py",
     "test_buckets.py", "test_sampler.py", "test_scan.py", "test_gemma3_gguf.py",
     "test_benchmarks.py", "test_whole_step_bench.py", "test_gpu_check.py", "test_main.py",
-    "test_wiring.py", "test_eval_mode.py", "test_study_stale.py", "test_plan_moe.py",
+    "test_wiring.py", "test_eval_mode.py", "test_routing_replay.py", "test_study_stale.py",
+    "test_plan_moe.py",
 )  # fmt: skip
 
 
