@@ -177,3 +177,30 @@ def test_replayed_gates_keep_the_routers_gradient(normalize):
             fd[i, j] = (formula(up) - formula(down)) / (2 * h)
     np.testing.assert_allclose(grad, fd, atol=1e-5, rtol=1e-4)
     assert np.abs(np.asarray(grad)[mask]).max() > 1e-3
+
+
+def test_part_four_cells_are_the_designed_arms():
+    """studies/moe (STUDY.md part 4): six cells of configs/moe_arith.py's MoE, each with its
+    routing replay, the sampler in bf16 over an fp32 update, 4 updates per rollout and the
+    same budget; each config valid and differing from the base only where its arm says; the
+    pilot's ladder in order of growing drift."""
+    from gvpo_jax import config as config_lib
+    from studies import arms
+    from studies.moe import study
+    from studies.moe.configs import base
+
+    cells = study.cells("bf16", quick=False)
+    assert [c.name for c in cells] == list(study.CELLS)
+    start = base.get_config()
+    for cell in cells:
+        c = cell.load()
+        config_lib.validate(c, check_paths=False)
+        algo, replay = study.CELLS[cell.name]
+        assert (c.algo.name, c.algo.routing_replay) == (algo, replay)
+        assert c.rollout.compute_dtype == "bfloat16" and c.model.compute_dtype == "float32"
+        assert c.algo.num_minibatches * c.algo.num_epochs == 4
+        assert c.model.overrides.architecture == "qwen3_moe"
+        changed = {k for k, _ in arms.overrides(c, start)}
+        assert changed <= {"algo.name", "algo.routing_replay"}, changed
+    lrs = [base.moe_recipe(setting=s).optim.lr for s in base.SETTINGS]
+    assert lrs == sorted(lrs) and list(base.SETTINGS)[0] == "bf16"
