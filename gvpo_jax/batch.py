@@ -48,7 +48,7 @@ class PackedRows:
     padding); pred: [R, W] the slot whose hidden state predicts each packed response slot;
     index: [B, N] where row b's response token t sits in the flattened [R * W] slots (-1: none).
     routing / routing_mask: [R, J + W, M, K] and [R, J + W], the rows' recorded routing packed
-    as the tokens are (routing replay; None without).
+    as the tokens are (None without); a prompt slot's mask counts the group's rows holding it.
     """
 
     tokens: Any

@@ -149,7 +149,8 @@ def pack(
         p.positions[g, :J] = np.maximum(real - 1, 0)
         if record:
             p.routing[g, :J] = routing[first, :J]
-            p.routing_mask[g, :J] = routing_mask[first, :J]
+            # how many of the group's rows hold the prompt's record (the first row's is used)
+            p.routing_mask[g, :J] = routing_mask[first : first + G, :J].sum(0)
         offset = 0
         for i in range(G):
             row, length = first + i, int(ends[first + i])
@@ -415,8 +416,11 @@ class Updater:
 
     def _pass_args(self, dev: UpdateBatch, reference: bool, mode: train_step.Pass) -> tuple:
         """The log-prob program's arguments after the parameters for a device chunk."""
-        if self.packed:
-            return (dev.packed, reference, mode)
+        if self.packed:  # the record travels only to a pass that replays it
+            packed = (
+                dev.packed if mode.replay else dev.packed.replace(routing=None, routing_mask=None)
+            )
+            return (packed, reference, mode)
         routing = (dev.routing, dev.routing_mask) if mode.replay else None
         return (dev.tokens, dev.valid, reference, mode, routing)
 

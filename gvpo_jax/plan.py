@@ -118,7 +118,7 @@ class MemoryPlan:
             ("  of which one MoE layer's dispatch", self.moe_dispatch, "estimate"),
             ("KV cache of the rollout batch", self.kv_cache, "estimate"),
             ("MoE routing record of the rollout (sampler)", self.rollout_record, "exact"),
-            ("MoE routing record of a micro-batch (replay)", self.replay_record, "exact"),
+            ("MoE routing record of a micro-batch", self.replay_record, "exact"),
             ("KV cache of an evaluation call", self.eval_kv_cache, "estimate"),
             ("peak during update", self.update_peak, ""),
             ("peak during rollout", self.rollout_peak, ""),
@@ -476,7 +476,7 @@ def plan_memory(config: ml_collections.ConfigDict, num_devices: int) -> MemoryPl
         # the sampler records every row's response tokens [B, N] and each prompt's [P, Tp]
         shards = row_shards(sizes)
         rollout_record = per_token * (-(-P * G // shards) * N + -(-P // shards) * Tp)
-        if c.algo.routing_replay != "none":  # the micro-batch's record and its fp32 mask
+        if c.algo.routing_replay != "none" or c.train.routing_metrics:  # record + fp32 mask
             replay_record = -(-micro_rows // shards) * (Tp + N) * (per_token + 4)
         notes.append(
             f"MoE routing record: {per_token} bytes per token ({per_token / 2**10:.2f} KiB), "

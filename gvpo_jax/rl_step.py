@@ -143,7 +143,7 @@ def logprob_passes(s: StepSettings) -> tuple[tuple[bool, train_step.Pass], ...]:
     mode = train_step.Pass(
         replay=s.routing_replay == "r3",
         record=s.routing_replay == "r2",
-        record_dtype=s.record[2] if s.record else "uint8",
+        record_dtype=s.record[2] if s.routing_replay == "r2" else "uint8",
     )
     passes = ((False, mode),) * old + ((False, train_step.PLAIN),) * (s.reference.kind == "copy")
     passes += ((True, train_step.PLAIN),) * (s.reference.kind == "adapters_off")

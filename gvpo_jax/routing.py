@@ -40,8 +40,8 @@ def sampler_record(fresh: dict, prompt_len: int, *, extra_rows: int = 0):
     the replay buffer adds: they route as without replay)."""
     if "routes" not in fresh:
         raise ValueError(
-            "algo.routing_replay=r3 replays the sampler's routing record, but this rollout "
-            "carries none (the policy has no MoE layers); set algo.routing_replay=none."
+            "the update reads the sampler's routing record (algo.routing_replay=r3 or "
+            "train.routing_metrics on an MoE policy), but this rollout carries none."
         )
     experts, mask = fresh["routes"], fed_mask(fresh, prompt_len)
     if experts.shape[:2] != mask.shape:

@@ -497,10 +497,9 @@ def rl_loss(
     )
     aux = dict(aux) | is_aux
     if spec.routing:  # recorded (token, layer) pairs, and those the router picks otherwise
-        recorded = (batch.packed.routing_mask if spec.packed else batch.routing_mask) > 0
-        recorded = recorded.astype(jnp.float32)
-        if spec.packed:  # a packed row's prompt stands for its G unpacked rows' copies
-            recorded = recorded.at[:, :prompt_len].multiply(group_size)
+        # (packed: a prompt slot's mask counts the group's rows that hold its record)
+        mask = batch.packed.routing_mask if spec.packed else batch.routing_mask
+        recorded = mask.astype(jnp.float32)
         layers = routes.drift.shape[0]
         aux["routing_drifted"] = jnp.sum(routes.drift * recorded[None])
         aux["routing_recorded"] = layers * jnp.sum(recorded)
