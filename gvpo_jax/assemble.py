@@ -31,6 +31,7 @@ from gvpo_jax import (
     losses,
     metrics,
     models,
+    multiturn,
     rollout_queue,
     sampler,
     sharding,
@@ -69,6 +70,7 @@ class Run:
     lora: lora.LoRASpec | None = None  # config.lora.enabled: the adapters on a frozen base
     # rollout.compute_dtype other than the model's: the policy's graph computing in that dtype
     rollout_graphdef: nnx.GraphDef | None = None
+    tools: multiturn.Tools | None = None  # config.tools: multi-turn rollouts with tool calls
 
     @property
     def algorithm(self) -> losses.Algorithm:
@@ -278,6 +280,40 @@ def sampling_settings(
     )
 
 
+def tool_run(config: ml_collections.ConfigDict, tokenizer, sampling) -> multiturn.Tools | None:
+    """The run's tools (config.tools), or None for single-turn rollouts. The chat format uses
+    the tokenizer's own chat template when it has one (checked to hold the tool protocol), else
+    Qwen3's (`tools.formats.QWEN3_TEMPLATE`)."""
+    from gvpo_jax import tools
+    from gvpo_jax.tools import formats
+
+    names = config_lib.tool_names(config)
+    if not names:
+        return None
+    registry, t = tools.builtin(names), config.tools
+    if t.format == "bracket":
+        params = registry.schemas()[0]["function"]["parameters"]
+        fmt = formats.BracketFormat(
+            tokenizer, registry, tool=names[0], argument=params["required"][0], truncate=t.truncate
+        )
+    else:
+        template = getattr(tokenizer, "chat_template", None) or formats.QWEN3_TEMPLATE
+        try:
+            fmt = formats.ChatFormat(tokenizer, registry, template=template, truncate=t.truncate)
+        except ValueError:
+            config_lib.fail(
+                "config.tools.format is chat but the tokenizer's chat template does not write a "
+                "tool call as <tool_call>..</tool_call> followed by its answer; use a tokenizer "
+                "with Qwen3's tool protocol."
+            )
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = template  # prompts are rendered with it (with the tools)
+    settings = multiturn.TurnSettings(
+        sampling=sampling, stop_ids=fmt.stop_ids, max_tool_tokens=t.max_tokens
+    )
+    return multiturn.Tools(settings=settings, format=fmt, max_turns=t.max_turns)
+
+
 def start_loop(run: Run) -> LoopState:
     """The loop state of a run's start: step 0, the start of the task's stream, the shuffle
     stream seeded from the config's seed, an empty replay buffer (when the config has one)."""
@@ -308,7 +344,10 @@ def build_tokenizer(config: ml_collections.ConfigDict, workdir: str):
 
     kind = config.tokenizer.kind
     if kind == "char":
-        tok = data.char_tokenizer.build_char_tokenizer()
+        chars = data.char_tokenizer.CHARS
+        if config_lib.tool_names(config) and config.tools.format == "bracket":
+            chars += "[]"  # the calls' brackets
+        tok = data.char_tokenizer.build_char_tokenizer(chars)
         if sharding.is_primary():  # one writer: the workdir may be shared by all processes
             tok.save_pretrained(os.path.join(workdir, "tokenizer"))
         return tok
@@ -593,8 +632,15 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         state = train_step.params_only_state(params, tx, rng, shardings)
     moe, model_cfg = model.config.moe, model.config
     del model, params  # the state holds the parameters now; a restore may replace them
+    sampling = sampling_settings(config, tokenizer, moe=moe)
+    tools = tool_run(config, tokenizer, sampling)
+    chat_tools = tools is not None and config.tools.format == "chat"
     task = tasks.build_task(
-        config, tokenizer, shard=sharding.data_shard(mesh), allgather=sharding.host_allgather
+        config,
+        tokenizer,
+        shard=sharding.data_shard(mesh),
+        allgather=sharding.host_allgather,
+        tools=tools.format.registry.schemas() if chat_tools else None,
     )
     run = Run(
         config=config,
@@ -604,7 +650,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         graphdef=graphdef,
         tokenizer=tokenizer,
         task=task,
-        sampling=sampling_settings(config, tokenizer, moe=moe),
+        sampling=sampling,
         settings=step_settings(config, model_cfg),
         writer=metrics.MetricWriter(
             workdir,
@@ -623,6 +669,7 @@ def assemble(config: ml_collections.ConfigDict, workdir: str) -> tuple[Run, trai
         sampling_mesh=sampling_mesh(config, sampling_devices, graphdef, state.params),
         lora=lora_spec(config),
         rollout_graphdef=rollout_graphdef(config, model_cfg),
+        tools=tools,
     )
     record_config(config, workdir)
     if sharding.is_primary():

@@ -135,11 +135,14 @@ def layout_batch(
     group_size: int,
     prompt_len: int,
     pad_id: int,
+    valid_BxN: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The update layout: row b = [pad.., prompt[b // G], response[b], pad..], shape [B, Tp + N].
 
     Prompts are right-aligned at slot `prompt_len` (left padding), so the token before the first
     response slot is always the prompt's last token and `token_logprobs` needs no gathers.
+    `valid_BxN`: the response tokens that exist where the losses do not count them all (a
+    tool's answers: attention sees them, `resp_mask` is 0 there); default `resp_mask_BxN`.
     """
     B, N = responses_BxN.shape
     tokens = np.full((B, prompt_len + N), pad_id, np.int32)
@@ -148,8 +151,9 @@ def layout_batch(
         p = prompts[b // group_size]
         tokens[b, prompt_len - len(p) : prompt_len] = p
         attn[b, prompt_len - len(p) : prompt_len] = 1.0
-    tokens[:, prompt_len:] = np.where(resp_mask_BxN > 0, responses_BxN, pad_id)
-    attn[:, prompt_len:] = resp_mask_BxN
+    valid_BxN = resp_mask_BxN if valid_BxN is None else valid_BxN
+    tokens[:, prompt_len:] = np.where(valid_BxN > 0, responses_BxN, pad_id)
+    attn[:, prompt_len:] = valid_BxN
     return {"tokens": tokens, "attn_mask": attn, "resp_mask": resp_mask_BxN.astype(np.float32)}
 
 
@@ -188,9 +192,13 @@ def encode_answers(
     return tokens, mask
 
 
-def decode(tokenizer, tokens_BxN: np.ndarray, lengths_B: np.ndarray) -> list[str]:
+def decode(tokenizer, tokens_BxN: np.ndarray, lengths_B: np.ndarray, start_B=None) -> list[str]:
+    """Each row's text, tokens [start_B[b], lengths_B[b]) (start: 0 by default)."""
+    start_B = np.zeros(len(lengths_B), int) if start_B is None else start_B
     return [
-        tokenizer.decode(tokens_BxN[b, : int(lengths_B[b])].tolist(), skip_special_tokens=True)
+        tokenizer.decode(
+            tokens_BxN[b, int(start_B[b]) : int(lengths_B[b])].tolist(), skip_special_tokens=True
+        )
         for b in range(tokens_BxN.shape[0])
     ]
 

@@ -166,6 +166,18 @@ def base_config() -> ml_collections.ConfigDict:
     # 16 -> 8 rows), the running rows compacted into the smaller batch. Same samples; 0: off.
     c.rollout.shed = 0
 
+    # Tools in the rollout (docs/tools.md): the policy calls them and reads their answers in
+    # later turns of the same response; the losses count the policy's tokens only.
+    c.tools = ml_collections.ConfigDict()
+    c.tools.names = ""  # built-in tools offered, comma-separated (calculator, python); "": none
+    # How calls and answers are written: chat (the tokenizer's chat template with Qwen3's tool
+    # protocol: <tool_call>{json}</tool_call>, answers in <tool_response>) | bracket (one tool,
+    # character models: "[12*34]" reads "=408")
+    c.tools.format = "chat"
+    c.tools.max_turns = 4  # tool calls answered per response at most; one past it ends the row
+    c.tools.max_tokens = 64  # an answer's tokens per turn at most (its frame included)
+    c.tools.truncate = "right"  # a long answer keeps its head (right) or its tail (left)
+
     c.algo = ml_collections.ConfigDict()
     # A losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo gmpo rloo reinforce_pp
     # reinforce_pp_baseline.
@@ -226,6 +238,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.batch_size = 64  # prompt+answer pairs per SFT step
     c.sft.lr = 1e-3  # SFT learning rate (AdamW, constant after warm-up)
     c.sft.warmup_steps = 10  # SFT warm-up steps
+    # With tools: the share of SFT demonstrations that call the calculator on the example's
+    # expression and answer with what it returns (the rest answer directly); data.task=arith.
+    c.sft.tool_demos = 0.0
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 20  # RL steps (one rollout batch each)
@@ -348,6 +363,11 @@ def check_model_fields(c, model) -> None:
         fail(
             f"config.algo.routing_replay is {c.algo.routing_replay!r} but the model has no MoE "
             "layers (no routing to replay); set it to none."
+        )
+    if tool_names(c) and model.moe and (c.train.routing_metrics or c.algo.routing_replay != "none"):
+        fail(
+            "config.tools.names is set on an MoE policy, whose tool rollouts carry no routing "
+            "record yet; set train.routing_metrics=false and algo.routing_replay=none."
         )
     if c.lora.enabled and c.lora.experts and not model.moe:
         fail(
@@ -851,6 +871,72 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         _fail(f"config.mesh.expert is {c.mesh.expert!r}; use a positive size (1: no expert axis).")
     _validate_eval(c, check_paths=check_paths)
     _validate_lora(c)
+    _validate_tools(c)
+
+
+def tool_names(c: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The run's tools (config.tools.names), in order; () for single-turn rollouts."""
+    return tuple(n.strip() for n in c.tools.names.split(",") if n.strip())
+
+
+def _validate_tools(c: ml_collections.ConfigDict) -> None:
+    from gvpo_jax import tools  # light: the registry and the built-in tools
+
+    names = tool_names(c)
+    unknown = [n for n in names if n not in tools.BUILTIN]
+    if unknown:
+        _fail(
+            f"config.tools.names has {', '.join(unknown)}, which is not a built-in tool; use "
+            f"{' or '.join(tools.BUILTIN)} (comma-separated)."
+        )
+    if c.tools.format not in ("chat", "bracket"):
+        _fail(f"config.tools.format is {c.tools.format!r}; use chat or bracket.")
+    if c.tools.truncate not in ("left", "right"):
+        _fail(f"config.tools.truncate is {c.tools.truncate!r}; use left or right.")
+    _check_positive_int(c, "tools.max_turns")
+    _check_positive_int(c, "tools.max_tokens")
+    if not 0.0 <= c.sft.tool_demos <= 1.0:
+        _fail(f"config.sft.tool_demos is {c.sft.tool_demos}; use a share in [0, 1].")
+    if c.sft.tool_demos and ("calculator" not in names or c.data.task != "arith"):
+        _fail(
+            "config.sft.tool_demos is set, and its demonstrations call the calculator on an "
+            "arithmetic problem; add calculator to tools.names and use data.task=arith, or set "
+            "sft.tool_demos=0."
+        )
+    if not names:
+        return
+    if c.tools.format == "bracket" and len(names) != 1:
+        _fail(
+            f"config.tools.names lists {len(names)} tools but the bracket format calls one; "
+            "name one tool or use tools.format=chat."
+        )
+    if c.tools.format == "bracket" and c.tokenizer.kind != "char":
+        _fail(
+            "config.tools.format is bracket, which is written for the character tokenizer; "
+            "use tools.format=chat with this tokenizer."
+        )
+    if c.tools.format == "chat" and c.tokenizer.kind == "char":
+        _fail(
+            "config.tools.format is chat but the character tokenizer has no chat template; use "
+            "tools.format=bracket."
+        )
+    if c.tools.max_tokens >= c.rollout.max_new_tokens:
+        _fail(
+            f"config.tools.max_tokens is {c.tools.max_tokens} but a response holds only "
+            f"rollout.max_new_tokens={c.rollout.max_new_tokens} tokens, answers included; "
+            "lower tools.max_tokens or raise rollout.max_new_tokens."
+        )
+    if c.algo.routing_replay == "r3":
+        _fail(
+            "config.algo.routing_replay is r3 with tools, whose answers the sampler prefills "
+            "without a routing record; use r2 or none."
+        )
+    for field in ("num_slots", "shed"):
+        if c.rollout[field]:
+            _fail(
+                f"config.rollout.{field} is {c.rollout[field]} with tools, whose rollout keeps "
+                f"one decode slot per row; set rollout.{field}=0."
+            )
 
 
 def lora_targets(c: ml_collections.ConfigDict) -> tuple[str, ...]:

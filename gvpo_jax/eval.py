@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from gvpo_jax import assemble, metrics, sampler, sharding
+from gvpo_jax import assemble, metrics, multiturn, sampler, sharding
 from gvpo_jax import batch as batch_lib
 from gvpo_jax import rewards as rewards_lib
 
@@ -205,9 +205,14 @@ def evaluate_policy(
     timeout_s: float = 5.0,
     num_workers: int = rewards_lib.AUTO_WORKERS,
     outcomes: list | None = None,
+    tools: multiturn.Tools | None = None,
 ) -> dict:
     """Held-out metrics of a policy: greedy always, avg@n / pass@k / maj@k of n samples at the
     rollout temperature when n > 1.
+
+    `tools`: a run's tools: the policy samples multi-turn as in its rollouts, its last turn is
+    scored, and "eval/tools/calls_per_response" / "failed_frac" (the headline pass's) and
+    "eval/tools/greedy_calls_per_response" / "greedy_failed_frac" count its calls.
 
     Returns a flat dict: "eval/greedy", "eval/avg@n", "eval/pass@k", ... (per dataset as
     "eval/per_dataset/<name>/..."). Examples go through the sampler in chunks of `chunk` prompts
@@ -224,6 +229,34 @@ def evaluate_policy(
     rows = sharding.process_rows(chunk, mesh).rows
     key = jax.random.key(seed)
     shapes: list[tuple[list[int], list[bool]]] = []  # per example of the last generate_fn call
+    calls = {"rows": 0.0, "calls": 0.0, "failed": 0.0}  # tools: the last generate_fn call's
+
+    def sample(part, eval_settings, rng):
+        """The chunk's rows, gathered: tokens, lengths, where the scored text starts, cut."""
+        prompts = [part[int(r)]["prompt_ids"] for r in rows]
+        if tools is None:
+            out = sampler.sample_groups(
+                model, prompts, settings=eval_settings, rng=rng, mesh=mesh, rules=rules
+            )
+            full = sharding.gather_rows({"tokens": out.tokens_BxN, "lengths": out.lengths_B}, mesh)
+            # Truncated: the cap reached without an end-of-sequence token in the last slot.
+            last = np.asarray(full["tokens"])[:, eval_settings.max_new_tokens - 1]
+            lengths = np.asarray(full["lengths"])
+            cut = (lengths >= eval_settings.max_new_tokens) & ~np.isin(
+                last, np.asarray(eval_settings.eos_ids)
+            )
+            return full["tokens"], lengths, np.zeros(len(lengths), int), cut
+        turn = dataclasses.replace(tools.settings, sampling=eval_settings)
+        out = dataclasses.replace(tools, settings=turn).sample(
+            model, prompts, tokenizer=tokenizer, rng=rng, mesh=mesh, rules=rules
+        )
+        rows_out = {"tokens": out.tokens_BxN, "lengths": out.lengths_B, "cut": out.truncated_B}
+        rows_out.update(start=multiturn.final_turns(out), calls=out.calls_B, failed=out.failed_B)
+        full = sharding.gather_rows(rows_out, mesh)
+        calls["rows"] += len(full["lengths"])
+        calls["calls"] += float(np.sum(full["calls"]))
+        calls["failed"] += float(np.sum(full["failed"]))
+        return full["tokens"], np.asarray(full["lengths"]), full["start"], full["cut"] > 0
 
     def generate_fn(examples, num):
         # Evaluation has its own slot count (capped at each call's chunk x num rows).
@@ -234,7 +267,7 @@ def evaluate_policy(
             eval_settings = dataclasses.replace(eval_settings, temperature=0.0)
         outs = []
         shapes.clear()
-        cap = eval_settings.max_new_tokens
+        calls.update(rows=0.0, calls=0.0, failed=0.0)
         for i in range(0, len(examples), chunk):
             part = list(examples[i : i + chunk])
             real = len(part)
@@ -242,21 +275,11 @@ def evaluate_policy(
             # A key per chunk: the sampler draws row j from (key, j), so one key for every chunk
             # would give problem j of each chunk the same draws, and problems would no longer be
             # sampled independently (what the paired bootstrap of `compare` assumes).
-            out = sampler.sample_groups(
-                model,
-                [part[int(r)]["prompt_ids"] for r in rows],
-                settings=eval_settings,
-                rng=jax.random.fold_in(key, i // chunk),
-                mesh=mesh,
-                rules=rules,
+            tokens, lengths, start, cut = sample(
+                part, eval_settings, jax.random.fold_in(key, i // chunk)
             )
-            full = sharding.gather_rows({"tokens": out.tokens_BxN, "lengths": out.lengths_B}, mesh)
-            texts = batch_lib.decode(tokenizer, full["tokens"], full["lengths"])
+            texts = batch_lib.decode(tokenizer, tokens, lengths, start_B=start)
             outs += [texts[j * num : (j + 1) * num] for j in range(real)]
-            lengths = np.asarray(full["lengths"])
-            # Truncated: the cap reached without an end-of-sequence token in the last slot.
-            last = np.asarray(full["tokens"])[:, cap - 1]
-            cut = (lengths >= cap) & ~np.isin(last, np.asarray(eval_settings.eos_ids))
             shapes.extend(
                 (lengths[j * num : (j + 1) * num].tolist(), cut[j * num : (j + 1) * num].tolist())
                 for j in range(real)
@@ -267,7 +290,7 @@ def evaluate_policy(
     greedy, greedy_details = evaluate(
         generate_fn, examples, n=1, ks=(1,), return_details=True, **kw
     )
-    greedy_shapes = list(shapes)
+    greedy_shapes, greedy_calls = list(shapes), dict(calls)
     if n == 1:
         headline, details, sample_shapes = greedy, greedy_details, greedy_shapes
     else:
@@ -285,6 +308,10 @@ def evaluate_policy(
         if isinstance(v, (int, float, np.floating, np.integer))
     }
     flat["eval/greedy"] = float(greedy["avg@1"])
+    if tools is not None:  # padded chunk rows included: a near-exact share
+        for tag, c in (("", calls), ("greedy_", greedy_calls)):
+            flat[f"eval/tools/{tag}calls_per_response"] = c["calls"] / max(c["rows"], 1.0)
+            flat[f"eval/tools/{tag}failed_frac"] = c["failed"] / max(c["calls"], 1.0)
     return flat
 
 
@@ -549,6 +576,7 @@ def evaluate_held_out(run_: assemble.Run, params, *, step: int, tag: str = "") -
         timeout_s=run_.task.timeout_s,
         num_workers=run_.task.num_workers,
         outcomes=outcomes,
+        tools=run_.tools,
     )
     flat["eval/time_s"] = time.perf_counter() - t0
     run_.writer.write_scalars(step, flat)
@@ -634,6 +662,7 @@ def evaluate_sets(run_: assemble.Run, params, *, policy: str) -> dict:
             timeout_s=run_.task.timeout_s,
             num_workers=run_.task.num_workers,
             outcomes=outcomes,
+            tools=run_.tools,
         )
         prefix = "eval/"
         result = {

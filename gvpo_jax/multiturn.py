@@ -334,6 +334,39 @@ def _resume(graphdef, state, ts: TurnState, forced_BxU, forced_len_B, settings: 
 # The host side
 
 
+@dataclasses.dataclass(frozen=True)
+class Tools:
+    """A run's tools: how its rollouts are sampled (`settings`), how calls and answers read as
+    tokens (`format`: a `tools.formats` format, which holds the registry), and the answered
+    calls per response at most."""
+
+    settings: TurnSettings
+    format: Any
+    max_turns: int
+
+    def sample(self, model, prompts, *, tokenizer, rng, mesh=None, rules=None) -> ToolRollout:
+        """`sample_with_tools` with this run's settings (rows over `mesh`, when given)."""
+        kw = {} if mesh is None else {"mesh": mesh, "rules": rules}
+        return sample_with_tools(
+            model,
+            prompts,
+            settings=self.settings,
+            answer=self.format.answer,
+            decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+            rng=rng,
+            max_turns=self.max_turns,
+            **kw,
+        )
+
+
+def final_turns(out: ToolRollout) -> np.ndarray:
+    """[B] where each row's last turn begins: one past its last observation token (0 for a
+    row that called nothing). What a task scores: the policy's final answer."""
+    n = out.policy_BxN.shape[1]
+    obs = (out.valid_BxN > 0) & (out.policy_BxN == 0)
+    return np.where(obs.any(1), n - np.argmax(obs[:, ::-1], axis=1), 0)
+
+
 @dataclasses.dataclass
 class _Row:
     """What the host tracks of one row between turns."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from gvpo_jax import batch as batch_lib
 from gvpo_jax import rewards, sampler, sharding
+from gvpo_jax.multiturn import final_turns
 
 
 def next_examples(task, mesh, loop, n: int) -> list[dict]:
@@ -89,6 +90,14 @@ def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *, mesh=
     }
     for k, v in info_acc.items():  # counts (reward timeouts, errors) of this process's rows
         metrics[k] = sharding.sum_over_shards(np.sum(v), run.mesh)
+    if "tools/rows" in metrics:  # per response, per call and per token, from the counts
+        rows, calls = metrics.pop("tools/rows"), metrics.pop("tools/calls")
+        metrics["tools/calls_per_response"] = calls / rows
+        metrics["tools/failed_frac"] = metrics.pop("tools/failed") / max(calls, 1.0)
+        metrics["tools/turns_mean"] = metrics.pop("tools/turns") / rows
+        metrics["tools/token_share"] = metrics.pop("tools/tokens") / max(
+            metrics.pop("tools/response_tokens"), 1.0
+        )
     return batch_lib.concat_batches(kept), completions_all, examples_all, metrics
 
 
@@ -105,16 +114,31 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None)
     settings, G = run.sampling, run.settings.group_size
     prompts = [ex["prompt_ids"] for ex in examples]
     t0 = time.perf_counter()
-    out = sampler.sample_groups(
-        model,
-        prompts,
-        settings=settings,
+    where = dict(
         rng=rng,
         mesh=run.mesh if mesh is None else mesh.mesh,
         rules=run.rules if mesh is None else mesh.rules,
     )
+    tool_info = {}
+    if run.tools is not None:  # multi-turn: the policy's tokens and the tools' answers
+        out = run.tools.sample(model, prompts, tokenizer=run.tokenizer, **where)
+        tokens, mask, valid = out.tokens_BxN, out.policy_BxN, out.valid_BxN
+        lengths, sample_logp, scored_from = out.lengths_B, out.sample_logp_BxN, final_turns(out)
+        tool_info = {
+            "tools/rows": float(len(lengths)),
+            "tools/calls": float(out.calls_B.sum()),
+            "tools/failed": float(out.failed_B.sum()),
+            "tools/turns": float(out.turns_B.sum()),
+            "tools/tokens": float(out.tool_tokens_B.sum()),
+            "tools/response_tokens": float(lengths.sum()),
+        }
+        routes = None
+    else:
+        out = sampler.sample_groups(model, prompts, settings=settings, **where)
+        tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
+        valid, sample_logp, scored_from = mask, out.sample_logp_BxN, np.zeros(len(lengths), int)
+        routes = out.routes_BxNxMxK
     rollout_s = time.perf_counter() - t0
-    tokens, mask, lengths = out.tokens_BxN, out.mask_BxN.astype(np.float32), out.lengths_B
     rollout_logp = np.asarray(out.logp_BxN, np.float32)
     sampled = np.ones(len(lengths), np.float32)  # 0: a demonstration, not the sampler's
     if run.settings.demo_slot:
@@ -127,15 +151,23 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None)
         )
         rows = np.arange(len(prompts)) * G + (G - 1)
         tokens, mask, lengths = tokens.copy(), mask.copy(), lengths.copy()
-        tokens[rows], mask[rows] = demo_tokens, demo_mask
+        valid, scored_from = valid.copy(), scored_from.copy()
+        tokens[rows], mask[rows], valid[rows], scored_from[rows] = (
+            demo_tokens,
+            demo_mask,
+            demo_mask,
+            0,
+        )
         lengths[rows] = demo_mask.sum(-1).astype(lengths.dtype)
         rollout_logp = rollout_logp.copy()
         rollout_logp[rows] = 0.0
         sampled[rows] = 0.0
     completions = batch_lib.decode(run.tokenizer, tokens, lengths)
+    # What the task scores: the response, or with tools the policy's last turn (its answer).
+    scored = batch_lib.decode(run.tokenizer, tokens, lengths, start_B=scored_from)
     golds = [str(examples[b // G]["answer"]) for b in range(len(completions))]
     t1 = time.perf_counter()
-    scores, reward_info = run.task.score(completions, golds)
+    scores, reward_info = run.task.score(scored, golds)
     reward_s = time.perf_counter() - t1
     batch = batch_lib.layout_batch(
         prompts,
@@ -144,24 +176,25 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None)
         group_size=G,
         prompt_len=run.settings.prompt_len,
         pad_id=settings.pad_id,
+        valid_BxN=valid,
     )
-    if out.routes_BxNxMxK is not None:  # an MoE policy: its rows' routing, as sampled
+    if routes is not None:  # an MoE policy: its rows' routing, as sampled
         batch["routes"] = batch_lib.layout_routes(
             np.asarray(out.prompt_routes_PxTxMxK),
             [len(p) for p in prompts],
-            np.asarray(out.routes_BxNxMxK),
+            np.asarray(routes),
             group_size=G,
             prompt_len=run.settings.prompt_len,
         )
         batch["routes"][sampled == 0] = 0  # demonstrations: not the sampler's tokens
     ended = np.zeros(len(lengths), bool)
-    for eos in settings.eos_ids:
-        ended |= (tokens == eos).any(-1)
+    for eos in settings.eos_ids:  # the policy's own EOS (a tool's answer may hold the id)
+        ended |= ((tokens == eos) & (mask > 0)).any(-1)
     batch.update(
         rewards=np.asarray(scores, np.float32),
         rollout_logp=rollout_logp,
         # What the rows were drawn from (tempered, truncated): the rollout correction's mu.
-        behaviour_logp=np.where(sampled[:, None] > 0, np.asarray(out.sample_logp_BxN), 0.0).astype(
+        behaviour_logp=np.where(sampled[:, None] > 0, np.asarray(sample_logp), 0.0).astype(
             np.float32
         ),
         sampled=sampled,
@@ -172,5 +205,6 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None)
         "rollout_time_s": rollout_s,
         "reward_time_s": reward_s,
         **{f"reward/{k}": float(v) for k, v in reward_info.items()},
+        **tool_info,
     }
     return batch, completions, info

@@ -139,6 +139,7 @@ class Task:
         shard_index: int = 0,
         shard_count: int = 1,
         allgather=None,
+        tools: Sequence[dict] | None = None,
     ):
         """train_source: random-access training examples (shuffled by a seeded stream), or None
         for an evaluation-only task (no stream, no held-out set); held_out: the evaluation
@@ -147,7 +148,8 @@ class Task:
         `reward_timeout_s` per sample in `reward_workers` processes (`rewards.score_batch`).
         shard_index / shard_count: this process's data shard (`sharding.data_shard`), used to
         split the prompt-length checks of a batch; allgather: `sharding.host_allgather` (a
-        collective over the processes; only called when shard_count > 1)."""
+        collective over the processes; only called when shard_count > 1); tools: the JSON
+        schemas the chat template shows in every prompt (a run with tools, chat format)."""
         self.shard_index, self.shard_count = shard_index, shard_count
         self._allgather = allgather
         self.tokenizer = tokenizer
@@ -156,6 +158,7 @@ class Task:
             max_prompt_len=max_prompt_len,
             use_chat_template=use_chat_template,
             on_too_long=on_too_long,
+            tools=list(tools) if tools else None,
         )
         self.reward_specs = list(reward_specs)
         self.timeout_s = reward_timeout_s
@@ -263,8 +266,9 @@ class Task:
         rewards.close_pools()
 
 
-def build_task(config, tokenizer, *, shard=(0, 1), allgather=None) -> Task:
-    """The run's Task from its config; `shard` = (index, count) of this process's data shard.
+def build_task(config, tokenizer, *, shard=(0, 1), allgather=None, tools=None) -> Task:
+    """The run's Task from its config; `shard` = (index, count) of this process's data shard;
+    `tools`: the JSON schemas its chat template shows (a run with tools in the chat format).
 
     mode=eval over eval.sets reads no training data and no held-out set: the sets are loaded
     and encoded (`Task.encode`) by the evaluation."""
@@ -294,4 +298,5 @@ def build_task(config, tokenizer, *, shard=(0, 1), allgather=None) -> Task:
         shard_index=shard[0],
         shard_count=shard[1],
         allgather=allgather,
+        tools=tools,
     )

@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -230,16 +231,42 @@ def frozen_copy(params):
 # Cold-start SFT
 
 
+def calls_tool(example, share: float) -> bool:
+    """Whether an SFT demonstration of `example` calls the tool (sft.tool_demos): a fixed
+    pseudo-random choice per problem (crc32 of its id), the same in every run and batch."""
+    return zlib.crc32(str(example["id"]).encode()) % 10_000 < share * 10_000
+
+
 def sft_batch(run_: assemble.Run, examples) -> dict[str, np.ndarray]:
-    """Prompt + answer rows in the update layout (groups of one), the answer tokens masked in."""
+    """Prompt + answer rows in the update layout (groups of one), the answer tokens masked in;
+    with sft.tool_demos, some demonstrations call the calculator first (`formats.demonstration`:
+    the call and the answer counted, the tool's observation seen but not counted)."""
     c, settings = run_.config, run_.sampling
+    n = c.rollout.max_new_tokens
     toks, mask = batch_lib.encode_answers(
         run_.tokenizer,
         [ex.get("solution") or ex["answer"] for ex in examples],
-        max_new_tokens=c.rollout.max_new_tokens,
+        max_new_tokens=n,
         eos_id=settings.eos_ids[0],
         pad_id=settings.pad_id,
     )
+    valid = mask.copy()
+    if run_.tools is not None and c.sft.tool_demos:
+        from gvpo_jax.tools import formats
+
+        for b, ex in enumerate(examples):
+            if not calls_tool(ex, c.sft.tool_demos):
+                continue
+            ids, policy = formats.demonstration(
+                run_.tools.format,
+                {"expression": ex["expression"]},
+                "calculator",
+                ex.get("solution") or ex["answer"],
+                settings.eos_ids[0],
+                n,
+            )
+            toks[b], mask[b], valid[b] = settings.pad_id, 0.0, 0.0
+            toks[b, : len(ids)], mask[b, : len(ids)], valid[b, : len(ids)] = ids, policy, 1.0
     return batch_lib.layout_batch(
         [ex["prompt_ids"] for ex in examples],
         toks,
@@ -247,6 +274,7 @@ def sft_batch(run_: assemble.Run, examples) -> dict[str, np.ndarray]:
         group_size=1,
         prompt_len=c.data.max_prompt_len,
         pad_id=settings.pad_id,
+        valid_BxN=valid,
     )
 
 

@@ -597,9 +597,10 @@ def test_misuse_is_caught_at_trace_time_under_jit():
 
 
 @pytest.mark.parametrize("name", list(SPEC_PRESETS))
-def test_loss_jits_and_is_finite_with_fully_padded_rows(name, data):
+def test_loss_jits_and_is_finite_with_fully_padded_rows_and_tool_tokens(name, data):
     mask = data["mask"].copy()
     mask[G : 2 * G] = 0.0  # a whole group of padding rows, besides the empty row 9
+    mask[0, 1:3] = mask[10, 2] = 0.0  # a tool's answers inside responses: counted nowhere
     j = {k: jnp.asarray(v, jnp.float32) for k, v in data.items()}
     bad = lambda x: jnp.where(jnp.asarray(mask) > 0, x, jnp.nan).at[0, -1].set(jnp.inf)
     mask[0, -1] = 0.0

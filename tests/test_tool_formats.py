@@ -122,7 +122,7 @@ def test_bracket_format_for_character_models():
     fmt = formats.BracketFormat(tok, tools.Registry([tools.calculator]))
     assert fmt.stop_ids == (tok.convert_tokens_to_ids("]"),)
     obs, ok = fmt.answer("so [12*34]", room=20)
-    assert ok and tok.decode(obs) == "=408"
+    assert ok and tok.decode(obs) == "=408 "
     obs, ok = fmt.answer("[12*]", room=40)
     assert not ok and tok.decode(obs).startswith("=") and "rror" in tok.decode(obs)
 

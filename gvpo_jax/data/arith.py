@@ -75,6 +75,7 @@ class ArithTask:
             "solution": str(value),
             "dataset": "arith",
             "id": key,
+            "expression": key,  # what a calculator call computes (tool demonstrations)
         }
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, str, int]:

@@ -76,14 +76,24 @@ def get_template(template: str | PromptTemplate) -> PromptTemplate:
 
 
 def render(
-    tokenizer, prompt: str, *, template, use_chat_template: bool, dataset: str | None = None
+    tokenizer,
+    prompt: str,
+    *,
+    template,
+    use_chat_template: bool,
+    dataset: str | None = None,
+    tools: Sequence[dict] | None = None,
 ) -> tuple[str, bool]:
     """The prompt text and whether it already holds the special tokens (chat template applied);
-    `dataset` picks a template's per-dataset user message."""
+    `dataset` picks a template's per-dataset user message; `tools` (JSON schemas) are shown by
+    the chat template."""
     t = get_template(template)
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
-            t.messages(prompt, dataset), tokenize=False, add_generation_prompt=True
+            t.messages(prompt, dataset),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=True,
         )
         return text, True
     return t.plain(prompt, dataset), False
@@ -105,8 +115,10 @@ def encode_prompts(
     max_prompt_len: int,
     use_chat_template: bool = False,
     on_too_long: str = "drop",
+    tools: Sequence[dict] | None = None,
 ) -> tuple[list[list[int]], np.ndarray, np.ndarray, int]:
-    """Tokenised prompts of `examples` (their `prompt` field).
+    """Tokenised prompts of `examples` (their `prompt` field); `tools`: the JSON schemas of the
+    tools a chat template shows the policy (`render`).
 
     Without a chat template the tokenizer's own special tokens are added (e.g. <bos>); with one,
     the rendered text already carries them. Returns `(prompt_ids, lens_M, kept_M, num_dropped)`:
@@ -123,6 +135,7 @@ def encode_prompts(
             template=template,
             use_chat_template=use_chat_template,
             dataset=ex.get("dataset"),
+            tools=tools,
         )
         for ex in examples
     ]

@@ -110,6 +110,19 @@ class _Format:
         return _fit(self.encode, self.render, obs.text, room, self.truncate), obs.ok
 
 
+def demonstration(fmt, call_arguments: dict, tool: str, answer: str, eos_id: int, room: int):
+    """A demonstration that calls `tool` once and then answers: (ids, policy mask), the
+    answer's observation masked 0 (as a rollout's), `answer` + EOS after it; truncated to
+    `room` tokens. The observation is the registry's real answer to the call."""
+    call = fmt.encode(fmt.call_text(tool, call_arguments))
+    obs = fmt.registry.call(tool, call_arguments)
+    seen = fmt.encode(fmt.render(obs.text))
+    final = fmt.encode(answer) + [int(eos_id)]
+    ids = (call + seen + final)[:room]
+    mask = ([1.0] * len(call) + [0.0] * len(seen) + [1.0] * len(final))[:room]
+    return ids, mask
+
+
 class ChatFormat(_Format):
     """Tool calls through a chat template (default: Qwen3's, `QWEN3_TEMPLATE`).
 
@@ -179,6 +192,20 @@ class ChatFormat(_Format):
     def observation_ids(self, content: str) -> list[int]:
         return self.encode(self.render(content))
 
+    def call_text(self, name: str, arguments: dict) -> str:
+        """A call as the policy writes it (a demonstration's): what the template renders for an
+        assistant turn holding only this call, between the header and the end of the turn."""
+        call = {"name": name, "arguments": arguments}
+        text = self._render(
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": call}]},
+            ],
+            add_generation_prompt=False,
+        )
+        start = text.rindex(self.open_tag)
+        return text[start : text.rindex(self.close_tag) + len(self.close_tag)]
+
     def call(self, turn_text: str) -> str:
         """The JSON of the turn's last call (the text between its tags; "" if none)."""
         start = turn_text.rfind(self.open_tag)
@@ -191,7 +218,8 @@ class ChatFormat(_Format):
 class BracketFormat(_Format):
     """One tool in brackets, for character-level models: the policy writes `[arguments]`
     (`open`, `close` single strings), the tool `tool` gets them as its `argument`, and the
-    policy reads `reply` with the answer in place of {} (default "={}", so `[12*34]=408`).
+    policy reads `reply` with the answer in place of {} (default "={} ", so `[12*34]=408 `,
+    after which it writes its final answer).
     An error reads as its message (e.g. `=error: ...`)."""
 
     def __init__(
@@ -203,7 +231,7 @@ class BracketFormat(_Format):
         argument: str = "expression",
         open: str = "[",
         close: str = "]",
-        reply: str = "={}",
+        reply: str = "={} ",
         truncate: str = "right",
     ):
         if truncate not in ("left", "right"):
@@ -222,6 +250,10 @@ class BracketFormat(_Format):
 
     def render(self, content: str) -> str:
         return self.reply.replace("{}", content)
+
+    def call_text(self, name: str, arguments: dict) -> str:
+        """A call as the policy writes it (a demonstration's): `[arguments]`."""
+        return self.open + str(arguments[self.argument]) + self.close
 
     def call(self, turn_text: str) -> str:
         start = turn_text.rfind(self.open)
