@@ -119,8 +119,8 @@ def test_bad_tool_configs_are_one_sentence(changes, words):
 def test_sft_demonstrations_call_the_calculator_and_read_its_answer():
     """sft.tool_demos: a share of the problems (fixed per problem) is demonstrated as a call,
     the calculator's real answer (seen, not counted) and the answer; the rest answer directly."""
-    c = toy_config("gvpo", **TOOLS, **{"data.task": "arith", "data.arith.ops": "*", "data.max_prompt_len": 10,
-                                       "sft.tool_demos": 0.3})  # fmt: skip
+    arith = {"data.task": "arith", "data.arith.ops": "*", "data.max_prompt_len": 10}
+    c = toy_config("gvpo", **TOOLS, **arith, **{"sft.tool_demos": 0.3})
     run, _, _, _ = make_run(c)
     arith = data.ArithTask(ops="*", max_operand=999)
     examples = [arith.example(a, "*", b) for a, b in ((417, 286), (12, 34), (5, 999))]
