@@ -311,7 +311,9 @@ def tool_run(config: ml_collections.ConfigDict, tokenizer, sampling) -> multitur
     settings = multiturn.TurnSettings(
         sampling=sampling, stop_ids=fmt.stop_ids, max_tool_tokens=t.max_tokens
     )
-    return multiturn.Tools(settings=settings, format=fmt, max_turns=t.max_turns)
+    return multiturn.Tools(
+        settings=settings, format=fmt, max_turns=t.max_turns, timeout_s=t.timeout_s
+    )
 
 
 def start_loop(run: Run) -> LoopState:

@@ -337,12 +337,13 @@ def _resume(graphdef, state, ts: TurnState, forced_BxU, forced_len_B, settings: 
 @dataclasses.dataclass(frozen=True)
 class Tools:
     """A run's tools: how its rollouts are sampled (`settings`), how calls and answers read as
-    tokens (`format`: a `tools.formats` format, which holds the registry), and the answered
-    calls per response at most."""
+    tokens (`format`: a `tools.formats` format, which holds the registry), the answered calls
+    per response at most, and how long a turn waits for its calls."""
 
     settings: TurnSettings
     format: Any
     max_turns: int
+    timeout_s: float = 30.0
 
     def sample(self, model, prompts, *, tokenizer, rng, mesh=None, rules=None) -> ToolRollout:
         """`sample_with_tools` with this run's settings (rows over `mesh`, when given)."""
@@ -355,6 +356,10 @@ class Tools:
             decode_text=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
             rng=rng,
             max_turns=self.max_turns,
+            timeout_s=self.timeout_s,
+            late=lambda room: self.format.error(
+                f"the tool did not answer within {self.timeout_s:g} s", room
+            ),
             **kw,
         )
 
@@ -390,6 +395,8 @@ def sample_with_tools(
     mesh=None,
     rules=sharding.LOGICAL_RULES,
     pool: concurrent.futures.Executor | None = None,
+    timeout_s: float = 30.0,
+    late: Callable[[int], list[int]] | None = None,
 ) -> ToolRollout:
     """G responses for each prompt (rows grouped contiguously), calling tools between turns.
 
@@ -401,6 +408,10 @@ def sample_with_tools(
     decode_text(ids) -> str: the tokenizer's decode of a turn's ids.
     max_turns: tool calls answered per row at most; a row calling past it ends there.
     mesh: rows split over its data x fsdp shards (P a multiple of them); None: one device.
+    timeout_s: how long a turn waits for its calls' answers (all at once); a call still
+      running then, or whose `answer` raised, is failed and reads late(room) (default: [],
+      the row ends). A Python thread cannot be killed: a tool must bound its own time (the
+      built-in ones do); past the timeout the rollout stops waiting for it, it goes on.
     """
     s = settings.sampling
     n, u, g = s.max_new_tokens, settings.max_tool_tokens, s.group_size
@@ -435,7 +446,14 @@ def sample_with_tools(
 
             forced = np.full((len(rows), u), s.pad_id, np.int32)
             forced_len = np.zeros((len(rows),), np.int32)
-            for b, (obs, ok) in zip(waiting, own.map(respond, waiting), strict=True):
+            futures = [own.submit(respond, b) for b in waiting]
+            finished, _ = concurrent.futures.wait(futures, timeout=timeout_s)
+            for b, future in zip(waiting, futures, strict=True):
+                if future in finished and future.exception() is None:
+                    obs, ok = future.result()
+                else:  # too slow, or a bug in the answer: a failed call, the run goes on
+                    room = min(u, n - int(pos[b]) - 1)
+                    obs, ok = (late(room) if late and room > 0 else []), False
                 obs = list(obs)[: min(u, max(n - int(pos[b]) - 1, 0))]
                 rows[b].calls += 1
                 if obs:

@@ -28,3 +28,27 @@ def scale_matrices(state, factor: float, stacked: bool):
         return x * factor if per_layer > 1 else x
 
     return jax.tree_util.tree_map_with_path(scale, state)
+
+
+QWEN_SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                 "<tool_response>", "</tool_response>", "<think>", "</think>"]  # fmt: skip
+
+
+def qwen_char_tokenizer():
+    """A character-level tokenizer holding Qwen3's special tokens whole (every printable
+    character its own token), so a text's ids are exactly its characters and a chat format's
+    dropped or added separator shows as a token."""
+    import string
+
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = sorted(set(string.printable))
+    vocab = {t: i for i, t in enumerate(QWEN_SPECIALS + ["<unk>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # "\n" too
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(QWEN_SPECIALS + ["<unk>"])  # every id decodes and encodes back
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>"
+    )

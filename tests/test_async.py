@@ -27,12 +27,20 @@ def _copy(params):
     return jax.tree.map(lambda x: np.array(jax.device_get(x)), params)
 
 
-def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkeypatch):
+# A rollout with the calculator in it (the tiny policy writes "]" now and then: calls).
+TOOLS = {"tools.names": "calculator", "tools.format": "bracket", "tools.max_tokens": 6,
+         "rollout.max_new_tokens": 24}  # fmt: skip
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["plain", "tools"])
+def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkeypatch, tools):
     """k = 2 over 5 steps: every rollout is sampled from the parameters the run had at the start
     of step max(t - 2, 1), and it is what a by-hand sampler call with those saved parameters,
-    the same key and the same prompts gives."""
+    the same key and the same prompts gives; also with tools in the rollout (its answers
+    included)."""
     k, steps = 2, 5
-    run, state, loop, ref = make_run(toy_config("grpo", **{"rollout.staleness": k}))
+    changes = {"rollout.staleness": k, **(TOOLS if tools else {})}
+    run, state, loop, ref = make_run(toy_config("grpo", **changes))
     calls = []
     real = rl_step.collect_groups
 
@@ -44,6 +52,7 @@ def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkey
                 "key": np.asarray(jax.device_get(key)),
                 "prompts": [ex["prompt_ids"] for ex in out[2]],
                 "tokens": out[0]["tokens"],
+                "valid": out[0]["attn_mask"],
             }
         )
         return out
@@ -59,6 +68,7 @@ def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkey
         consumed[t], lags[t] = calls[t - 1], m["rollout_lag"]
         assert len(calls) - before == (k + 1 if t == 1 else 1)  # the start fills the queue
     assert [lags[t] for t in range(1, steps + 1)] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    calls_seen = []
     for t in range(1, steps + 1):
         call = consumed[t]
         assert call["params"] == _fingerprint(start_params[max(t - k, 1)]), t
@@ -67,6 +77,14 @@ def test_the_rollout_of_step_t_is_sampled_by_the_policy_of_step_t_minus_k(monkey
         examples = [{"prompt_ids": p, "answer": "7", "prompt": ""} for p in call["prompts"]]
         batch, _, _ = rollout.sample_round(run, model, examples, jax.random.fold_in(call["key"], 0))
         np.testing.assert_array_equal(batch["tokens"], call["tokens"])
+        np.testing.assert_array_equal(batch["attn_mask"], call["valid"])
+        if tools:
+            answers = (batch["attn_mask"][:, -batch["resp_mask"].shape[1] :] > 0) & (
+                batch["resp_mask"] == 0
+            )
+            calls_seen.append(int(answers.sum()))
+    if tools:
+        assert sum(calls_seen) > 0  # the rollouts held answers
     assert len(loop.queue) == k and [r.policy_step for r in loop.queue] == [steps - 1, steps]
 
 

@@ -4,31 +4,17 @@ The tokenizer here is character-level with Qwen3's special tokens whole, so a te
 exactly its characters: any separator a format drops or adds shows as a token.
 """
 
-import string
-
 import pytest
-import transformers
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from gvpo_jax import tools
 from gvpo_jax.data import char_tokenizer
 from gvpo_jax.tools import formats
-
-SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-            "<tool_response>", "</tool_response>", "<think>", "</think>"]  # fmt: skip
+from tests.helpers import qwen_char_tokenizer
 
 
 @pytest.fixture(scope="module")
 def qwen_tokenizer():
-    chars = sorted(set(string.printable))
-    vocab = {t: i for i, t in enumerate(SPECIALS + ["<unk>"] + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>"
-    )
+    return qwen_char_tokenizer()
 
 
 def _chat(tok, **kw):

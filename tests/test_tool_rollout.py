@@ -8,13 +8,18 @@ after their call with mask 0, limits (turns, room, U) end rows as documented, ro
 on each other, and a mesh returns the one-device output.
 """
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gvpo_jax import decode, models, multiturn, sharding
+from gvpo_jax import decode, models, multiturn, sharding, tools
+from gvpo_jax.tools import formats
+from tests.helpers import qwen_char_tokenizer
 
 CFG = models.ModelConfig(
     vocab_size=12,
@@ -197,3 +202,113 @@ def test_settings_refuse_bad_values(bad):
     kw = dict(sampling=decode.SamplingSettings(max_new_tokens=4), stop_ids=(1,), max_tool_tokens=2)
     with pytest.raises(ValueError, match=next(iter(bad))):
         multiturn.TurnSettings(**{**kw, **bad})
+
+
+def test_a_hanging_tool_fails_its_call_and_the_rollout_goes_on():
+    """A call whose answer does not come within timeout_s reads the late observation and is
+    counted failed; the rollout does not wait for it (the thread is released at the end)."""
+    release, hung = threading.Event(), []
+
+    def answer(text, room):
+        if not hung:  # the first call hangs
+            hung.append(text)
+            release.wait(60)
+        return OBS[:room], True
+
+    t0 = time.perf_counter()
+    try:
+        out = multiturn.sample_with_tools(
+            _model(), PROMPTS, settings=_settings(), answer=answer,
+            decode_text=lambda ids: " ".join(map(str, ids)), rng=jax.random.key(0),
+            max_turns=3, timeout_s=0.5, late=lambda room: [7][:room],
+        )  # fmt: skip
+    finally:
+        release.set()
+    assert time.perf_counter() - t0 < 30
+    late_rows = [b for b in range(len(out.lengths_B)) if out.failed_B[b]]
+    assert len(late_rows) >= 1 and out.failed_B.sum() <= out.turns_B.sum()
+    b = late_rows[0]
+    pol, toks = out.policy_BxN[b], out.tokens_BxN[b]
+    first_obs = int(np.argmax((pol == 0) & (out.valid_BxN[b] > 0)))
+    assert toks[first_obs - 1] == STOP and toks[first_obs] == 7 and pol[first_obs + 1] == 1
+
+
+def test_prefill_takes_only_the_prompts_and_the_answers(monkeypatch):
+    """The programs prefill the prompts once (start) and then each turn's answers alone, U wide
+    (resume): the answers' tokens fed in all turns are exactly the rollout's tool tokens, so
+    nothing already decoded is prefilled again."""
+    starts, fed = [], []
+    real_start, real_resume = multiturn.start, multiturn.resume
+
+    def start(graphdef, state, ids, lens, rng, **kw):
+        starts.append(np.asarray(lens).copy())
+        return real_start(graphdef, state, ids, lens, rng, **kw)
+
+    def resume(graphdef, state, ts, forced, forced_len, **kw):
+        assert np.asarray(forced).shape[1] == kw["settings"].max_tool_tokens
+        fed.append(np.asarray(forced_len).copy())
+        return real_resume(graphdef, state, ts, forced, forced_len, **kw)
+
+    monkeypatch.setattr(multiturn, "start", start)
+    monkeypatch.setattr(multiturn, "resume", resume)
+    out, _ = _run(_model(), _settings())
+    assert len(starts) == 1 and list(starts[0]) == [len(p) for p in PROMPTS]
+    assert len(fed) >= 2 and sum(int(f.sum()) for f in fed) == out.tool_tokens_B.sum() > 0
+
+
+def test_a_tiny_qwen3_through_qwen3s_chat_template_end_to_end():
+    """A random Qwen3 policy with the chat format: its rows stop at </tool_call>, each answer
+    is the registry's (an error for its garbage JSON) in Qwen3's frame, the prompt and every
+    turn's tokens are exactly the whole conversation rendered at once, and the scored text is
+    the last turn."""
+    tok = qwen_char_tokenizer()
+    fmt = formats.ChatFormat(tok, tools.Registry([tools.calculator]))
+    cfg = models.ModelConfig(
+        architecture="qwen3", vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=8, intermediate_size=64, qk_norm=True, attention_bias=False,
+    )  # fmt: skip
+    model = models.Transformer(cfg, rngs=nnx.Rngs(0))
+    question = [{"role": "user", "content": "What is 6*7?"}]
+    sampling = decode.SamplingSettings(
+        max_new_tokens=320, group_size=8, eos_ids=(tok.eos_token_id,), pad_id=0
+    )
+    run = multiturn.Tools(
+        multiturn.TurnSettings(sampling=sampling, stop_ids=fmt.stop_ids, max_tool_tokens=200),
+        fmt,
+        max_turns=3,
+    )
+    out = run.sample(model, [fmt.prompt_ids(question)], tokenizer=tok, rng=jax.random.key(1))
+    assert out.calls_B.sum() >= 2
+    starts, checked, answered = multiturn.final_turns(out), 0, 0
+    for b in range(8):
+        n, pol, toks = out.lengths_B[b], out.policy_BxN[b], out.tokens_BxN[b]
+        ended = n < 320 and toks[n - 1] == tok.eos_token_id
+        if not ended:
+            continue  # a cut row: its conversation has no end to render
+        messages, t = list(question), 0
+        while t < n:  # policy turns, each followed by its answer
+            end = t
+            while end < n and pol[end] == 1:
+                end += 1
+            text = tok.decode(toks[t:end].tolist())
+            if end == n:  # the last turn: its EOS is the template's <|im_end|>
+                messages.append({"role": "assistant", "content": text[: -len("<|im_end|>")]})
+                assert tok.decode(toks[starts[b] : n].tolist(), skip_special_tokens=True) == (
+                    tok.decode(toks[t : n - 1].tolist(), skip_special_tokens=True)
+                )
+                break
+            obs_end = end
+            while obs_end < n and pol[obs_end] == 0:
+                obs_end += 1
+            answer = fmt.registry.call_json(fmt.call(text))
+            assert not answer.ok and toks[end - 1] == fmt.stop_ids[-1]
+            assert list(toks[end:obs_end]) == fmt.observation_ids(answer.text)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "tool", "content": answer.text}]  # fmt: skip
+            t, answered = obs_end, answered + 1
+        whole = tok.apply_chat_template(
+            messages, tools=fmt.registry.schemas(), chat_template=fmt.template, tokenize=False
+        )
+        assert fmt.prompt_ids(question) + list(toks[:n]) + fmt.encode("\n") == fmt.encode(whole)
+        checked += 1
+    assert checked >= 3 and answered >= 1

@@ -103,6 +103,10 @@ class _Format:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def error(self, message: str, room: int) -> list[int]:
+        """The observation ids of an error the host reports (a tool that did not answer)."""
+        return _fit(self.encode, self.render, f"error: {message}", room, self.truncate)
+
     def answer(self, turn_text: str, room: int) -> tuple[list[int], bool]:
         """(observation ids, ok) for a turn that ended at a call: the call run through the
         registry (an error observation for anything malformed), fitted into `room` tokens."""
