@@ -309,7 +309,7 @@ def tool_run(config: ml_collections.ConfigDict, tokenizer, sampling) -> multitur
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = template  # prompts are rendered with it (with the tools)
     settings = multiturn.TurnSettings(
-        sampling=sampling, stop_ids=fmt.stop_ids, max_tool_tokens=t.max_tokens
+        sampling=sampling, stop_ids=fmt.stop_ids, max_tool_tokens=t.max_tokens, chunk=t.decode_chunk
     )
     return multiturn.Tools(
         settings=settings, format=fmt, max_turns=t.max_turns, timeout_s=t.timeout_s

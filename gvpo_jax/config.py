@@ -177,7 +177,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.tools.max_turns = 4  # tool calls answered per response at most; one past it ends the row
     c.tools.max_tokens = 64  # an answer's tokens per turn at most (its frame included)
     c.tools.truncate = "right"  # a long answer keeps its head (right) or its tail (left)
-    c.tools.timeout_s = 30.0  # a turn waits this long for its calls; later: a failed call
+    c.tools.timeout_s = 30.0  # a call's answer is waited for this long; later: a failed call
+    # Decode steps per sampler call: rows still running decode while the host answers the
+    # others' calls, answers joining every this many steps (0: a call runs until no row runs).
+    c.tools.decode_chunk = 32
 
     c.algo = ml_collections.ConfigDict()
     # A losses.LOSSES preset: gvpo grpo dr_grpo dapo gspo gspo_token cispo gmpo rloo reinforce_pp
@@ -896,6 +899,7 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
         _fail(f"config.tools.truncate is {c.tools.truncate!r}; use left or right.")
     _check_positive_int(c, "tools.max_turns")
     _check_positive_int(c, "tools.max_tokens")
+    _check_positive_int(c, "tools.decode_chunk", minimum=0)
     if not c.tools.timeout_s > 0:
         _fail(f"config.tools.timeout_s is {c.tools.timeout_s}; use seconds > 0.")
     if not 0.0 <= c.sft.tool_demos <= 1.0:

@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,11 +58,15 @@ class TurnSettings:
       in single-turn sampling (slots, shedding and routing records do not apply).
     stop_ids: the token sequence that ends a tool call (the policy's own tokens only).
     max_tool_tokens: U, an observation's tokens per turn at most (the resume's prefill width).
+    chunk: decode steps per program call at most (0: until no row is running). With chunks,
+      rows that are still running go on decoding while the host runs the calls of rows that
+      stopped, and answers join at the next chunk's start; the samples are the same.
     """
 
     sampling: decode.SamplingSettings
     stop_ids: tuple[int, ...]
     max_tool_tokens: int
+    chunk: int = 0
 
     def __post_init__(self):
         stop = tuple(int(i) for i in self.stop_ids)
@@ -80,6 +85,9 @@ class TurnSettings:
         object.__setattr__(self, "sampling", sampling)
         object.__setattr__(self, "stop_ids", stop)
         object.__setattr__(self, "max_tool_tokens", int(self.max_tool_tokens))
+        if int(self.chunk) < 0:
+            raise ValueError(f"chunk must be >= 0 (0: until no row runs), got {self.chunk}.")
+        object.__setattr__(self, "chunk", int(self.chunk))
 
 
 @flax.struct.dataclass
@@ -120,6 +128,7 @@ class ToolRollout(flax.struct.PyTreeNode):
     turns_B: the row's turns (1 + calls answered); tool_tokens_B: its observation tokens.
     A call left unanswered (past max_turns, or no room left for its answer) ends its row.
     truncated_B: 1.0 where the row did not end at an EOS (cap, or a call left unanswered).
+    tool_wait_s: seconds the device sat idle waiting for tools (no row running).
     """
 
     tokens_BxN: np.ndarray
@@ -133,6 +142,7 @@ class ToolRollout(flax.struct.PyTreeNode):
     turns_B: np.ndarray
     tool_tokens_B: np.ndarray
     truncated_B: np.ndarray
+    tool_wait_s: float = flax.struct.field(pytree_node=False, default=0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,8 +199,9 @@ def _draw(ts: TurnState, settings: TurnSettings, logits_BxV, active_B) -> TurnSt
 
 
 def _decode(model, ts: TurnState, settings: TurnSettings) -> TurnState:
-    """Decode until no row is running: every step feeds each row's last token at its column
-    and draws its next (rows not running compute, and their draws are dropped)."""
+    """Decode until no row is running (or for `settings.chunk` steps): every step feeds each
+    row's last token at its column and draws its next (rows not running compute, and their
+    draws are dropped)."""
 
     def step(ts: TurnState) -> TurnState:
         column_B = ts.pos_B - 1
@@ -205,7 +216,10 @@ def _decode(model, ts: TurnState, settings: TurnSettings) -> TurnState:
         running_B = ts.status_B == RUNNING
         return _draw(ts.replace(cache=cache), settings, logits_Bx1xV[:, 0], running_B)
 
-    return jax.lax.while_loop(lambda ts: jnp.any(ts.status_B == RUNNING), step, ts)
+    if not settings.chunk:
+        return jax.lax.while_loop(lambda ts: jnp.any(ts.status_B == RUNNING), step, ts)
+    go = lambda carry: jnp.any(carry[0].status_B == RUNNING) & (carry[1] < settings.chunk)
+    return jax.lax.while_loop(go, lambda carry: (step(carry[0]), carry[1] + 1), (ts, 0))[0]
 
 
 def _rules(mesh, rules):
@@ -278,6 +292,7 @@ def resume(
     ts: TurnState,
     forced_BxU,
     forced_len_B,
+    finish_B,
     *,
     settings: TurnSettings,
     mesh=None,
@@ -285,14 +300,27 @@ def resume(
 ):
     """The next turn: each waiting row with forced_len_B[b] > 0 gets its observation
     forced_BxU[b, :forced_len_B[b]] written after its tokens (mask 0), prefilled into its own
-    columns in one forward with its last token, and draws its next token from there; every
-    other waiting row is done (no answer: max turns, no room). Then decode until no row is
-    running. The caller keeps pos_B + forced_len_B < N (room for the policy's next token)."""
+    columns in one forward with its last token, and draws its next token from there; rows
+    still running (a chunk ended) feed their last token in the same forward and draw on; rows
+    with finish_B[b] are done (a call left unanswered: max turns, no room); other waiting rows
+    keep waiting (their answer is not back yet). Then decode. The caller keeps pos_B +
+    forced_len_B < N (room for the policy's next token)."""
     with _rules(mesh, rules):
-        return _resume(graphdef, state, ts, forced_BxU, forced_len_B, settings)
+        return _resume(graphdef, state, ts, forced_BxU, forced_len_B, finish_B, settings)
 
 
-def _resume(graphdef, state, ts: TurnState, forced_BxU, forced_len_B, settings: TurnSettings):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "settings", "mesh", "rules"), donate_argnums=(2,)
+)
+def advance(graphdef, state, ts: TurnState, *, settings: TurnSettings, mesh=None, rules=None):
+    """The next chunk of decode steps when nothing is answered or ended (no prefill)."""
+    with _rules(mesh, rules):
+        return _decode(_model(graphdef, state), ts, settings)
+
+
+def _resume(
+    graphdef, state, ts: TurnState, forced_BxU, forced_len_B, finish_B, settings: TurnSettings
+):
     s = settings.sampling
     n, u = s.max_new_tokens, settings.max_tool_tokens
     b = ts.pos_B.shape[0]
@@ -300,6 +328,7 @@ def _resume(graphdef, state, ts: TurnState, forced_BxU, forced_len_B, settings: 
     forced_len_B = jnp.asarray(forced_len_B, jnp.int32)
     go_B = (ts.status_B == WAITING) & (forced_len_B > 0)
     forced_len_B = jnp.where(go_B, forced_len_B, 0)
+    draw_B = go_B | (ts.status_B == RUNNING)
     # Feed [last token, observation...] at columns pos - 1 ... pos - 1 + U; padding past a
     # row's observation writes columns beyond its end, masked until rewritten.
     last_Bx1 = jnp.take_along_axis(ts.tokens_BxN, (ts.pos_B - 1)[:, None], axis=1)
@@ -324,9 +353,11 @@ def _resume(graphdef, state, ts: TurnState, forced_BxU, forced_len_B, settings: 
         cache=cache,
         tokens_BxN=tokens_BxN,
         pos_B=ts.pos_B + forced_len_B,
-        status_B=jnp.where(go_B, RUNNING, jnp.where(ts.status_B == WAITING, DONE, ts.status_B)),
+        status_B=jnp.where(
+            go_B, RUNNING, jnp.where((ts.status_B == WAITING) & finish_B, DONE, ts.status_B)
+        ),
     )
-    ts = _draw(ts, settings, model.unembed(last_BxD), go_B)
+    ts = _draw(ts, settings, model.unembed(last_BxD), draw_B)
     return _decode(model, ts, settings)
 
 
@@ -403,15 +434,17 @@ def sample_with_tools(
     answer(turn_text, room) -> (observation ids, ok): the observation for a row that stopped
       at a tool call, given the text the policy wrote in this turn (its call at the end) and
       the tokens it may take (at most U, leaving one column for the policy's next token);
-      [] when not even a truncated answer fits (the row ends there). Called from `pool`'s
-      threads (default: one thread per waiting row, up to 16) for all waiting rows at once.
+      [] when not even a truncated answer fits (the row ends there). Called on `pool`'s
+      threads (default: 16) as soon as a program call returns the row waiting; with
+      `settings.chunk` the other rows decode meanwhile, and the answer joins at the first
+      chunk boundary after it is back. The device waits for tools only when no row runs.
     decode_text(ids) -> str: the tokenizer's decode of a turn's ids.
     max_turns: tool calls answered per row at most; a row calling past it ends there.
     mesh: rows split over its data x fsdp shards (P a multiple of them); None: one device.
-    timeout_s: how long a turn waits for its calls' answers (all at once); a call still
-      running then, or whose `answer` raised, is failed and reads late(room) (default: [],
-      the row ends). A Python thread cannot be killed: a tool must bound its own time (the
-      built-in ones do); past the timeout the rollout stops waiting for it, it goes on.
+    timeout_s: how long a call's answer is waited for; a call still running then, or whose
+      `answer` raised, is failed and reads late(room) (default: [], the row ends). A Python
+      thread cannot be killed: a tool must bound its own time (the built-in ones do); past
+      the timeout the rollout stops waiting for it, it goes on.
     """
     s = settings.sampling
     n, u, g = s.max_new_tokens, settings.max_tool_tokens, s.group_size
@@ -427,46 +460,68 @@ def sample_with_tools(
     ts = start(graphdef, state, ids, lens, rng, settings=settings, queues=queues, **where)
     rows = [_Row() for _ in range(len(prompts) * g)]
     own = pool or concurrent.futures.ThreadPoolExecutor(max_workers=16)
+    pending: dict[int, tuple[concurrent.futures.Future, float]] = {}  # row: (answer, deadline)
+    waited = 0.0  # seconds the device sat idle on the tools (no row running)
+
+    def room_of(b, pos):
+        return min(u, n - int(pos[b]) - 1)
+
     try:
-        for turn in range(max_turns + 1):
-            status = _local(ts.status_B, mesh)
-            waiting = np.flatnonzero(status == WAITING)
-            if not len(waiting):
-                break
-            if turn == max_turns:  # calls past the limit go unanswered: those rows end there
-                for b in waiting:
-                    rows[b].calls += 1
-                break
-            pos, tokens = _local(ts.pos_B, mesh), _local(ts.tokens_BxN, mesh)
-
-            def respond(b):
+        while True:
+            status, pos = _local(ts.status_B, mesh), _local(ts.pos_B, mesh)
+            finish = np.zeros(len(rows), bool)
+            new = [b for b in np.flatnonzero(status == WAITING) if b not in pending]
+            if new:
+                tokens = _local(ts.tokens_BxN, mesh)
+            for b in new:  # a call the policy just wrote: answer it, or end the row there
+                rows[b].calls += 1
+                room = room_of(b, pos)
+                if rows[b].answered >= max_turns or room <= 0:
+                    finish[b] = True
+                    continue
                 text = decode_text(tokens[b, rows[b].turn_begin : pos[b]].tolist())
-                room = min(u, n - int(pos[b]) - 1)
-                return answer(text, room) if room > 0 else ([], True)
-
+                pending[b] = (own.submit(answer, text, room), time.monotonic() + timeout_s)
+            running = bool(np.any(status == RUNNING))
+            if not running and not pending and not finish.any():
+                break
+            if not running and pending and not finish.any():  # nothing to decode: wait
+                t0 = time.monotonic()
+                first = min(deadline for _, deadline in pending.values())
+                concurrent.futures.wait(
+                    [f for f, _ in pending.values()],
+                    timeout=max(first - t0, 0.0),
+                    return_when=concurrent.futures.FIRST_COMPLETED,
+                )
+                waited += time.monotonic() - t0
             forced = np.full((len(rows), u), s.pad_id, np.int32)
             forced_len = np.zeros((len(rows),), np.int32)
-            futures = [own.submit(respond, b) for b in waiting]
-            finished, _ = concurrent.futures.wait(futures, timeout=timeout_s)
-            for b, future in zip(waiting, futures, strict=True):
-                if future in finished and future.exception() is None:
+            now = time.monotonic()
+            for b, (future, deadline) in list(pending.items()):
+                if future.done() and future.exception() is None:
                     obs, ok = future.result()
-                else:  # too slow, or a bug in the answer: a failed call, the run goes on
-                    room = min(u, n - int(pos[b]) - 1)
-                    obs, ok = (late(room) if late and room > 0 else []), False
-                obs = list(obs)[: min(u, max(n - int(pos[b]) - 1, 0))]
-                rows[b].calls += 1
-                if obs:
-                    rows[b].answered += 1
-                    rows[b].failed += int(not ok)
-                    forced[b, : len(obs)] = obs
-                    forced_len[b] = len(obs)
-                    rows[b].tool_tokens += len(obs)
-                    rows[b].turn_begin = int(pos[b]) + len(obs)
+                elif future.done() or now >= deadline:  # a bug in the answer, or too slow
+                    obs, ok = (late(room_of(b, pos)) if late else []), False
+                else:
+                    continue  # still running: the row keeps waiting
+                del pending[b]
+                obs = list(obs)[: max(room_of(b, pos), 0)]
+                if not obs:
+                    finish[b] = True
+                    continue
+                rows[b].answered += 1
+                rows[b].failed += int(not ok)
+                rows[b].tool_tokens += len(obs)
+                rows[b].turn_begin = int(pos[b]) + len(obs)
+                forced[b, : len(obs)], forced_len[b] = obs, len(obs)
+            if not forced_len.any() and not finish.any():
+                if not running:
+                    continue  # answers still out: wait again
+                ts = advance(graphdef, state, ts, settings=settings, **where)
+                continue
             if mesh is not None:
-                put = sharding.shard_batch({"f": forced, "n": forced_len}, mesh)
-                forced, forced_len = put["f"], put["n"]
-            ts = resume(graphdef, state, ts, forced, forced_len, settings=settings, **where)
+                put = sharding.shard_batch({"f": forced, "n": forced_len, "e": finish}, mesh)
+                forced, forced_len, finish = put["f"], put["n"], put["e"]
+            ts = resume(graphdef, state, ts, forced, forced_len, finish, settings=settings, **where)
     finally:
         if pool is None:
             own.shutdown(wait=False)
@@ -488,6 +543,7 @@ def sample_with_tools(
         turns_B=np.array([1 + r.answered for r in rows], np.int32),
         tool_tokens_B=np.array([r.tool_tokens for r in rows], np.int32),
         truncated_B=(~ended).astype(np.float32),
+        tool_wait_s=waited,
     )
 
 

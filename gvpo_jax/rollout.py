@@ -88,6 +88,9 @@ def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *, mesh=
         "decode_pad_ratio": float(np.sum(info_acc.pop("decode_slots")))
         / max(float(np.sum(info_acc.pop("decode_tokens"))), 1.0),
     }
+    if "tools/wait_s" in info_acc:  # this process's device idle on the tools, of its rollout
+        wait = float(np.sum(info_acc.pop("tools/wait_s")))
+        metrics["tools/wait_frac"] = wait / max(metrics["rollout_time_s"], 1e-9)
     for k, v in info_acc.items():  # counts (reward timeouts, errors) of this process's rows
         metrics[k] = sharding.sum_over_shards(np.sum(v), run.mesh)
     if "tools/rows" in metrics:  # per response, per call and per token, from the counts
@@ -131,6 +134,7 @@ def sample_round(run, model, examples: list[dict], rng: jax.Array, *, mesh=None)
             "tools/turns": float(out.turns_B.sum()),
             "tools/tokens": float(out.tool_tokens_B.sum()),
             "tools/response_tokens": float(lengths.sum()),
+            "tools/wait_s": out.tool_wait_s,
         }
         routes = None
     else:

@@ -92,20 +92,23 @@ def _wait_for(predicate, proc, timeout=240):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    """With mixed precision (fp32 masters, bf16 compute): resume is bit-exact, the checkpoint
-    holds the fp32 masters and moments, and the export is in the compute dtype."""
+    """With mixed precision (fp32 masters, bf16 compute) and the calculator in the rollout (a
+    deterministic tool): resume is bit-exact, the checkpoint holds the fp32 masters and
+    moments, and the export is in the compute dtype."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    mixed = "--config.model.compute_dtype=bfloat16"
-    code, out, err = _run(straight, "--config.train.steps=4", mixed)
+    mixed = ["--config.model.compute_dtype=bfloat16", "--config.tools.names=calculator",
+             "--config.tools.format=bracket", "--config.tools.max_tokens=4",
+             "--config.rollout.max_new_tokens=12"]  # fmt: skip
+    code, out, err = _run(straight, "--config.train.steps=4", *mixed)
     assert code == 0, err[-3000:]
 
-    proc = _start(killed, "--config.train.steps=4", mixed)
+    proc = _start(killed, "--config.train.steps=4", *mixed)
     assert _wait_for(lambda: 2 in _committed(killed), proc), "no checkpoint appeared"
     proc.kill()  # SIGKILL: no handler runs, whatever was being written is abandoned
     proc.wait()
     assert 4 not in _committed(killed)
     resume_from = max(_committed(killed))
-    code, out, err = _run(killed, "--config.train.steps=4", mixed)
+    code, out, err = _run(killed, "--config.train.steps=4", *mixed)
     assert code == 0, err[-3000:]
     assert "Resumed from" in out and f"at step {resume_from}" in out
     saved = _state_dtypes(killed, 4)
@@ -123,6 +126,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     for step in range(resume_from + 1, 5):
         assert rows_a[step] == rows_b[step], step
     assert rows_a[4]["replayed_groups"] == 4.0  # replay was in play across the resume
+    assert sum(rows_a[t]["tools/calls_per_response"] for t in (3, 4)) > 0  # and the tool
 
 
 @pytest.mark.slow

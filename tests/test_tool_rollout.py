@@ -35,11 +35,11 @@ PROMPTS = [[3, 4, 6], [7, 8], [2, 2, 2, 2], [9]]
 OBS = [9, 10, 11, 4]  # an observation holding the EOS id: only the policy's EOS ends a row
 
 
-def _settings(n=24, g=2, stop=(STOP,), u=4, **kw):
+def _settings(n=24, g=2, stop=(STOP,), u=4, chunk=0, **kw):
     sampling = decode.SamplingSettings(
         max_new_tokens=n, group_size=g, eos_ids=(EOS,), temperature=1.0, **kw
     )
-    return multiturn.TurnSettings(sampling=sampling, stop_ids=stop, max_tool_tokens=u)
+    return multiturn.TurnSettings(sampling=sampling, stop_ids=stop, max_tool_tokens=u, chunk=chunk)
 
 
 def _model(seed=0):
@@ -244,10 +244,10 @@ def test_prefill_takes_only_the_prompts_and_the_answers(monkeypatch):
         starts.append(np.asarray(lens).copy())
         return real_start(graphdef, state, ids, lens, rng, **kw)
 
-    def resume(graphdef, state, ts, forced, forced_len, **kw):
+    def resume(graphdef, state, ts, forced, forced_len, finish, **kw):
         assert np.asarray(forced).shape[1] == kw["settings"].max_tool_tokens
         fed.append(np.asarray(forced_len).copy())
-        return real_resume(graphdef, state, ts, forced, forced_len, **kw)
+        return real_resume(graphdef, state, ts, forced, forced_len, finish, **kw)
 
     monkeypatch.setattr(multiturn, "start", start)
     monkeypatch.setattr(multiturn, "resume", resume)
@@ -312,3 +312,21 @@ def test_a_tiny_qwen3_through_qwen3s_chat_template_end_to_end():
         assert fmt.prompt_ids(question) + list(toks[:n]) + fmt.encode("\n") == fmt.encode(whole)
         checked += 1
     assert checked >= 3 and answered >= 1
+
+
+def test_chunks_let_rows_decode_while_tools_run_and_sample_the_same():
+    """With chunk = 3 the programs return every 3 decode steps: rows that called wait for
+    their answers (here 20 ms each) while the others go on, answers join at a chunk boundary,
+    and every row is the one the unchunked rollout samples (its tokens are keyed by row and
+    position, whatever the schedule)."""
+
+    def slow(text, room):
+        time.sleep(0.02)
+        return OBS[:room], True
+
+    ref, _ = _run(_model(), _settings(), answer=slow)
+    out, _ = _run(_model(), _settings(chunk=3), answer=slow)
+    for name in ("tokens_BxN", "policy_BxN", "lengths_B", "calls_B", "turns_B"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(ref, name))
+    np.testing.assert_allclose(out.logp_BxN, ref.logp_BxN, atol=1e-5)
+    assert out.calls_B.sum() >= 4 and ref.tool_wait_s > 0
