@@ -19,7 +19,7 @@ from tests.helpers import PROGRAM_COUNTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Volatile metrics: wall-clock times differ between runs; everything else must be identical.
-VOLATILE = ("time", "tokens_per_s", *PROGRAM_COUNTS)
+VOLATILE = ("time", "tokens_per_s", "tools/wait_frac", *PROGRAM_COUNTS)
 RUN_ARGS = [
     "--config=configs/arith_tiny.py", "--config.sft.steps=10", "--config.data.eval_size=16",
     "--config.train.eval_every=0", "--config.train.checkpoint_every=2",
