@@ -12,7 +12,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -66,19 +65,24 @@ def _run(model, settings, answer=None, prompts=PROMPTS, turns=3, seed=0, **kw):
 
 
 def _full_logp(model, prompts, out, g):
-    """log pi(token) of every response token from one full forward of prompt + response."""
+    """log pi(token) of every response token from one full forward of prompt + response (the
+    rows right-padded into one jitted batch)."""
     b, n = out.tokens_BxN.shape
-    rows = []
+    seqs = [
+        np.concatenate([prompts[i // g], out.tokens_BxN[i, : out.lengths_B[i]]]) for i in range(b)
+    ]
+    width = max(len(x) for x in seqs)
+    tokens = np.zeros((b, width), np.int32)
+    mask = np.zeros((b, width), bool)
+    for i, x in enumerate(seqs):
+        tokens[i, : len(x)], mask[i, : len(x)] = x, True
+    logp = np.asarray(jax.jit(lambda t, m: jax.nn.log_softmax(model(t, None, m), -1))(tokens, mask))
+    got = np.zeros((b, n), np.float32)
     for i in range(b):
-        p = prompts[i // g]
-        seq = np.concatenate([p, out.tokens_BxN[i, : out.lengths_B[i]]]).astype(np.int32)
-        logits = model(jnp.asarray(seq)[None])[0]
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-        got = np.zeros(n, np.float32)
+        p = len(prompts[i // g])
         for t in range(out.lengths_B[i]):
-            got[t] = logp[len(p) - 1 + t, seq[len(p) + t]]
-        rows.append(got)
-    return np.stack(rows)
+            got[i, t] = logp[i, p - 1 + t, tokens[i, p + t]]
+    return got
 
 
 def test_resumed_log_probs_equal_a_full_forward():
