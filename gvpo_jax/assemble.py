@@ -290,6 +290,12 @@ def tool_run(config: ml_collections.ConfigDict, tokenizer, sampling) -> multitur
     names = config_lib.tool_names(config)
     if not names:
         return None
+    if jax.process_count() > 1:
+        config_lib.fail(
+            f"config.tools.names is set in a run of {jax.process_count()} processes, but tool "
+            "rollouts run in one process for now (each process would decide its own turns); "
+            "run on one host."
+        )
     registry, t = tools.builtin(names), config.tools
     if t.format == "bracket":
         params = registry.schemas()[0]["function"]["parameters"]

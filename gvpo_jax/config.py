@@ -927,6 +927,11 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
             "config.tools.format is chat but the character tokenizer has no chat template; use "
             "tools.format=bracket."
         )
+    if c.tools.format == "chat" and not c.data.use_chat_template:
+        _fail(
+            "config.tools.format is chat but data.use_chat_template is off, so the prompts "
+            "would show no tools and no assistant turn; set data.use_chat_template=True."
+        )
     if c.tools.max_tokens >= c.rollout.max_new_tokens:
         _fail(
             f"config.tools.max_tokens is {c.tools.max_tokens} but a response holds only "
@@ -936,7 +941,7 @@ def _validate_tools(c: ml_collections.ConfigDict) -> None:
     if c.algo.routing_replay == "r3":
         _fail(
             "config.algo.routing_replay is r3 with tools, whose answers the sampler prefills "
-            "without a routing record; use r2 or none."
+            "without a routing record; use none."
         )
     for field in ("num_slots", "shed"):
         if c.rollout[field]:

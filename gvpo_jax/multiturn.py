@@ -79,7 +79,6 @@ class TurnSettings:
             num_slots=0,
             shed=0,
             record_routes=False,
-            buckets=decode.DEFAULT_BUCKETS,
             eval_num_slots=0,
         )
         object.__setattr__(self, "sampling", sampling)
@@ -124,7 +123,8 @@ class ToolRollout(flax.struct.PyTreeNode):
     valid_BxN: 1.0 on every response token (what attention sees), 0.0 past the end.
     logp_BxN / sample_logp_BxN: the sampler's log-probs (T = 1 / as drawn) of the policy's
       tokens, 0 elsewhere. lengths_B: the response's tokens (valid_BxN's sum).
-    calls_B, failed_B: tool calls each row wrote, and those answered with an error.
+    calls_B, failed_B: tool calls each row wrote, and those that failed (an error answer, a
+      timeout, a tool that raised; answered or not).
     turns_B: the row's turns (1 + calls answered); tool_tokens_B: its observation tokens.
     A call left unanswered (past max_turns, or no room left for its answer) ends its row.
     truncated_B: 1.0 where the row did not end at an EOS (cap, or a call left unanswered).
@@ -177,9 +177,12 @@ def _append(ts: TurnState, settings: TurnSettings, tokens_B, logp_B, slogp_B, ac
     tail_BxM = jax.vmap(window)(tokens_BxN, start_B)
     drawn_BxM = jax.vmap(window)(policy_BxN, start_B) > 0
     called_B = (pos_B >= m) & jnp.all((tail_BxM == stop) & drawn_BxM, axis=1)
-    ended_B = decode._is_eos(tokens_B, s.eos_ids) | (pos_B >= n)
+    eos_B, full_B = decode._is_eos(tokens_B, s.eos_ids), pos_B >= n
+    # A call completed in the last column still waits: the host counts it and ends the row.
     status_B = jnp.where(
-        active_B & ended_B, DONE, jnp.where(active_B & called_B, WAITING, ts.status_B)
+        active_B & eos_B,
+        DONE,
+        jnp.where(active_B & called_B, WAITING, jnp.where(active_B & full_B, DONE, ts.status_B)),
     )
     return ts.replace(
         pos_B=pos_B,
@@ -243,7 +246,13 @@ def start(
     """The first turn: prefill the P prompts [P, T] once (right-padded, `sampler.pad_prompts`),
     draw token 0 of each of the P * G rows from its prompt's logits, and decode until no row is
     running. `queues` = D: rows, prompts and slots in D contiguous parts (the mesh's row
-    shards), each slot reading its own part's prompts only. Returns the `TurnState`."""
+    shards), each slot reading its own part's prompts only; `mesh` / `rules`: the logical-axis
+    rules to trace under. Returns the `TurnState`."""
+    with _rules(mesh, rules):
+        return _start(graphdef, state, prompt_ids, prompt_lens, rng, settings, queues)
+
+
+def _start(graphdef, state, prompt_ids, prompt_lens, rng, settings: TurnSettings, queues: int):
     p, t = prompt_ids.shape
     s = settings.sampling
     g, n, u = s.group_size, s.max_new_tokens, settings.max_tool_tokens
@@ -388,9 +397,7 @@ class Tools:
             rng=rng,
             max_turns=self.max_turns,
             timeout_s=self.timeout_s,
-            late=lambda room: self.format.error(
-                f"the tool did not answer within {self.timeout_s:g} s", room
-            ),
+            late=lambda room, why: self.format.error(why, room),
             **kw,
         )
 
@@ -410,8 +417,39 @@ class _Row:
     turn_begin: int = 0  # where the policy's current turn began
     calls: int = 0  # tool calls the policy wrote
     answered: int = 0  # calls whose observation it read
-    failed: int = 0  # answered calls whose observation is an error
+    failed: int = 0  # calls that failed (an error answer, a timeout, a crash)
     tool_tokens: int = 0
+
+
+class _Call:
+    """One tool call on the pool. Its time limit counts from when a worker starts it (a call
+    queued behind others is not late); a call never started within 4 x the limit of its
+    submission (the pool jammed by tools that ignore their own limits) is late too."""
+
+    def __init__(self, pool, answer, text: str, room: int, timeout_s: float):
+        self.timeout_s, self.submitted, self.started = timeout_s, time.monotonic(), None
+
+        def run():
+            self.started = time.monotonic()
+            return answer(text, room)
+
+        self.future = pool.submit(run)
+
+    def deadline(self) -> float:
+        if self.started is None:
+            return self.submitted + 4 * self.timeout_s
+        return self.started + self.timeout_s
+
+    def outcome(self):
+        """None while it runs; ((ids, ok), "") when answered; (None, why) when it failed."""
+        if self.future.done():
+            error = self.future.exception()
+            if error is None:
+                return self.future.result()
+            return None, f"the tool call failed ({type(error).__name__})"
+        if time.monotonic() >= self.deadline():
+            return None, f"the tool did not answer within {self.timeout_s:g} s"
+        return None
 
 
 def sample_with_tools(
@@ -427,7 +465,7 @@ def sample_with_tools(
     rules=sharding.LOGICAL_RULES,
     pool: concurrent.futures.Executor | None = None,
     timeout_s: float = 30.0,
-    late: Callable[[int], list[int]] | None = None,
+    late: Callable[[int, str], list[int]] | None = None,
 ) -> ToolRollout:
     """G responses for each prompt (rows grouped contiguously), calling tools between turns.
 
@@ -441,8 +479,9 @@ def sample_with_tools(
     decode_text(ids) -> str: the tokenizer's decode of a turn's ids.
     max_turns: tool calls answered per row at most; a row calling past it ends there.
     mesh: rows split over its data x fsdp shards (P a multiple of them); None: one device.
-    timeout_s: how long a call's answer is waited for; a call still running then, or whose
-      `answer` raised, is failed and reads late(room) (default: [], the row ends). A Python
+    timeout_s: how long a call's answer is waited for once it runs; a call still running
+      then, or whose `answer` raised, is failed and reads late(room, why) (default: [], the
+      row ends), why naming the failure. A Python
       thread cannot be killed: a tool must bound its own time (the built-in ones do); past
       the timeout the rollout stops waiting for it, it goes on.
     """
@@ -460,7 +499,7 @@ def sample_with_tools(
     ts = start(graphdef, state, ids, lens, rng, settings=settings, queues=queues, **where)
     rows = [_Row() for _ in range(len(prompts) * g)]
     own = pool or concurrent.futures.ThreadPoolExecutor(max_workers=16)
-    pending: dict[int, tuple[concurrent.futures.Future, float]] = {}  # row: (answer, deadline)
+    pending: dict[int, _Call] = {}  # row: its call, on the pool
     waited = 0.0  # seconds the device sat idle on the tools (no row running)
 
     def room_of(b, pos):
@@ -480,36 +519,34 @@ def sample_with_tools(
                     finish[b] = True
                     continue
                 text = decode_text(tokens[b, rows[b].turn_begin : pos[b]].tolist())
-                pending[b] = (own.submit(answer, text, room), time.monotonic() + timeout_s)
+                pending[b] = _Call(own, answer, text, room, timeout_s)
             running = bool(np.any(status == RUNNING))
             if not running and not pending and not finish.any():
                 break
             if not running and pending and not finish.any():  # nothing to decode: wait
                 t0 = time.monotonic()
-                first = min(deadline for _, deadline in pending.values())
                 concurrent.futures.wait(
-                    [f for f, _ in pending.values()],
-                    timeout=max(first - t0, 0.0),
+                    [c.future for c in pending.values()],
+                    timeout=max(min(c.deadline() for c in pending.values()) - t0, 0.01),
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )
                 waited += time.monotonic() - t0
             forced = np.full((len(rows), u), s.pad_id, np.int32)
             forced_len = np.zeros((len(rows),), np.int32)
-            now = time.monotonic()
-            for b, (future, deadline) in list(pending.items()):
-                if future.done() and future.exception() is None:
-                    obs, ok = future.result()
-                elif future.done() or now >= deadline:  # a bug in the answer, or too slow
-                    obs, ok = (late(room_of(b, pos)) if late else []), False
-                else:
+            for b, call in list(pending.items()):
+                got = call.outcome()
+                if got is None:
                     continue  # still running: the row keeps waiting
                 del pending[b]
+                if got[0] is None:  # failed: the late observation says why
+                    got = (late(room_of(b, pos), got[1]) if late else []), False
+                obs, ok = got
+                rows[b].failed += int(not ok)
                 obs = list(obs)[: max(room_of(b, pos), 0)]
-                if not obs:
+                if not obs:  # not even the error fits: the row ends at its call
                     finish[b] = True
                     continue
                 rows[b].answered += 1
-                rows[b].failed += int(not ok)
                 rows[b].tool_tokens += len(obs)
                 rows[b].turn_begin = int(pos[b]) + len(obs)
                 forced[b, : len(obs)], forced_len[b] = obs, len(obs)

@@ -47,13 +47,14 @@ def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *, mesh=
         batch = sharding.gather_rows(batch, run.mesh)  # every process now holds every row
         info["truncated"] = batch.pop("truncated")
         settings = run.sampling
-        info["decode_slots"] = sampler.decode_slots(
-            batch["lengths"],
-            max_new_tokens=settings.max_new_tokens,
-            shed=settings.shed,
-            num_slots=sampler.resolve_slots(settings.num_slots, len(batch["lengths"])),
-        )
-        info["decode_tokens"] = float(np.sum(batch["lengths"]))
+        if run.tools is None:  # the single-turn sampler's schedule (a tool rollout has turns)
+            info["decode_slots"] = sampler.decode_slots(
+                batch["lengths"],
+                max_new_tokens=settings.max_new_tokens,
+                shed=settings.shed,
+                num_slots=sampler.resolve_slots(settings.num_slots, len(batch["lengths"])),
+            )
+            info["decode_tokens"] = float(np.sum(batch["lengths"]))
         batch["task_rewards"] = batch["rewards"].copy()
         if s.algorithm.overlong is not None:  # DAPO's soft overlong penalty on the lengths
             max_len, cache_len, factor = s.algorithm.overlong
@@ -84,10 +85,11 @@ def collect_groups(run, params, loop, rng: jax.Array, num_prompts: int, *, mesh=
         "reward_time_s": float(np.sum(info_acc.pop("reward_time_s"))),
         "truncated_frac": float(np.mean(np.concatenate(info_acc.pop("truncated")))),
         "rollout_rounds": float(rounds_run),
-        # decode row-steps computed per generated token (1.0: no finished row computed)
-        "decode_pad_ratio": float(np.sum(info_acc.pop("decode_slots")))
-        / max(float(np.sum(info_acc.pop("decode_tokens"))), 1.0),
     }
+    if "decode_slots" in info_acc:  # decode row-steps per generated token (1.0: none wasted)
+        metrics["decode_pad_ratio"] = float(np.sum(info_acc.pop("decode_slots"))) / max(
+            float(np.sum(info_acc.pop("decode_tokens"))), 1.0
+        )
     if "tools/wait_s" in info_acc:  # this process's device idle on the tools, of its rollout
         wait = float(np.sum(info_acc.pop("tools/wait_s")))
         metrics["tools/wait_frac"] = wait / max(metrics["rollout_time_s"], 1e-9)

@@ -117,3 +117,18 @@ def test_a_template_without_the_tool_protocol_is_refused(qwen_tokenizer):
     plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     with pytest.raises(ValueError, match="tool call"):
         _chat(qwen_tokenizer, template=plain)
+
+
+def test_a_template_that_writes_the_last_assistant_turn_differently_is_accepted(qwen_tokenizer):
+    """Qwen3's own template adds an empty think block to an assistant turn only when it is the
+    last message: the frame comes from one render of a conversation that goes on after the
+    call, so the answers' tokens are the same as with the plain template."""
+    plain = "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    assert plain in formats.QWEN3_TEMPLATE
+    thinking = formats.QWEN3_TEMPLATE.replace(
+        plain,
+        "{{- '<|im_start|>assistant\\n' }}{%- if loop.last %}{{- '<think>\\n\\n</think>"
+        "\\n\\n' }}{%- endif %}{{- (message.content or '') }}",
+    )
+    fmt = _chat(qwen_tokenizer, template=thinking)
+    assert fmt.observation_ids("42") == _chat(qwen_tokenizer).observation_ids("42")

@@ -34,6 +34,8 @@ def test_tool_answers_are_seen_and_not_counted():
     count what happened; an RL step on it runs and moves the policy."""
     run, state, loop, ref = make_run(toy_config("gvpo", **TOOLS))
     close = run.tokenizer.convert_tokens_to_ids("]")
+    scored, score = [], run.task.score
+    run.task.score = lambda texts, golds: (scored.extend(texts), score(texts, golds))[1]
     fresh, completions, metrics = _tool_batch(run, state)
     J = run.config.data.max_prompt_len
     attn, resp, tokens = fresh["attn_mask"][:, J:], fresh["resp_mask"], fresh["tokens"][:, J:]
@@ -44,6 +46,13 @@ def test_tool_answers_are_seen_and_not_counted():
     assert np.all(fresh["rollout_logp"][tool] == 0) and np.all(fresh["behaviour_logp"][tool] == 0)
     first = np.flatnonzero(tool.any(1))[0]
     assert "]=" in completions[first]  # the logged text holds the whole exchange
+    last = np.flatnonzero(tool[first])[-1] + 1  # the task scored the last turn alone
+    ends = resp.sum(1).astype(int) + tool.sum(1)
+    assert scored[first] == run.tokenizer.decode(tokens[first, last : ends[first]].tolist(),
+                                                 skip_special_tokens=True)  # fmt: skip
+    assert completions[first].endswith(scored[first]) and len(scored[first]) < len(
+        completions[first]
+    )
     assert metrics["tools/calls_per_response"] > 0 and 0 <= metrics["tools/failed_frac"] <= 1
     assert metrics["tools/turns_mean"] > 1 and 0 < metrics["tools/token_share"] < 1
     before = _flat(state.params)
@@ -107,13 +116,28 @@ def test_packed_update_equals_the_full_width_pass_with_tool_answers():
         ),
         ({"tools.format": "smoke"}, "tools.format"),
         ({"tools.max_turns": 0}, "tools.max_turns"),
+        (
+            {
+                "tools.names": "calculator",
+                "tokenizer.kind": "hf",
+                **{k: v for k, v in TOOLS.items() if k != "tools.format"},
+            },
+            "use_chat_template",
+        ),
     ],
 )
 def test_bad_tool_configs_are_one_sentence(changes, words):
     c = toy_config()
     config_lib.set_fields(c, changes)
     with pytest.raises(config_lib.ConfigError, match=words):
-        config_lib.validate(c)
+        config_lib.validate(c, check_paths=False)
+
+
+def test_tools_in_a_multi_process_run_are_refused(monkeypatch):
+    run, _, _, _ = make_run(toy_config("gvpo", **TOOLS))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(config_lib.ConfigError, match="2 processes"):
+        assemble.tool_run(run.config, run.tokenizer, run.sampling)
 
 
 def test_sft_demonstrations_call_the_calculator_and_read_its_answer():

@@ -7,12 +7,12 @@
 - `BracketFormat`: one tool in a bracket syntax for character-level models, e.g. the policy
   writes `[3141*2718]` and reads `=8537238`.
 
-Observation tokens come from diffing renders of the whole conversation, never from rendering
-a tool turn alone: per-turn renders drop the separators a template writes between turns (the
-newline after `<|im_end|>`), so the policy would train on a sequence it never sees at
-inference. `ChatFormat.observation_ids` renders the conversation with the call and with its
-answer and keeps what lies after the call: the end of the assistant turn, the tool turn and the
-next assistant header.
+Observation tokens come from a render of the whole conversation, never from rendering a tool
+turn alone: per-turn renders drop the separators a template writes between turns (the newline
+after `<|im_end|>`), so the policy would train on a sequence it never sees at inference.
+`ChatFormat` renders a conversation with a call and its answer and keeps what lies between the
+call's `</tool_call>` and the answer (the end of the assistant turn, the tool turn's opening)
+and after it (its close, the next assistant header).
 """
 
 from __future__ import annotations
@@ -159,16 +159,21 @@ class ChatFormat(_Format):
             {"role": "user", "content": "q"},
             {"role": "assistant", "content": "", "tool_calls": [{"function": call}]},
         ]
-        asked = self._render(base, add_generation_prompt=False)
+        # One render of the whole conversation: the frame is what lies between the call's
+        # </tool_call> and the answer, and after the answer. (Not a diff against a render
+        # that ends at the call: Qwen3's own template writes an assistant turn differently
+        # when it is the last message.)
         marker = "\x00CONTENT\x00"
         answered = self._render(base + [{"role": "tool", "content": marker}], True)
-        if not answered.startswith(asked) or self.close_tag not in asked:
+        at = answered.find(marker)
+        close = answered.rfind(self.close_tag, 0, max(at, 0))
+        if at < 0 or close < 0 or answered.count(marker) != 1:
             raise ValueError(
                 "the chat template does not render a tool call as <tool_call>..</tool_call> "
                 "followed by its answer; use a template with that tool protocol."
             )
-        frame = asked[asked.rindex(self.close_tag) + len(self.close_tag) :] + answered[len(asked) :]
-        self._before, self._after = frame.split(marker)
+        self._before = answered[close + len(self.close_tag) : at]
+        self._after = answered[at + len(marker) :]
 
     def _render(self, messages, add_generation_prompt: bool, tools=None) -> str:
         return self.tokenizer.apply_chat_template(
