@@ -23,6 +23,7 @@ import numpy as np
 from gvpo_jax import train
 from gvpo_jax.eval import git_commit
 from studies.report import write_results
+from studies.stats import ci95
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -103,6 +104,13 @@ def report(data: dict, study_md: str | None) -> str:
         )
     before = [r["evals"][0]["eval/greedy"] for r in recs]
     lines += ["", f"Before SFT (random init): greedy {_mean_sd(before)}."]
+    for name, key in rows[:2]:  # the gain, paired by seed (each seed's own start)
+        gain = [e[key] - s[key] for s, e in zip(start, end, strict=True)]
+        each = ", ".join(f"{g:+.3f}" for g in gain)
+        lines.append(
+            f"Gain in {name} over each seed's start: {np.mean(gain):+.3f} +- {ci95(gain):.3f} "
+            f"(95% t interval over the seeds; per seed {each})."
+        )
     text = "\n".join(lines)
     _plot(recs, os.path.join(RESULTS, "curves.png"))
     summary = {"seeds": [r["seed"] for r in recs], "start": start, "end": end}
