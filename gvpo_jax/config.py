@@ -177,7 +177,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.tools.max_turns = 4  # tool calls answered per response at most; one past it ends the row
     c.tools.max_tokens = 64  # an answer's tokens per turn at most (its frame included)
     c.tools.truncate = "right"  # a long answer keeps its head (right) or its tail (left)
-    c.tools.timeout_s = 30.0  # a call's answer is waited for this long; later: a failed call
+    c.tools.timeout_s = 30.0  # a running call's answer is waited for this long; later: failed
     # Decode steps per sampler call: rows still running decode while the host answers the
     # others' calls, answers joining every this many steps (0: a call runs until no row runs).
     c.tools.decode_chunk = 32
