@@ -237,26 +237,24 @@ def test_async_timeline_quick_overlaps_sampling_with_the_update():
     assert r["async"]["W"] > 0 and r["async"]["overlap"] >= 0
 
 
-def test_lora_quick_runs_both_arms_through_train_run_and_reports_them(tmp_path, monkeypatch):
-    """Each arm in its own process (one CPU device, as the benchmark runs), through
-    `train.run(..., on_step=...)`; records, then the report's table from them."""
+def test_lora_quick_runs_an_arm_through_train_run_and_reports_it(tmp_path, monkeypatch):
+    """The LoRA arm in its own process (one CPU device, as the benchmark runs), through
+    `train.run(..., on_step=...)`; its record, then the report's table from it. (The full
+    fine-tuning arm is the same code with lora off: the suite runs one arm, to save time.)"""
     from benchmarks import lora
     from tests.conftest import child_env
 
     monkeypatch.setenv("XLA_FLAGS", child_env()["XLA_FLAGS"])
-    lora.main(["--quick", "--workdir", str(tmp_path)])
+    lora.main(["--quick", "--workdir", str(tmp_path), "--arms", "lora"])
     records = {p.stem: __import__("json").loads(p.read_text())
                for p in (tmp_path / "records").glob("*.json")}  # fmt: skip
-    assert set(records) == {"full_s0", "lora_s0"}
-    for r in records.values():
-        assert r["steps"] == lora.QUICK["train.steps"] and r["update_time_s"] > 0
-        assert r["compiled_update_gib"]["argument_bytes"] > 0
-    # the adapters and their moments are a fraction of the whole model's state
-    full, ada = (records[k]["compiled_update_gib"] for k in ("full_s0", "lora_s0"))
-    assert ada["argument_bytes"] < full["argument_bytes"]
+    assert set(records) == {"lora_s0"}
+    r = records["lora_s0"]
+    assert r["steps"] == lora.QUICK["train.steps"] and r["update_time_s"] > 0
+    mem = r["compiled_update_gib"]
+    assert mem["argument_bytes"] > 0 and mem["temp_bytes"] >= 0
     table = lora.report(str(tmp_path))
-    assert table.splitlines()[2].startswith("| full | 5e-06 | 1 |")
-    assert table.splitlines()[3].startswith("| lora | 0.0002 | 1 |")
+    assert table.splitlines()[2].startswith("| lora | 0.0002 | 1 |")
 
 
 def test_train_run_hands_each_rl_step_to_on_step_and_ends_where_it_says(tmp_path):

@@ -97,8 +97,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     moments, and the export is in the compute dtype."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     mixed = ["--config.model.compute_dtype=bfloat16", "--config.tools.names=calculator",
-             "--config.tools.format=bracket", "--config.tools.max_tokens=4",
-             "--config.rollout.max_new_tokens=12"]  # fmt: skip
+             "--config.tools.format=bracket", "--config.tools.max_tokens=3",
+             "--config.rollout.max_new_tokens=10"]  # fmt: skip
     code, out, err = _run(straight, "--config.train.steps=4", *mixed)
     assert code == 0, err[-3000:]
 

@@ -31,7 +31,8 @@ def _tool_batch(run, state, seed=0):
 def test_tool_answers_are_seen_and_not_counted():
     """A rollout's rows carry each answer after its call with attention 1 and loss mask 0, the
     sampler's log-probs are 0 there, the task scores the last turn, and the tools/* metrics
-    count what happened; an RL step on it runs and moves the policy."""
+    count what happened; evaluation samples with the tools too; an RL step on it runs and
+    moves the policy; a run of several processes is refused."""
     run, state, loop, ref = make_run(toy_config("gvpo", **TOOLS))
     close = run.tokenizer.convert_tokens_to_ids("]")
     scored, score = [], run.task.score
@@ -55,10 +56,23 @@ def test_tool_answers_are_seen_and_not_counted():
     )
     assert metrics["tools/calls_per_response"] > 0 and 0 <= metrics["tools/failed_frac"] <= 1
     assert metrics["tools/turns_mean"] > 1 and 0 < metrics["tools/token_share"] < 1
+    # Evaluation samples multi-turn too, and counts the calls.
+    flat = eval_lib.evaluate_policy(
+        run.model(state.params), run.task.eval_examples, tokenizer=run.tokenizer,
+        settings=run.sampling, mesh=run.mesh, rules=run.rules, reward_fn=run.task.eval_reward,
+        n=2, chunk=4, seed=0, num_workers=0, tools=run.tools,
+    )  # fmt: skip
+    assert flat["eval/tools/calls_per_response"] > 0  # the random policy's "]"s were answered
+    assert 0 <= flat["eval/tools/greedy_failed_frac"] <= 1
     before = _flat(state.params)
     state, m, _, _ = rl_step(run, state, loop, ref)
     assert np.isfinite(m["loss"]) and np.abs(_flat(state.params) - before).max() > 0
     assert "tools/calls_per_response" in m
+    # A run of several processes is refused (each process would decide its own turns).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(config_lib.ConfigError, match="2 processes"):
+            assemble.tool_run(run.config, run.tokenizer, run.sampling)
 
 
 def test_packed_update_equals_the_full_width_pass_with_tool_answers():
@@ -133,13 +147,6 @@ def test_bad_tool_configs_are_one_sentence(changes, words):
         config_lib.validate(c, check_paths=False)
 
 
-def test_tools_in_a_multi_process_run_are_refused(monkeypatch):
-    run, _, _, _ = make_run(toy_config("gvpo", **TOOLS))
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(config_lib.ConfigError, match="2 processes"):
-        assemble.tool_run(run.config, run.tokenizer, run.sampling)
-
-
 def test_sft_demonstrations_call_the_calculator_and_read_its_answer():
     """sft.tool_demos: a share of the problems (fixed per problem) is demonstrated as a call,
     the calculator's real answer (seen, not counted) and the answer; the rest answer directly."""
@@ -161,10 +168,3 @@ def test_sft_demonstrations_call_the_calculator_and_read_its_answer():
     assert text == "[417*286]=119262 119262<eos>"
     seen = run.tokenizer.decode(tokens[0][(attn[0] > 0) & (resp[0] == 0)])
     assert seen == "=119262 "  # the calculator's answer: attention only
-
-
-def test_evaluation_samples_with_tools_and_counts_the_calls():
-    run, state, _, _ = make_run(toy_config("gvpo", **TOOLS, **{"train.eval_samples": 2}))
-    flat = eval_lib.evaluate_held_out(run, state.params, step=0)
-    assert flat["eval/tools/calls_per_response"] > 0  # the random policy's "]"s were answered
-    assert 0 <= flat["eval/tools/greedy_failed_frac"] <= 1
