@@ -237,3 +237,24 @@ def test_study_md_part_3_calibration_is_the_recorded_one():
     chosen = next(r for r in rows if (r["template"], r["cap"]) == (
         smol.SETTINGS["data.template"], smol.SETTINGS["rollout.max_new_tokens"]))  # fmt: skip
     assert chosen["sampled_truncated"] < 0.10
+
+
+def test_study_md_part_4_tables_are_the_recorded_runs():
+    """STUDY.md part 4's tables (the MoE study) are `report_block` of the records in
+    studies/moe/results, recomputed here, and each pair's greedy interval over seeds is the
+    records' (paired t where the cells share their first rollouts, else Welch's)."""
+    import os
+
+    from studies.moe import study as moe_study
+
+    results = json.loads(open(os.path.join(moe_study.OUT, "results.json")).read())
+    records = study_stale.load_records(moe_study.OUT)
+    start = results["start_greedy"]
+    summary = {**results, "cells": {name: moe_study.summarise(recs, start)
+                                    for name, recs in records.items()}}  # fmt: skip
+    block = moe_study.report_block(summary, records, problems=200)
+    text = open(os.path.join(runs.REPO, "STUDY.md")).read()
+    begin = text.index(moe_study.BEGIN) + len(moe_study.BEGIN)
+    assert text[begin : text.index(moe_study.END)].strip() == block.strip()
+    pairs = [p for p in moe_study.PAIRS if p[0] in records and p[1] in records]
+    _check_seed_intervals_by_hand(block, records, pairs, "{a} - {b}: ")
