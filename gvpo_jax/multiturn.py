@@ -421,6 +421,15 @@ class _Row:
     tool_tokens: int = 0
 
 
+# The host loop's pool (a tool that waits on I/O or a subprocess holds a thread, not the
+# interpreter: room for a batch's calls at once) and its gather window: with no row running,
+# once the first answer is back the device also waits for the others while they keep coming
+# (each within GATHER_S of the last), so answers that come back together resume in one
+# program, not one program per straggler.
+POOL_THREADS = 256
+GATHER_S = 0.005
+
+
 class _Call:
     """One tool call on the pool. Its time limit counts from when a worker starts it (a call
     queued behind others is not late); a call never started within 4 x the limit of its
@@ -473,9 +482,10 @@ def sample_with_tools(
       at a tool call, given the text the policy wrote in this turn (its call at the end) and
       the tokens it may take (at most U, leaving one column for the policy's next token);
       [] when not even a truncated answer fits (the row ends there). Called on `pool`'s
-      threads (default: 16) as soon as a program call returns the row waiting; with
-      `settings.chunk` the other rows decode meanwhile, and the answer joins at the first
-      chunk boundary after it is back. The device waits for tools only when no row runs.
+      threads (default: POOL_THREADS) as soon as a program call returns the row waiting;
+      with `settings.chunk` the other rows decode meanwhile, and the answer joins at the first
+      chunk boundary after it is back. The device waits for tools only when no row runs, and
+      then for the answers that come back together (`GATHER_S`).
     decode_text(ids) -> str: the tokenizer's decode of a turn's ids.
     max_turns: tool calls answered per row at most; a row calling past it ends there.
     mesh: rows split over its data x fsdp shards (P a multiple of them); None: one device.
@@ -498,7 +508,7 @@ def sample_with_tools(
     where = {} if mesh is None else {"mesh": mesh, "rules": rules}
     ts = start(graphdef, state, ids, lens, rng, settings=settings, queues=queues, **where)
     rows = [_Row() for _ in range(len(prompts) * g)]
-    own = pool or concurrent.futures.ThreadPoolExecutor(max_workers=16)
+    own = pool or concurrent.futures.ThreadPoolExecutor(max_workers=POOL_THREADS)
     pending: dict[int, _Call] = {}  # row: its call, on the pool
     waited = 0.0  # seconds the device sat idle on the tools (no row running)
 
@@ -525,11 +535,17 @@ def sample_with_tools(
                 break
             if not running and pending and not finish.any():  # nothing to decode: wait
                 t0 = time.monotonic()
-                concurrent.futures.wait(
+                _, rest = concurrent.futures.wait(
                     [c.future for c in pending.values()],
                     timeout=max(min(c.deadline() for c in pending.values()) - t0, 0.01),
                     return_when=concurrent.futures.FIRST_COMPLETED,
                 )
+                while rest:  # answers coming back together join one resume
+                    more, rest = concurrent.futures.wait(
+                        rest, timeout=GATHER_S, return_when=concurrent.futures.FIRST_COMPLETED
+                    )
+                    if not more:
+                        break
                 waited += time.monotonic() - t0
             forced = np.full((len(rows), u), s.pad_id, np.int32)
             forced_len = np.zeros((len(rows),), np.int32)

@@ -334,3 +334,35 @@ def test_chunks_let_rows_decode_while_tools_run_and_sample_the_same():
         np.testing.assert_array_equal(getattr(out, name), getattr(ref, name))
     np.testing.assert_allclose(out.logp_BxN, ref.logp_BxN, atol=1e-5)
     assert out.calls_B.sum() >= 4 and ref.tool_wait_s > 0
+
+
+def test_answers_that_come_back_together_resume_in_one_program(monkeypatch):
+    """No row running (chunk 0: every row called or ended in the first program): once the first
+    answer is back the device also waits for the others while they keep coming (each within
+    `GATHER_S` of the last), so every waiting row resumes in one program, not one program per
+    straggler. Each answer here is 20 ms late plus 1 ms per call before it."""
+    waiting, resumed = [], []
+    real_start, real_resume = multiturn.start, multiturn.resume
+    order, lock = [], threading.Lock()
+
+    def start(*args, **kw):
+        ts = real_start(*args, **kw)
+        waiting.append(int(np.sum(np.asarray(ts.status_B) == multiturn.WAITING)))
+        return ts
+
+    def resume(graphdef, state, ts, forced, forced_len, finish, **kw):
+        resumed.append(int(np.sum(np.asarray(forced_len) > 0)))
+        return real_resume(graphdef, state, ts, forced, forced_len, finish, **kw)
+
+    def late(text, room):
+        with lock:
+            order.append(text)
+            k = len(order)
+        time.sleep(0.02 + 0.001 * k)
+        return OBS[:room], True
+
+    monkeypatch.setattr(multiturn, "start", start)
+    monkeypatch.setattr(multiturn, "resume", resume)
+    _run(_model(), _settings(), answer=late)
+    assert waiting[0] >= 3, waiting  # several rows called in the first program
+    assert resumed[0] == waiting[0], (waiting, resumed)
