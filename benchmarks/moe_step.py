@@ -12,13 +12,14 @@ does not depend on what the weights say, only on the lengths they sample, which 
   - moe E=32 grouped: 32 experts of the same width at top-2 (4x the expert weights, the same
     active FLOPs): the grouped path's cost should stay flat in E;
   - a variant name may add "block=N" (the grouped path's largest block, `moe_block`) and
-    "no-metrics" (`train.routing_metrics=false`: without the routing metrics' forward).
+    "no-metrics" (`train.routing_metrics=false`: no routing record from the sampler, no
+    moe/* metrics from the update's forward).
 One GVPO step each: the rollout (128 prompts x 4 samples, up to 5 new tokens), rewards, the
-old-policy log-prob pass, the update, and for the MoE runs the routing metrics' forward
-(`gvpo_jax.routing`). The variants step round-robin (one step of each per round, so a drifting
-load hits them alike); the first round (compilation) is reported apart. Per variant: the
-median (min-max) step seconds, each stage's median seconds, response tokens per second of the
-rollout and of the update, and the first step's seconds (compile included).
+old-policy log-prob pass and the update (for the MoE runs the update's forward also sums the
+routing metrics, `gvpo_jax.routing`). The variants step round-robin (one step of each per
+round, so a drifting load hits them alike); the first round (compilation) is reported apart.
+Per variant: the median (min-max) step seconds, each stage's median seconds, response tokens
+per second of the rollout and of the update, and the first step's seconds (compile included).
 """
 
 from __future__ import annotations

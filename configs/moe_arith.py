@@ -9,7 +9,8 @@ no attention bias) of 8 SwiGLU experts of width 96, each token routed to its top
 dense 384; `--config.model.overrides.num_experts=1 --config.model.overrides.num_experts_per_tok=1
 --config.model.overrides.moe_intermediate_size=192` is the dense model of the same active size.
 Besides the demo's metrics every RL step logs the routing: moe/routing_drift (the share of
-(token, layer) pairs whose experts changed between the sampler and the update's start),
+(token, layer) pairs whose experts changed between the sampler and the update's start, read
+from the first update's forward),
 moe/load_max_over_mean (the busiest expert's share x E, per layer) and moe/router_entropy.
 The router's load-balancing loss is off, as in the peers' RL recipes (docs/models.md).
 """

@@ -270,7 +270,7 @@ def base_config() -> ml_collections.ConfigDict:
     # then stalls the run). Exact-match / format rewards never start processes.
     c.train.reward_workers = -1
     c.train.kl_ref_metric = True  # keep a frozen copy of the start policy to log KL to it (k3)
-    c.train.routing_metrics = True  # MoE: log moe/* routing metrics (one more forward per step)
+    c.train.routing_metrics = True  # MoE: log moe/* routing metrics (the first update's forward)
     c.train.export = True  # write the final policy as a Hugging Face directory
     c.train.export_dtype = ""  # dtype of the exported tensors: float32 | bfloat16 | "" (compute)
     c.train.plot = True  # write curves.png at the end

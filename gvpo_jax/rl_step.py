@@ -59,7 +59,7 @@ class StepSettings:
     max_bad_steps: int  # consecutive non-finite updates before the run stops
     grad_clip: float = 0.0  # the optimizer's global-norm clip (0: off), for grad_clipped_frac
     staleness: int = 0  # the rollout of step t comes from the policy of step t - staleness
-    routing_metrics: bool = True  # an MoE policy's moe/* metrics (one more forward per step)
+    routing_metrics: bool = True  # an MoE policy's moe/* metrics (from the first update's forward)
     routing_replay: str = "none"  # an MoE policy's routing replay: none | r2 | r3
     # An MoE policy's routing record per token: (MoE layers, experts per token, integer dtype)
     record: tuple = ()
@@ -188,6 +188,29 @@ def example_batch(s: StepSettings, rows: int, max_new_tokens: int) -> UpdateBatc
     return batch
 
 
+def routing_metrics(run, state, fresh: dict, batch: UpdateBatch, first: dict) -> dict:
+    """An MoE step's moe/* metrics (`train.routing_metrics`), from the first update's own
+    forward (`moe.routing_sums` in its aux: the first minibatch's rows, every row with one
+    minibatch), which starts from the parameters the step's pi_old is computed with: how
+    often its routers pick other experts than the sampler recorded, the experts' load and
+    the routers' entropy over the tokens the sampler routed. R2 replays the old-policy pass's
+    own record in the updates, so there the drift compares that record with the sampler's."""
+    s = run.settings
+    if not (s.spec.routing and s.routing_metrics):
+        return {}
+    cfg = run.model(state.params).config
+    layers = [i for i in range(cfg.num_layers) if cfg.moe_layer(i)]
+    sums = {k: first[f"routing_{k}_by_layer"] for k in ("drifted", "entropy", "counts")}
+    out = routing.metrics(sums, float(first["routing_recorded"]) / len(layers), layers)
+    if s.routing_replay == "r2":
+        rows = len(fresh["sampled"])
+        fed = routing.fed_mask(fresh, s.prompt_len)
+        drift_M = routing.record_drift(fresh["routes"], np.asarray(batch.routing)[:rows], fed)
+        out.update({"moe/routing_drift": float(drift_M.mean()),
+                    "moe/routing_drift_max": float(drift_M.max())})  # fmt: skip
+    return out
+
+
 def rl_step(run, state, loop: LoopState, ref_params):
     """One RL step from `state` (a `train_step.TrainState`) and `loop` (advanced in place);
     `ref_params` is the frozen reference (None when the run needs none). Returns (state,
@@ -306,11 +329,6 @@ def rl_step(run, state, loop: LoopState, ref_params):
         )
         batch = batch.replace(advantages=np.asarray(jax.device_get(adv), np.float32))
     logprob_s = time.perf_counter() - t0  # replay + both passes (gather waits for the results)
-    # An MoE policy: its routing now (the parameters pi_old is computed with) against the
-    # sampler's, before the updates change them.
-    moe_metrics = {}
-    if "routes" in fresh and s.routing_metrics:
-        moe_metrics = routing.metrics(run, state.params, fresh)
     # Response slots computed per real response token (1.0: no padding) of a log-prob pass.
     real = max(float(batch.loss_mask.sum()), 1.0)
     pad_ratio = {"logprob_pad_ratio": updater.logprob_slots(batch.valid) / real}
@@ -328,6 +346,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
             update_metrics.append(m)
     update_metrics = jax.device_get(update_metrics)
     update_s = time.perf_counter() - t0
+    moe_metrics = routing_metrics(run, state, fresh, batch, update_metrics[0])
     if pending is not None:  # R_{t+k} joins the queue; this step's sampling work and timeline
         t_update_end = time.time()
         ahead = pending.join()

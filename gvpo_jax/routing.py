@@ -5,22 +5,7 @@ replay itself is `moe.route`'s, driven by `rl_step`: docs/routing_replay.md)."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import numpy as np
-from flax import nnx
-
-from gvpo_jax.models import moe
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _routing_stats(graphdef, params, tokens_BxS, valid_BxS, recorded_BxSxMxK, fed_BxS):
-    """`moe.routing_stats` of a forward with `params` over rows the sampler recorded."""
-    model = nnx.merge(graphdef, params)
-    _, routes = model.hidden(tokens_BxS, None, valid_BxS, with_routes=True)
-    e = model.config.num_experts
-    return moe.routing_stats(routes, recorded_BxSxMxK, fed_BxS, valid_BxS, e)
 
 
 def fed_mask(fresh: dict, prompt_len: int) -> np.ndarray:
@@ -53,27 +38,34 @@ def sampler_record(fresh: dict, prompt_len: int, *, extra_rows: int = 0):
     return np.pad(experts, pad), np.pad(mask, pad[:2])
 
 
-def metrics(run, params, fresh: dict) -> dict[str, float]:
-    """An MoE rollout's routing against the policy the update starts from (the old-policy
-    pass's parameters), on the rows the sampler drew: `moe/routing_drift` (the fraction of
-    (token, layer) pairs whose experts changed since sampling; mean and max over layers),
-    `moe/load_max_over_mean` (the busiest expert's share times E; mean, max and per layer
-    `moe/load_max_over_mean/layer_<i>`) and `moe/router_entropy` (mean over layers)."""
-    fed = fed_mask(fresh, run.settings.prompt_len)
-    stats = jax.device_get(
-        _routing_stats(
-            run.graphdef, params, fresh["tokens"], fresh["attn_mask"], fresh["routes"], fed
-        )
-    )
-    cfg = run.model(params).config
-    layers = [i for i in range(cfg.num_layers) if cfg.moe_layer(i)]
+def metrics(sums: dict, tokens: float, layers: list[int]) -> dict:
+    """The moe/* metrics of `moe.routing_sums` (host arrays) over `tokens` weighted tokens, MoE
+    layers `layers`: `moe/routing_drift` (the share of (token, layer) pairs whose experts
+    changed since the record; mean and max over layers), `moe/load_max_over_mean` (the busiest
+    expert's share of a layer's assignments times E: 1 balanced, E one expert takes all; mean,
+    max and per layer `moe/load_max_over_mean/layer_<i>`) and `moe/router_entropy` (mean over
+    layers)."""
+    tokens = max(float(tokens), 1.0)
+    drift_M = np.asarray(sums["drifted"], np.float64) / tokens
+    counts_MxE = np.asarray(sums["counts"], np.float64)
+    load_M = counts_MxE.max(-1) / np.maximum(counts_MxE.sum(-1), 1.0) * counts_MxE.shape[-1]
     out = {
-        "moe/routing_drift": float(np.mean(stats["drift"])),
-        "moe/routing_drift_max": float(np.max(stats["drift"])),
-        "moe/load_max_over_mean": float(np.mean(stats["load_max_over_mean"])),
-        "moe/load_max_over_mean_max": float(np.max(stats["load_max_over_mean"])),
-        "moe/router_entropy": float(np.mean(stats["entropy"])),
+        "moe/routing_drift": float(drift_M.mean()),
+        "moe/routing_drift_max": float(drift_M.max()),
+        "moe/load_max_over_mean": float(load_M.mean()),
+        "moe/load_max_over_mean_max": float(load_M.max()),
+        "moe/router_entropy": float(np.mean(np.asarray(sums["entropy"]) / tokens)),
     }
-    for i, x in zip(layers, stats["load_max_over_mean"], strict=True):
+    for i, x in zip(layers, load_M, strict=True):
         out[f"moe/load_max_over_mean/layer_{i}"] = float(x)
     return out
+
+
+def record_drift(sampler_BxSxMxK: np.ndarray, record_BxSxMxK: np.ndarray, fed_BxS) -> np.ndarray:
+    """[M] the share of the fed tokens (`fed_mask`) whose set of experts differs between two
+    records of the same rows (any order within a token's k)."""
+    a = np.sort(np.asarray(sampler_BxSxMxK).astype(np.int64), axis=-1)
+    b = np.sort(np.asarray(record_BxSxMxK).astype(np.int64), axis=-1)
+    changed_BxSxM = np.any(a != b, axis=-1)
+    fed = np.asarray(fed_BxS, np.float64)
+    return np.einsum("bsm,bs->m", changed_BxSxM, fed) / max(float(fed.sum()), 1.0)

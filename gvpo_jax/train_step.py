@@ -500,9 +500,10 @@ def rl_loss(
         # (packed: a prompt slot's mask counts the group's rows that hold its record)
         mask = batch.packed.routing_mask if spec.packed else batch.routing_mask
         recorded = mask.astype(jnp.float32)
-        layers = routes.drift.shape[0]
-        aux["routing_drifted"] = jnp.sum(routes.drift * recorded[None])
-        aux["routing_recorded"] = layers * jnp.sum(recorded)
+        sums = moe.routing_sums(routes, recorded)  # per layer: the step's moe/* metrics
+        aux.update({f"routing_{k}_by_layer": v for k, v in sums.items()})
+        aux["routing_drifted"] = jnp.sum(sums["drifted"])
+        aux["routing_recorded"] = routes.drift.shape[0] * jnp.sum(recorded)
     if balanced:
         aux["router_balance_loss"] = _balance_loss(routes)
         loss = loss + algorithm.router_aux_loss_coef * aux["router_balance_loss"]
@@ -556,6 +557,7 @@ def sft_loss(params, batch, *, graphdef, prompt_len: int, chunk_size: int):
 AUX_SUMS = (
     "sampled_logp_sum", "sampled_tokens", "loss_tokens", "sampler_logp_gap_sum", "sampler_over_cap",
     "routing_drifted", "routing_recorded",
+    "routing_drifted_by_layer", "routing_entropy_by_layer", "routing_counts_by_layer",
 )  # fmt: skip
 AUX_MAXES = ("sampler_logp_gap_max", "is_weight_max", "is_seq_log_weight_abs_max")
 

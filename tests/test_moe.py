@@ -491,36 +491,49 @@ def test_sampler_records_the_routes_a_full_forward_gives(mode):
         assert not np.asarray(out.routes_BxNxMxK[b, n - 1 :]).any()  # never fed: 0
 
 
-def test_routing_stats_against_a_count_by_hand():
-    """Drift counts a token whose expert set changed (not its order) over the recorded tokens
-    only; load and entropy over the real tokens."""
+def test_routing_sums_and_metrics_against_a_count_by_hand():
+    """`moe.routing_sums` weights every (token, layer) by the record's mask (a packed prompt
+    slot by its rows): drift where the record's expert set differs (not its order), the load
+    of the experts used, the routers' entropy; `routing.metrics` divides them per layer;
+    `routing.record_drift` compares two records on the host."""
+    from gvpo_jax import routing
+
     r = np.random.default_rng(8)
     m, b, s, k, e = 2, 3, 5, 2, 4
     experts = np.stack([np.stack([r.choice(e, k, replace=False) for _ in range(b * s)])
                         for _ in range(m)]).reshape(m, b, s, k)  # fmt: skip
-    recorded = experts.transpose(1, 2, 0, 3)[..., ::-1].copy()  # the same sets, reordered
-    recorded[0, 1, 0] = [(experts[0, 0, 1, 0] + 1) % e, experts[0, 0, 1, 0]]
-    recorded[2, 4, 1] = (experts[1, 2, 4] + 1) % e  # a token that is not fed: not counted
+    drift = (r.random((m, b, s)) > 0.7).astype(np.float32)
     entropy = r.random((m, b, s)).astype(np.float32)
-    valid = (r.random((b, s)) > 0.2).astype(np.float32)
-    fed = valid.copy()
-    fed[2, 4] = 0.0
-    stats = moe.routing_stats(moe.Routes(jnp.asarray(experts), jnp.asarray(entropy)),
-                              jnp.asarray(recorded, np.uint8), fed, valid, e)  # fmt: skip
-    changed0 = set(recorded[0, 1, 0].tolist()) != set(experts[0, 0, 1].tolist())
-    assert changed0 and fed[0, 1] == 1
-    np.testing.assert_allclose(stats["drift"], [1 / fed.sum(), 0.0], rtol=1e-6)
+    weight = np.round(r.random((b, s)) * 3)  # 0 (not recorded) to 3 (a slot of 3 rows)
+    balance = moe.Balance(jnp.zeros(1), jnp.zeros((1, e)), jnp.zeros((1, e)))
+    routes = moe.Routes(jnp.asarray(experts), jnp.asarray(entropy), balance, jnp.asarray(drift))
+    sums = jax.device_get(moe.routing_sums(routes, jnp.asarray(weight)))
+    out = routing.metrics(sums, float(weight.sum()), [1, 3])
+    loads = []
     for layer in range(m):
         counts = np.zeros(e)
         for bi in range(b):
             for si in range(s):
-                if valid[bi, si]:
-                    counts[experts[layer, bi, si]] += 1
-        np.testing.assert_allclose(stats["load"][layer], counts / counts.sum(), rtol=1e-6)
-        np.testing.assert_allclose(stats["load_max_over_mean"][layer],
-                                   counts.max() / counts.sum() * e, rtol=1e-6)  # fmt: skip
-        want = (entropy[layer] * valid).sum() / valid.sum()
-        np.testing.assert_allclose(stats["entropy"][layer], want, rtol=1e-6)
+                counts[experts[layer, bi, si]] += weight[bi, si]
+        np.testing.assert_allclose(sums["counts"][layer], counts, rtol=1e-6)
+        loads.append(counts.max() / counts.sum() * e)
+    np.testing.assert_allclose(out["moe/load_max_over_mean/layer_3"], loads[1], rtol=1e-6)
+    np.testing.assert_allclose(out["moe/load_max_over_mean_max"], max(loads), rtol=1e-6)
+    want = [(drift[i] * weight).sum() / weight.sum() for i in range(m)]
+    np.testing.assert_allclose(out["moe/routing_drift"], np.mean(want), rtol=1e-6)
+    np.testing.assert_allclose(out["moe/routing_drift_max"], np.max(want), rtol=1e-6)
+    want = np.mean([(entropy[i] * weight).sum() / weight.sum() for i in range(m)])
+    np.testing.assert_allclose(out["moe/router_entropy"], want, rtol=1e-6)
+    # two records of [B, S, M, K]: the same sets reordered, one token changed, one not fed
+    recorded = experts.transpose(1, 2, 0, 3)[..., ::-1].copy()
+    other = recorded.copy()
+    other[0, 1, 0] = [(experts[0, 0, 1, 0] + 1) % e, experts[0, 0, 1, 0]]
+    other[2, 4, 1] = (experts[1, 2, 4] + 1) % e
+    fed = np.ones((b, s))
+    fed[2, 4] = 0.0
+    assert set(other[0, 1, 0].tolist()) != set(recorded[0, 1, 0].tolist())
+    np.testing.assert_allclose(routing.record_drift(recorded, other.astype(np.uint8), fed),
+                               [1 / fed.sum(), 0.0])  # fmt: skip
 
 
 def test_stale_moe_rollouts_measure_routing_drift_and_carry_routes_in_the_queue():
@@ -543,7 +556,7 @@ def test_stale_moe_rollouts_measure_routing_drift_and_carry_routes_in_the_queue(
     assert all("routes" in q.batch for q in loop.queue)
     assert drift[0] < 0.05 and max(drift[2:]) > drift[0], drift  # bf16: the first is near 0
     assert max(at_update[2:]) > at_update[0], at_update  # the record R3 replays: stale
-    # train.routing_metrics=false: no moe/* metrics of the extra forward, routes still recorded
+    # train.routing_metrics=false: no moe/* metrics but the updates' drift, routes still recorded
     quiet = dataclasses.replace(run.settings, routing_metrics=False)
     state, metrics, _, _ = rl_step(dataclasses.replace(run, settings=quiet), state, loop, ref)
     assert [k for k in metrics if k.startswith("moe/")] == ["moe/update_routing_drift"]  # free

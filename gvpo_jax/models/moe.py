@@ -208,12 +208,15 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     group_first_E = jnp.cumsum(sizes_E) - sizes_E  # its first position among the sorted
     expert_A = experts_NxK.reshape(-1)[order_A]
     dest_A = starts_E[expert_A] + jnp.arange(a, dtype=jnp.int32) - group_first_E[expert_A]
+    # each assignment's padded row, in the assignments' own order (token-major): the rows go
+    # out by one scatter and come back by one gather, no [A, D] permutation between
+    row_A = jnp.zeros((a,), jnp.int32).at[order_A].set(dest_A, unique_indices=True)
     blocks = -(-(a + e * (block - 1)) // block)
     rows = blocks * block
     x_RxD = (
         jnp.zeros((rows, x_NxD.shape[1]), x_NxD.dtype)
-        .at[dest_A]
-        .set(x_NxD[order_A // k], unique_indices=True)
+        .at[row_A]
+        .set(jnp.repeat(x_NxD, k, axis=0), unique_indices=True)
     )
     # expert of each block: the group whose padded rows hold its first row (past the last
     # group: the last expert, on zero rows)
@@ -225,8 +228,8 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     gate_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, gate_ExDxF[expert_B])
     up_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, up_ExDxF[expert_B])
     out_BxMxD = jnp.einsum("bmf,bfd->bmd", act(gate_BxMxF, up_BxMxF), down_ExFxD[expert_B])
-    out_AxD = out_BxMxD.reshape(rows, -1)[dest_A]
-    return _combine(out_AxD, order_A, weights_NxK)
+    out_NxKxD = out_BxMxD.reshape(rows, -1)[row_A].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", out_NxKxD, weights_NxK.astype(out_NxKxD.dtype))
 
 
 def ragged(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, act):
@@ -240,37 +243,30 @@ def ragged(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, ac
     return _combine(out_AxD, order_A, weights_NxK)
 
 
-def expert_load(experts_NxK: jax.Array, valid_N: jax.Array, e: int) -> jax.Array:
-    """The fraction of the valid tokens' assignments each expert received, [E] (sums to 1)."""
-    w_NxK = jnp.broadcast_to(valid_N[:, None], experts_NxK.shape).astype(jnp.float32)
-    counts_E = jnp.zeros((e,), jnp.float32).at[experts_NxK.reshape(-1)].add(w_NxK.reshape(-1))
-    return counts_E / jnp.maximum(jnp.sum(counts_E), 1.0)
-
-
-def routing_stats(routes: Routes, recorded_BxSxMxK, fed_BxS, valid_BxS, num_experts: int) -> dict:
-    """Per MoE layer ([M] each), of one forward's `routes` ([M, B, S, ...]) on rows whose
-    routing the sampler recorded (`recorded_BxSxMxK`, the same experts in any order where
-    nothing changed):
-
-    - drift: the fraction of the recorded tokens (`fed_BxS`) whose set of experts differs;
-    - load: each expert's share of the real tokens' (`valid_BxS`) assignments [M, E], and
-      load_max_over_mean, its largest share times E (1: balanced, E: one expert takes all);
-    - entropy: the router's mean entropy over the real tokens (nats; log E when uniform).
-    """
-    now_MxBxSxK = jnp.sort(routes.experts, axis=-1)
-    then_MxBxSxK = jnp.sort(jnp.moveaxis(recorded_BxSxMxK, 2, 0).astype(jnp.int32), axis=-1)
-    changed_MxBxS = jnp.any(now_MxBxSxK != then_MxBxSxK, axis=-1).astype(jnp.float32)
-    fed = fed_BxS.astype(jnp.float32)
-    valid = valid_BxS.astype(jnp.float32)
-    drift_M = jnp.sum(changed_MxBxS * fed, axis=(1, 2)) / jnp.maximum(jnp.sum(fed), 1.0)
-    load_MxE = jax.vmap(lambda e: expert_load(e.reshape(-1, e.shape[-1]), valid.reshape(-1),
-                                              num_experts))(routes.experts)  # fmt: skip
-    entropy_M = jnp.sum(routes.entropy * valid, axis=(1, 2)) / jnp.maximum(jnp.sum(valid), 1.0)
+def routing_sums(routes: Routes, weight_BxS: jax.Array) -> dict[str, jax.Array]:
+    """Per MoE layer, sums over the tokens of one forward's `routes` ([M, B, S, ...]) weighted
+    by `weight_BxS` (the tokens whose routing the sampler recorded; a shared prompt slot
+    weighted by the rows that hold it): `drifted` [M] (`Routes.drift`: 1 where the record's
+    expert set differs from the router's own), `entropy` [M] (the router's, nats) and `counts`
+    [M, E] (the top-k assignments each expert received, the record's where it was replayed).
+    Sums, so micro-batches, shards and updates add up exactly (`routing.metrics` divides)."""
+    w_BxS = weight_BxS.astype(jnp.float32)
+    m, e = routes.experts.shape[0], routes.balance.counts.shape[-1]
+    w_MxBxSxK = jnp.broadcast_to(w_BxS[None, ..., None], routes.experts.shape)
+    layer_MxBxSxK = jnp.broadcast_to(
+        jnp.arange(m, dtype=jnp.int32).reshape(m, *(1,) * (routes.experts.ndim - 1)),
+        routes.experts.shape,
+    )
+    counts_MxE = (
+        jnp.zeros((m, e), jnp.float32)
+        .at[layer_MxBxSxK.reshape(-1), routes.experts.reshape(-1)]
+        .add(w_MxBxSxK.reshape(-1))
+    )
+    drift = routes.drift if routes.drift is not None else jnp.zeros_like(routes.entropy)
     return {
-        "drift": drift_M,
-        "load": load_MxE,
-        "load_max_over_mean": jnp.max(load_MxE, axis=-1) * num_experts,
-        "entropy": entropy_M,
+        "drifted": jnp.sum(drift * w_BxS[None], axis=(1, 2)),
+        "entropy": jnp.sum(routes.entropy * w_BxS[None], axis=(1, 2)),
+        "counts": jax.lax.stop_gradient(counts_MxE),
     }
 
 
