@@ -213,11 +213,11 @@ def step_settings(
     """The step's settings from the config (and the built model's config: an MoE policy's
     routing record shape)."""
     c = config
-    record = ()
+    record, moe_layers = (), ()
     if model_cfg is not None and model_cfg.moe:
-        layers = sum(model_cfg.moe_layer(i) for i in range(model_cfg.num_layers))
+        moe_layers = tuple(i for i in range(model_cfg.num_layers) if model_cfg.moe_layer(i))
         dtype = np.dtype(decode.routes_dtype(model_cfg.num_experts)).name
-        record = (layers, model_cfg.num_experts_per_tok, dtype)
+        record = (len(moe_layers), model_cfg.num_experts_per_tok, dtype)
     return StepSettings(
         algorithm=config_lib.algorithm(c),
         reference=reference(c),
@@ -237,6 +237,7 @@ def step_settings(
         routing_metrics=bool(c.train.routing_metrics),
         routing_replay=c.algo.routing_replay,
         record=record,
+        moe_layers=moe_layers,
     )
 
 

@@ -63,6 +63,7 @@ class StepSettings:
     routing_replay: str = "none"  # an MoE policy's routing replay: none | r2 | r3
     # An MoE policy's routing record per token: (MoE layers, experts per token, integer dtype)
     record: tuple = ()
+    moe_layers: tuple = ()  # the MoE layers' indices (per-layer metrics)
 
 
 @dataclasses.dataclass
@@ -188,7 +189,7 @@ def example_batch(s: StepSettings, rows: int, max_new_tokens: int) -> UpdateBatc
     return batch
 
 
-def routing_metrics(run, state, fresh: dict, batch: UpdateBatch, first: dict) -> dict:
+def routing_metrics(run, fresh: dict, batch: UpdateBatch, first: dict) -> dict:
     """An MoE step's moe/* metrics (`train.routing_metrics`), from the first update's own
     forward (`moe.routing_sums` in its aux: the first minibatch's rows, every row with one
     minibatch), which starts from the parameters the step's pi_old is computed with: how
@@ -198,8 +199,7 @@ def routing_metrics(run, state, fresh: dict, batch: UpdateBatch, first: dict) ->
     s = run.settings
     if not (s.spec.routing and s.routing_metrics):
         return {}
-    cfg = run.model(state.params).config
-    layers = [i for i in range(cfg.num_layers) if cfg.moe_layer(i)]
+    layers = list(s.moe_layers)
     sums = {k: first[f"routing_{k}_by_layer"] for k in ("drifted", "entropy", "counts")}
     out = routing.metrics(sums, float(first["routing_recorded"]) / len(layers), layers)
     if s.routing_replay == "r2":
@@ -346,7 +346,7 @@ def rl_step(run, state, loop: LoopState, ref_params):
             update_metrics.append(m)
     update_metrics = jax.device_get(update_metrics)
     update_s = time.perf_counter() - t0
-    moe_metrics = routing_metrics(run, state, fresh, batch, update_metrics[0])
+    moe_metrics = routing_metrics(run, fresh, batch, update_metrics[0])
     if pending is not None:  # R_{t+k} joins the queue; this step's sampling work and timeline
         t_update_end = time.time()
         ahead = pending.join()
