@@ -128,16 +128,15 @@ def test_r2_replays_the_old_policy_routing_in_every_update():
     assert 0 < metrics["moe/update_routing_drift"] < 1
 
 
-@pytest.mark.parametrize(
-    "extra", [{}, {"optim.pack_groups": True, "optim.length_buckets": 2}], ids=["rows", "packed"]
-)
-def test_routing_metrics_are_a_forward_at_the_steps_start(extra):
+def test_routing_metrics_are_a_forward_at_the_steps_start():
     """The moe/* metrics come from the first update's own forward (no extra pass): they equal
     a full forward at the parameters the step starts from, against the sampler's record, over
     the tokens it routed (per layer: the share whose expert set changed, the busiest expert's
-    load, the routers' entropy), packed groups counting a shared prompt once per row. A bf16
-    sampler over fp32 updates, routers tied up to 1e-2: some tokens drift."""
-    changes = {"rollout.compute_dtype": "bfloat16", **extra}
+    load, the routers' entropy); the update packs its groups, so a shared prompt slot must
+    count once per row. A bf16 sampler over fp32 updates, routers tied up to 1e-2: some tokens
+    drift."""
+    changes = {"rollout.compute_dtype": "bfloat16", "optim.pack_groups": True,
+               "optim.length_buckets": 2}  # fmt: skip
     run, state, loop, ref = _moe_run("grpo", eps=1e-2, layers=2, **changes)
     start = jax.tree.map(jnp.copy, state.params)  # the state's own buffers are donated
     calls = []

@@ -258,3 +258,35 @@ def test_study_md_part_4_tables_are_the_recorded_runs():
     assert text[begin : text.index(moe_study.END)].strip() == block.strip()
     pairs = [p for p in moe_study.PAIRS if p[0] in records and p[1] in records]
     _check_seed_intervals_by_hand(block, records, pairs, "{a} - {b}: ")
+
+
+def test_quick_regime_study_records_its_cells_and_reports_the_records_numbers(tmp_path):
+    """Part 3b's quick mode (Dr. GRPO at k = 0 and GVPO with 4 passes per rollout at k = 4,
+    lr 3e-5, 1 seed, 2 rollouts each, a subprocess on one CPU device): a record per run, the
+    every-cell table's numbers recomputed from them (final greedy, gain over the start, the mean
+    |log pi_old / mu| and the share of drawn tokens over token_tis's cap), the figure, and the
+    records kept where a rerun finds them."""
+    from studies.regime import study as regime
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [sys.executable, "-m", "studies.regime.study", "--quick", "--out", str(out),
+           "--workdir", str(work)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=runs.REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = study_stale.load_records(str(out))
+    assert set(records) == set(regime.QUICK_CELLS)
+    summary = json.loads((out / "results.json").read_text())
+    start = summary["start_greedy"]
+    md = (out / "results.md").read_text()
+    for name, (rec,) in records.items():
+        steps = rec["step_metrics"]
+        assert len(steps) == rec["steps"] == 2, name
+        greedy = rec["curve"][-1][1]
+        row = next(line for line in md.splitlines() if line.startswith(f"| {name} | 1 |"))
+        assert f"| {greedy:.3f} +- " in row and f"| {greedy - start:+.3f} |" in row, name
+        gap = np.mean([s["sampler_logp_gap_mean"] for s in steps])
+        over = np.mean([s["sampler_over_cap_frac"] for s in steps])
+        assert f"| {gap:.4f} | {over:.4f} |" in row, name
+    assert (out / "regime.png").stat().st_size > 1000
+    assert len(list((work / "records").glob("*_s0.json"))) == 2  # what a rerun skips
