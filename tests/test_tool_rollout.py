@@ -340,7 +340,9 @@ def test_answers_that_come_back_together_resume_in_one_program(monkeypatch):
     """No row running (chunk 0: every row called or ended in the first program): once the first
     answer is back the device also waits for the others while they keep coming (each within
     `GATHER_S` of the last), so every waiting row resumes in one program, not one program per
-    straggler. Each answer here is 20 ms late plus 1 ms per call before it."""
+    straggler. Each answer here is 20 ms late plus 1 ms per call before it; the window is widened
+    to 0.5 s so that a loaded machine's thread scheduling (CI runs two test workers on two
+    cores) cannot split answers 1 ms apart. With the window at 0 the first resume takes one."""
     waiting, resumed = [], []
     real_start, real_resume = multiturn.start, multiturn.resume
     order, lock = [], threading.Lock()
@@ -363,6 +365,7 @@ def test_answers_that_come_back_together_resume_in_one_program(monkeypatch):
 
     monkeypatch.setattr(multiturn, "start", start)
     monkeypatch.setattr(multiturn, "resume", resume)
+    monkeypatch.setattr(multiturn, "GATHER_S", 0.5)
     _run(_model(), _settings(), answer=late)
     assert waiting[0] >= 3, waiting  # several rows called in the first program
     assert resumed[0] == waiting[0], (waiting, resumed)
