@@ -177,6 +177,37 @@ def test_dispatches_give_the_same_values_and_gradients(block):
             np.testing.assert_allclose(g, g_ref, atol=1e-5, rtol=0, err_msg=dispatch)
 
 
+def test_block_matmul_equals_the_gathered_product_in_values_and_gradients():
+    """`moe.block_matmul` (a scan reading each block's expert in place, its own gradient rule)
+    == the batched product on `w[expert_B]`, for the output and both gradients; expert 2 owns
+    no block (its weight gradient 0). In bf16 the weight gradient of an expert with 40 blocks
+    is summed in fp32: within bf16's rounding of the float64 sum, not 40 roundings."""
+    r = np.random.default_rng(7)
+    expert_B = jnp.asarray([0, 0, 1, 3, 3, 3, 1], jnp.int32)
+    x = jnp.asarray(r.normal(size=(7, 5, 6)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(4, 6, 3)), jnp.float32)
+    g = jnp.asarray(r.normal(size=(7, 5, 3)), jnp.float32)
+
+    def gathered(x, w):
+        return jnp.einsum("bmi,bio->bmo", x, w[expert_B])
+
+    np.testing.assert_allclose(moe.block_matmul(x, w, expert_B), gathered(x, w), atol=1e-6)
+    want = jax.grad(lambda x, w: jnp.sum(gathered(x, w) * g), argnums=(0, 1))(x, w)
+    got = jax.grad(lambda x, w: jnp.sum(moe.block_matmul(x, w, expert_B) * g), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert float(jnp.abs(got[1][2]).max()) == 0.0
+
+    many_B = jnp.zeros((40,), jnp.int32)
+    xb = jnp.asarray(r.normal(size=(40, 8, 6)), jnp.bfloat16)
+    gb = jnp.asarray(r.normal(size=(40, 8, 3)), jnp.bfloat16)
+    dw = jax.grad(lambda w: jnp.sum(moe.block_matmul(xb, w, many_B) * gb))(
+        jnp.zeros((1, 6, 3), jnp.bfloat16)
+    )
+    exact = np.einsum("bmi,bmo->io", np.asarray(xb, np.float64), np.asarray(gb, np.float64))
+    np.testing.assert_allclose(np.asarray(dw[0], np.float64), exact, rtol=2**-8, atol=1e-2)
+
+
 def test_routing_is_dropless_when_every_token_picks_one_expert():
     """All 37 tokens routed to expert 3 (and their second choice): no capacity, so the grouped
     path (blocks of 4: 10 blocks for one expert) still equals the dense reference."""

@@ -23,6 +23,7 @@ experts per token.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -193,9 +194,124 @@ def block_size(assignments: int, experts: int, most: int) -> int:
     return int(min(max(8, 1 << (mean - 1).bit_length()), max(most, 1)))
 
 
+def block_matmul(x_BxMxI: jax.Array, w_ExIxO: jax.Array, expert_B: jax.Array) -> jax.Array:
+    """Each block of rows times its expert's weights: out[b] = x[b] @ w[expert_B[b]] ([B, M, O]).
+
+    A scan over the blocks that reads each expert's weights in place, where the batched matmul
+    on `w[expert_B]` first copies a [B, I, O] weight per block (on XLA:CPU that copy cost more
+    than the products: BENCHMARKS section 21). Its gradient (`_block_matmul`'s rule) is a scan
+    too: dx per block, and dw summed into its expert's slot in place.
+
+    Inside a `shard_map` the weights enter whole along the batch's mesh axes while the rows
+    vary along them; the weights are cast to the rows' varying axes before the custom rule, so
+    the rule's per-device dw has the type of its input and the cast's transpose sums it over
+    those axes (as JAX's own rule for the gather would)."""
+    return _block_matmul(x_BxMxI, _vary_like(w_ExIxO, x_BxMxI), expert_B)
+
+
+def _varying(a: jax.Array) -> frozenset:
+    """The mesh axes `a` varies along inside a `shard_map` (its type's `manual_axis_type`;
+    `vma` in older JAX), empty outside one."""
+    t = jax.typeof(a)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+
+def _vary_like(a: jax.Array, like: jax.Array) -> jax.Array:
+    """`a` cast to vary along the mesh axes `like` varies along (inside a `shard_map`; outside
+    one, and where it already does, `a` itself)."""
+    missing = _varying(like) - _varying(a)
+    return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+
+
+def _rows_times(x_MxI, w_ExIxO, e):
+    return x_MxI @ jax.lax.dynamic_index_in_dim(w_ExIxO, e, keepdims=False)
+
+
+@jax.custom_vjp
+def _block_matmul(x_BxMxI, w_ExIxO, expert_B):
+    def body(_, inputs):
+        x_MxI, e = inputs
+        return None, _rows_times(x_MxI, w_ExIxO, e)
+
+    return jax.lax.scan(body, None, (x_BxMxI, expert_B))[1]
+
+
+def _block_matmul_fwd(x_BxMxI, w_ExIxO, expert_B):
+    return _block_matmul(x_BxMxI, w_ExIxO, expert_B), (x_BxMxI, w_ExIxO, expert_B)
+
+
+def _block_matmul_bwd(residuals, g_BxMxO):
+    x_BxMxI, w_ExIxO, expert_B = residuals
+
+    def body(dw_ExIxO, inputs):
+        x_MxI, g_MxO, e = inputs
+        dx_MxI = g_MxO @ jax.lax.dynamic_index_in_dim(w_ExIxO, e, keepdims=False).T
+        slot_IxO = jax.lax.dynamic_index_in_dim(dw_ExIxO, e, keepdims=False) + jnp.matmul(
+            x_MxI.T, g_MxO, preferred_element_type=jnp.float32
+        )
+        return jax.lax.dynamic_update_index_in_dim(dw_ExIxO, slot_IxO, e, 0), dx_MxI
+
+    # dw summed in fp32 over the blocks (a bf16 sum over many blocks would round each step)
+    dw0_ExIxO = _vary_like(jnp.zeros(w_ExIxO.shape, jnp.float32), x_BxMxI)
+    dw_ExIxO, dx_BxMxI = jax.lax.scan(
+        body, dw0_ExIxO, (x_BxMxI, g_BxMxO.astype(x_BxMxI.dtype), expert_B)
+    )
+    return dx_BxMxI, dw_ExIxO.astype(w_ExIxO.dtype), None
+
+
+_block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+
+
+# The grouped path's two moves of [A, D] rows, both ways by gathers. `row_A` (each assignment's
+# padded row, token-major) and `src_R` (each padded row's assignment, A for a padding row) are
+# inverse permutations, so each move's transpose is the other's gather: JAX's own transposes
+# would be a scatter (into the padded rows) and a scatter-add (of the rows read back), which
+# XLA:CPU runs several times slower than a gather (BENCHMARKS section 21).
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _to_rows(x_NxD, src_R, row_A, k):
+    """Each token's k copies at their padded rows ([R, D]; padding rows zero)."""
+    del row_A
+    zero_1xD = jnp.zeros((1, x_NxD.shape[1]), x_NxD.dtype)
+    return jnp.concatenate([x_NxD, zero_1xD])[src_R // k]
+
+
+def _to_rows_fwd(x_NxD, src_R, row_A, k):
+    return _to_rows(x_NxD, src_R, row_A, k), row_A
+
+
+def _to_rows_bwd(k, row_A, g_RxD):
+    g_AxD = g_RxD[row_A]
+    return g_AxD.reshape(-1, k, g_AxD.shape[1]).sum(axis=1), None, None
+
+
+_to_rows.defvjp(_to_rows_fwd, _to_rows_bwd)
+
+
+@jax.custom_vjp
+def _from_rows(out_RxD, row_A, src_R):
+    """The padded rows read back per assignment ([A, D], token-major)."""
+    del src_R
+    return out_RxD[row_A]
+
+
+def _from_rows_fwd(out_RxD, row_A, src_R):
+    return _from_rows(out_RxD, row_A, src_R), src_R
+
+
+def _from_rows_bwd(src_R, g_AxD):
+    zero_1xD = jnp.zeros((1, g_AxD.shape[1]), g_AxD.dtype)
+    return jnp.concatenate([g_AxD, zero_1xD])[src_R], None, None
+
+
+_from_rows.defvjp(_from_rows_fwd, _from_rows_bwd)
+
+
 def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, act, *, block):
     """The assignments sorted by expert, each expert's group padded to whole blocks of `block`
-    rows, a batched matmul per block with its expert's weights. Static shapes: the padded rows
+    rows, each block times its expert's weights (`block_matmul`). Static shapes: the padded rows
     are at most N*K + E*(block - 1), rounded up to a whole block; blocks past the last group
     compute on zero rows and are never read back."""
     n, k = experts_NxK.shape
@@ -213,11 +329,9 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     row_A = jnp.zeros((a,), jnp.int32).at[order_A].set(dest_A, unique_indices=True)
     blocks = -(-(a + e * (block - 1)) // block)
     rows = blocks * block
-    x_RxD = (
-        jnp.zeros((rows, x_NxD.shape[1]), x_NxD.dtype)
-        .at[row_A]
-        .set(jnp.repeat(x_NxD, k, axis=0), unique_indices=True)
-    )
+    # and each padded row's assignment (a: a padding row)
+    src_R = jnp.full((rows,), a, jnp.int32).at[dest_A].set(order_A, unique_indices=True)
+    x_RxD = _to_rows(x_NxD, src_R, row_A, k)
     # expert of each block: the group whose padded rows hold its first row (past the last
     # group: the last expert, on zero rows)
     first_row_B = jnp.arange(blocks, dtype=jnp.int32) * block
@@ -225,10 +339,10 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     expert_B = jnp.sum(ends_E[None, :] <= first_row_B[:, None], axis=1, dtype=jnp.int32)
     expert_B = jnp.minimum(expert_B, e - 1)
     x_BxMxD = x_RxD.reshape(blocks, block, -1)
-    gate_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, gate_ExDxF[expert_B])
-    up_BxMxF = jnp.einsum("bmd,bdf->bmf", x_BxMxD, up_ExDxF[expert_B])
-    out_BxMxD = jnp.einsum("bmf,bfd->bmd", act(gate_BxMxF, up_BxMxF), down_ExFxD[expert_B])
-    out_NxKxD = out_BxMxD.reshape(rows, -1)[row_A].reshape(n, k, -1)
+    gate_BxMxF = block_matmul(x_BxMxD, gate_ExDxF, expert_B)
+    up_BxMxF = block_matmul(x_BxMxD, up_ExDxF, expert_B)
+    out_BxMxD = block_matmul(act(gate_BxMxF, up_BxMxF), down_ExFxD, expert_B)
+    out_NxKxD = _from_rows(out_BxMxD.reshape(rows, -1), row_A, src_R).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", out_NxKxD, weights_NxK.astype(out_NxKxD.dtype))
 
 
