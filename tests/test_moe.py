@@ -152,10 +152,13 @@ def _experts(seed, n=37, d=16, e=6, f=12, k=2):
     return x, w, logits, k
 
 
-@pytest.mark.parametrize("block", [4])
-def test_dispatches_give_the_same_values_and_gradients(block):
-    """Dense reference == grouped (blocks of 4: several blocks per expert, partial ones) ==
+@pytest.mark.parametrize("products", ["scan", "gathered"])
+def test_dispatches_give_the_same_values_and_gradients(products, monkeypatch):
+    """Dense reference == grouped (blocks of 4: several blocks per expert, partial ones; the
+    blocks multiplied by `block_matmul`'s scan or by the product on gathered weights) ==
     ragged_dot, for the outputs and the gradients of x, every expert weight and the router."""
+    monkeypatch.setattr(moe, "SCAN_FROM_BLOCKS", 1 if products == "scan" else 10**9)
+    block = 4
     x, w, logits, k = _experts(0)
 
     def out(dispatch, x, w, logits):

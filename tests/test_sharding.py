@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from gvpo_jax import assemble, models, plan, sampler, sharding, train_step
 from gvpo_jax import config as config_lib
+from gvpo_jax.models import moe as moe_lib
 from tests import mp_worker
 from tests.helpers import scale_matrices
 
@@ -319,10 +320,12 @@ def moe_unsharded_step():
     return _unsharded_step(MOE_CFG)
 
 
-def test_moe_step_on_a_mesh_equals_the_unsharded_step(moe_unsharded_step):
+def test_moe_step_on_a_mesh_equals_the_unsharded_step(moe_unsharded_step, monkeypatch):
     """An MoE policy's GVPO step on data x fsdp x tensor = 2 x 2 x 2 equals one device's (the
-    grouped dispatch under sharded activations and expert weights), the experts' weights and
-    their moments split [E, F/tensor, D/fsdp]."""
+    grouped dispatch under sharded activations and expert weights, its blocks multiplied by
+    `moe.block_matmul`'s scan, whose weight gradient is summed over the batch shards), the
+    experts' weights and their moments split [E, F/tensor, D/fsdp]."""
+    monkeypatch.setattr(moe_lib, "SCAN_FROM_BLOCKS", 1)
     _check_step_on_mesh(moe_unsharded_step, MOE_CFG, (2, 2, 2))
     mesh = sharding.make_mesh(2, 2, 2)
     specs = sharding.param_shardings(models.abstract_model(MOE_CFG), mesh,
@@ -346,11 +349,15 @@ def test_moe_step_on_a_mesh_equals_the_unsharded_step(moe_unsharded_step):
 
 @pytest.mark.parametrize("shape,expert", [((2, 1, 1), 4), ((1, 2, 2), 2)],
                          ids=["expert4xdata2", "expert2xfsdp2xtensor2"])  # fmt: skip
-def test_expert_parallel_moe_step_equals_the_unsharded_step(moe_unsharded_step, shape, expert):
+def test_expert_parallel_moe_step_equals_the_unsharded_step(
+    moe_unsharded_step, shape, expert, monkeypatch
+):
     """Expert parallelism: the 4 experts split over an `expert` mesh axis (each device holds
     4 / expert of them, never all), the rows split over it as over data and fsdp, each token's
     assignments sent to its experts' devices and back by all_to_all: the GVPO step equals one
-    device's, with expert 4 x data 2 and with expert 2 x fsdp 2 x tensor 2."""
+    device's, with expert 4 x data 2 and with expert 2 x fsdp 2 x tensor 2 (the blocks by
+    `moe.block_matmul`'s scan)."""
+    monkeypatch.setattr(moe_lib, "SCAN_FROM_BLOCKS", 1)
     _check_step_on_mesh(moe_unsharded_step, MOE_CFG, shape, expert=expert)
     mesh = sharding.make_mesh(*shape, expert=expert)
     assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")

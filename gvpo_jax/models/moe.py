@@ -194,6 +194,17 @@ def block_size(assignments: int, experts: int, most: int) -> int:
     return int(min(max(8, 1 << (mean - 1).bit_length()), max(most, 1)))
 
 
+# From this many blocks the grouped path multiplies by `block_matmul`'s scan; below it by one
+# batched product on the gathered weights (`gathered_matmul`), as fast where the copy is small
+# (a decode step's few blocks: BENCHMARKS section 21) and quicker to compile.
+SCAN_FROM_BLOCKS = 64
+
+
+def gathered_matmul(x_BxMxI: jax.Array, w_ExIxO: jax.Array, expert_B: jax.Array) -> jax.Array:
+    """`block_matmul`'s product as one batched matmul on a copy of each block's weights."""
+    return jnp.einsum("bmi,bio->bmo", x_BxMxI, w_ExIxO[expert_B])
+
+
 def block_matmul(x_BxMxI: jax.Array, w_ExIxO: jax.Array, expert_B: jax.Array) -> jax.Array:
     """Each block of rows times its expert's weights: out[b] = x[b] @ w[expert_B[b]] ([B, M, O]).
 
@@ -339,9 +350,10 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     expert_B = jnp.sum(ends_E[None, :] <= first_row_B[:, None], axis=1, dtype=jnp.int32)
     expert_B = jnp.minimum(expert_B, e - 1)
     x_BxMxD = x_RxD.reshape(blocks, block, -1)
-    gate_BxMxF = block_matmul(x_BxMxD, gate_ExDxF, expert_B)
-    up_BxMxF = block_matmul(x_BxMxD, up_ExDxF, expert_B)
-    out_BxMxD = block_matmul(act(gate_BxMxF, up_BxMxF), down_ExFxD, expert_B)
+    times = block_matmul if blocks >= SCAN_FROM_BLOCKS else gathered_matmul
+    gate_BxMxF = times(x_BxMxD, gate_ExDxF, expert_B)
+    up_BxMxF = times(x_BxMxD, up_ExDxF, expert_B)
+    out_BxMxD = times(act(gate_BxMxF, up_BxMxF), down_ExFxD, expert_B)
     out_NxKxD = _from_rows(out_BxMxD.reshape(rows, -1), row_A, src_R).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", out_NxKxD, weights_NxK.astype(out_NxKxD.dtype))
 
