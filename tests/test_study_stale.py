@@ -260,6 +260,30 @@ def test_study_md_part_4_tables_are_the_recorded_runs():
     _check_seed_intervals_by_hand(block, records, pairs, "{a} - {b}: ")
 
 
+def test_study_md_part_3b_tables_are_the_recorded_runs():
+    """STUDY.md part 3b's tables (the stale-regime study) are `report_block` of the records in
+    studies/regime/results, recomputed here (every cell's summary, the at-a-glance verdicts,
+    the differences), and each pair's greedy interval over seeds is the records' (paired t
+    where the cells share their first rollouts, else Welch's)."""
+    import os
+
+    from studies.regime import study as regime
+
+    results = json.loads(open(os.path.join(regime.OUT, "results.json")).read())
+    records = study_stale.load_records(regime.OUT)
+    start = results["start_greedy"]
+    budget = results["budget_rollouts"] * results["prompts_per_step"] * results["group_size"]
+    summary = {**results, "cells": {name: regime.summarise(recs, budget, start)
+                                    for name, recs in records.items()}}  # fmt: skip
+    block = regime.report_block(summary, records, problems=200)
+    text = open(os.path.join(runs.REPO, "STUDY.md")).read()
+    begin = text.index(regime.BEGIN) + len(regime.BEGIN)
+    assert text[begin : text.index(regime.END)].strip() == block.strip()
+    pairs = [p for p in regime.pairs() if p[0] in records and p[1] in records]
+    assert len(pairs) >= 20
+    _check_seed_intervals_by_hand(block, records, pairs, "{a} - {b}: ")
+
+
 def test_quick_regime_study_records_its_cells_and_reports_the_records_numbers(tmp_path):
     """Part 3b's quick mode (Dr. GRPO at k = 0 and GVPO with 4 passes per rollout at k = 4,
     lr 3e-5, 1 seed, 2 rollouts each, a subprocess on one CPU device): a record per run, the

@@ -191,11 +191,15 @@ def report_block(summary: dict, records: dict, problems: int) -> str:
     """The tables STUDY.md part 3b shows (between its markers), from the records alone."""
     diffs = diff_lines(records, pairs(), problems=problems)
     check = summary.get("numerics_check") or {}
-    reused = {True: "reused", False: "rerun", None: "not checked"}[check.get("same")]
+    source = {
+        True: f"part 3's runs, reused (the numerics check {check.get('text')}: the same)",
+        False: f"part 3's cells rerun with this code (the numerics check {check.get('text')}: "
+        "changed)",
+        None: "part 3's runs (the numerics check did not run)",
+    }[check.get("same")]
     return "\n".join([
         f"Final held-out greedy accuracy (mean over seeds; diverged runs / seeds) by learning "
-        f"rate; start {summary['start_greedy']:.3f}. The lr {RECIPE_LR} cells are part 3's "
-        f"runs ({reused}: the numerics check {check.get('text', 'did not run')}).", "",
+        f"rate; start {summary['start_greedy']:.3f}. The lr {RECIPE_LR} cells are {source}.", "",
         at_a_glance(summary), "",
         "Every cell (step means over every step of every seed; 'weight > 2': the share of "
         "drawn tokens whose weight pi_old / mu exceeds token_tis's cap, what the correction "
