@@ -155,9 +155,11 @@ def _experts(seed, n=37, d=16, e=6, f=12, k=2):
 @pytest.mark.parametrize("products", ["scan", "gathered"])
 def test_dispatches_give_the_same_values_and_gradients(products, monkeypatch):
     """Dense reference == grouped (blocks of 4: several blocks per expert, partial ones; the
-    blocks multiplied by `block_matmul`'s scan or by the product on gathered weights) ==
-    ragged_dot, for the outputs and the gradients of x, every expert weight and the router."""
+    blocks multiplied by `block_matmul`'s scan, laid out by the count, or by the product on
+    gathered weights, laid out by the sort) == ragged_dot, for the outputs and the gradients
+    of x, every expert weight and the router."""
     monkeypatch.setattr(moe, "SCAN_FROM_BLOCKS", 1 if products == "scan" else 10**9)
+    monkeypatch.setattr(moe, "COUNT_UP_TO_EXPERTS", 64 if products == "scan" else 0)
     block = 4
     x, w, logits, k = _experts(0)
 
@@ -178,6 +180,28 @@ def test_dispatches_give_the_same_values_and_gradients(products, monkeypatch):
         grads = jax.grad(lambda *a, d=dispatch: loss(d, *a), argnums=(0, 1, 2))(x, w, logits)
         for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
             np.testing.assert_allclose(g, g_ref, atol=1e-5, rtol=0, err_msg=dispatch)
+
+
+@pytest.mark.parametrize("layout", ["count", "sort"])
+def test_grouped_layout_puts_each_expert_s_assignments_in_token_order_in_whole_blocks(
+    layout, monkeypatch
+):
+    """`moe._padded_rows` by the running count and by the sort == a loop over the assignments:
+    expert e's group starts where e - 1's group, padded to whole blocks, ends, and holds e's
+    assignments in token order (expert 3 gets none: an empty group, no rows)."""
+    monkeypatch.setattr(moe, "COUNT_UP_TO_EXPERTS", 64 if layout == "count" else 0)
+    r = np.random.default_rng(3)
+    e, block = 5, 4
+    experts = np.stack([r.choice([0, 1, 2, 4], size=2, replace=False) for _ in range(23)])
+    row, ends = moe._padded_rows(jnp.asarray(experts, jnp.int32), e, block)
+    want_row, start, want_ends = np.zeros(experts.size, np.int64), 0, []
+    for expert in range(e):
+        mine = np.flatnonzero(experts.reshape(-1) == expert)
+        want_row[mine] = start + np.arange(mine.size)
+        start += -(-mine.size // block) * block
+        want_ends.append(start)
+    np.testing.assert_array_equal(np.asarray(row), want_row)
+    np.testing.assert_array_equal(np.asarray(ends), want_ends)
 
 
 def test_block_matmul_equals_the_gathered_product_in_values_and_gradients():

@@ -10,10 +10,12 @@ Three dispatches compute the same sum_k w_k * expert_{e_k}(x), to float toleranc
 
 - `dense`: every expert on every token, weighted by the gates (zero off the top k). Its cost
   scales with E; the reference for tests and tiny models.
-- `grouped`: the (token, expert) assignments sorted by expert, each expert's group padded to a
-  whole number of blocks, each block multiplied by its expert's weights (gathered per block) in
-  one batched matmul. Its cost scales with N * k, plus at most one partial block per expert:
-  CPU's path (XLA:CPU lowers `ragged_dot` to a dense product over all E experts).
+- `grouped`: the (token, expert) assignments grouped by expert (a running count up to
+  `COUNT_UP_TO_EXPERTS` experts, a sort beyond), each expert's group padded to a whole number
+  of blocks, each block multiplied by its expert's weights (a scan reading them in place from
+  `SCAN_FROM_BLOCKS` blocks, one batched matmul on weights gathered per block below). Its cost
+  scales with N * k, plus at most one partial block per expert: CPU's path (XLA:CPU lowers
+  `ragged_dot` to a dense product over all E experts).
 - `ragged`: the same sorted assignments through `jax.lax.ragged_dot` (grouped matmul kernels
   on TPU and GPU; no padding).
 
@@ -185,6 +187,35 @@ def _combine(out_AxD, order_A, weights_NxK):
     return jnp.einsum("nkd,nk->nd", by_token_NxKxD, weights_NxK.astype(out_AxD.dtype))
 
 
+# Up to this many experts the grouped path ranks each assignment within its expert by a
+# running count over a one-hot [N*K, E] table rather than sorting the N*K assignments:
+# XLA:CPU's sort costs 4-5 ms at the small MoE's update shapes, the count 1.6 ms at 8 experts
+# and 4.4 ms at 32; from 64 experts the sort is cheaper (BENCHMARKS section 21).
+COUNT_UP_TO_EXPERTS = 32
+
+
+def _padded_rows(experts_NxK: jax.Array, e: int, block: int):
+    """The grouped path's layout: (row_A [N*K], each assignment's row once the assignments are
+    grouped by expert and each group padded to whole blocks, in the assignments' own order;
+    ends_E [E], where each padded group ends). Within a group the assignments keep their
+    token order (a stable sort's)."""
+    flat_A = experts_NxK.reshape(-1)
+    a = flat_A.shape[0]
+    if e <= COUNT_UP_TO_EXPERTS:
+        onehot_AxE = (flat_A[:, None] == jnp.arange(e, dtype=flat_A.dtype)).astype(jnp.int32)
+        count_AxE = jnp.cumsum(onehot_AxE, axis=0)  # each expert's assignments so far
+        sizes_E = count_AxE[-1]
+        rank_A = jnp.take_along_axis(count_AxE, flat_A[:, None], axis=1)[:, 0] - 1
+    else:
+        order_A, sizes_E = _sorted(experts_NxK, e)
+        group_first_E = jnp.cumsum(sizes_E) - sizes_E  # its first position among the sorted
+        rank_S = jnp.arange(a, dtype=jnp.int32) - group_first_E[flat_A[order_A]]
+        rank_A = jnp.zeros((a,), jnp.int32).at[order_A].set(rank_S, unique_indices=True)
+    padded_E = (sizes_E + block - 1) // block * block
+    ends_E = jnp.cumsum(padded_E)
+    return (ends_E - padded_E)[flat_A] + rank_A, ends_E
+
+
 def block_size(assignments: int, experts: int, most: int) -> int:
     """The grouped path's rows per block for N*K `assignments` over E experts: about the mean
     group (N*K / E) rounded up to a power of two, at least 8 and at most `most`. Small blocks
@@ -328,20 +359,14 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     n, k = experts_NxK.shape
     e = gate_ExDxF.shape[0]
     a = n * k
-    order_A, sizes_E = _sorted(experts_NxK, e)
-    padded_E = (sizes_E + block - 1) // block * block
-    ends_E = jnp.cumsum(padded_E)
-    starts_E = ends_E - padded_E  # each group's first row in the padded layout
-    group_first_E = jnp.cumsum(sizes_E) - sizes_E  # its first position among the sorted
-    expert_A = experts_NxK.reshape(-1)[order_A]
-    dest_A = starts_E[expert_A] + jnp.arange(a, dtype=jnp.int32) - group_first_E[expert_A]
-    # each assignment's padded row, in the assignments' own order (token-major): the rows go
-    # out by one scatter and come back by one gather, no [A, D] permutation between
-    row_A = jnp.zeros((a,), jnp.int32).at[order_A].set(dest_A, unique_indices=True)
     blocks = -(-(a + e * (block - 1)) // block)
     rows = blocks * block
+    # each assignment's padded row, in the assignments' own order (token-major): the rows go
+    # out and come back by gathers, no [A, D] permutation between
+    row_A, ends_E = _padded_rows(experts_NxK, e, block)
     # and each padded row's assignment (a: a padding row)
-    src_R = jnp.full((rows,), a, jnp.int32).at[dest_A].set(order_A, unique_indices=True)
+    arange_A = jnp.arange(a, dtype=jnp.int32)
+    src_R = jnp.full((rows,), a, jnp.int32).at[row_A].set(arange_A, unique_indices=True)
     x_RxD = _to_rows(x_NxD, src_R, row_A, k)
     # expert of each block: the group whose padded rows hold its first row (past the last
     # group: the last expert, on zero rows)
