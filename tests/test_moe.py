@@ -173,11 +173,15 @@ def test_dispatches_give_the_same_values_and_gradients(products, monkeypatch):
     def loss(dispatch, *a):
         return jnp.sum(jnp.sin(out(dispatch, *a)))
 
+    def grad(dispatch):  # jitted: the scan's loops run op by op without it (several seconds)
+        return jax.jit(jax.grad(functools.partial(loss, dispatch), argnums=(0, 1, 2)))
+
     ref = out("dense", x, w, logits)
-    grads_ref = jax.grad(lambda *a: loss("dense", *a), argnums=(0, 1, 2))(x, w, logits)
+    grads_ref = grad("dense")(x, w, logits)
     for dispatch in ("grouped", "ragged"):
-        np.testing.assert_allclose(out(dispatch, x, w, logits), ref, atol=1e-5, rtol=0)
-        grads = jax.grad(lambda *a, d=dispatch: loss(d, *a), argnums=(0, 1, 2))(x, w, logits)
+        got = jax.jit(functools.partial(out, dispatch))(x, w, logits)
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+        grads = grad(dispatch)(x, w, logits)
         for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
             np.testing.assert_allclose(g, g_ref, atol=1e-5, rtol=0, err_msg=dispatch)
 
