@@ -322,27 +322,44 @@ def test_bf16_compute_logits_against_fp32_and_transformers_bf16(checkpoints, kin
     assert np.abs(ours16 - ours32).max() < 0.03 * scale
     assert np.abs(ours16 - ref16).max() < 0.03 * scale
     # Computed in bf16, not in fp32: every matmul of the forward (and of its gradient) takes
-    # bf16 operands; only the masters are fp32.
-    forward = jax.make_jaxpr(lambda m, x: m(x))(model16, jnp.asarray(tokens))
-    assert _matmul_operand_dtypes(forward.jaxpr) == {jnp.dtype(jnp.bfloat16)}
-    grad = jax.make_jaxpr(
-        nnx.grad(lambda m, x: models.token_logprobs(m, x).sum())
-    )(model16, jnp.asarray(tokens))  # fmt: skip
-    assert _matmul_operand_dtypes(grad.jaxpr) == {jnp.dtype(jnp.bfloat16)}
+    # bf16 operands; only the masters are fp32. Checked for each attention kernel (the one
+    # `auto` picks differs by platform: GPU runs `xla`). `xla` is jax.nn.dot_product_attention,
+    # whose scores come out of their product in fp32: their fp32 cotangent meets the bf16 keys
+    # and queries in two products per layer, which XLA runs in fp32; nothing else may.
+    x = jnp.asarray(tokens)
+    for kernel in ("dense", "blocked", "xla"):
+        m = models.with_config(model16, attention=kernel)
+        forward = jax.make_jaxpr(lambda m, x: m(x))(m, x)
+        assert _matmul_operands(forward.jaxpr) and not _fp32_matmuls(forward.jaxpr), kernel
+        grad = jax.make_jaxpr(nnx.grad(lambda m, x: models.token_logprobs(m, x).sum()))(m, x)
+        fp32 = _fp32_matmuls(grad.jaxpr)
+        if kernel != "xla":
+            assert not fp32, (kernel, fp32)
+            continue
+        t = tokens.shape[1]
+        assert len(fp32) == 2 * m.config.num_layers, fp32
+        for operands in fp32:  # one fp32 operand each: the scores' cotangent, [.., T, .., S]
+            (scores,) = [o for o in operands if o.dtype == jnp.float32]
+            assert scores.shape[-1] == t and t in scores.shape[:-1], operands
 
 
-def _matmul_operand_dtypes(jaxpr) -> set:
-    """dtypes of the operands of every dot_general in a jaxpr, nested jaxprs included."""
-    found = set()
+def _matmul_operands(jaxpr) -> list:
+    """The operands' avals of every dot_general in a jaxpr, nested jaxprs included."""
+    found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            found.update(v.aval.dtype for v in eqn.invars)
+            found.append(tuple(v.aval for v in eqn.invars))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else [value]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    found |= _matmul_operand_dtypes(inner)
+                    found += _matmul_operands(inner)
     return found
+
+
+def _fp32_matmuls(jaxpr) -> list:
+    """The dot_generals (their operands' avals) of which an operand is not bf16."""
+    return [o for o in _matmul_operands(jaxpr) if any(a.dtype != jnp.bfloat16 for a in o)]
 
 
 def test_bfloat16_load_and_export(checkpoints, tmp_path):
