@@ -155,7 +155,7 @@ def _experts(seed, n=37, d=16, e=6, f=12, k=2):
 @pytest.mark.parametrize("products", ["scan", "gathered"])
 def test_dispatches_give_the_same_values_and_gradients(products, monkeypatch):
     """Dense reference == grouped (blocks of 4: several blocks per expert, partial ones; the
-    blocks multiplied by `block_matmul`'s scan, laid out by the count, or by the product on
+    blocks through `block_mlp`'s scan, laid out by the count, or by the products on
     gathered weights, laid out by the sort) == ragged_dot, for the outputs and the gradients
     of x, every expert weight and the router."""
     monkeypatch.setattr(moe, "SCAN_FROM_BLOCKS", 1 if products == "scan" else 10**9)
@@ -208,34 +208,44 @@ def test_grouped_layout_puts_each_expert_s_assignments_in_token_order_in_whole_b
     np.testing.assert_array_equal(np.asarray(ends), want_ends)
 
 
-def test_block_matmul_equals_the_gathered_product_in_values_and_gradients():
-    """`moe.block_matmul` (a scan reading each block's expert in place, its own gradient rule)
-    == the batched product on `w[expert_B]`, for the output and both gradients; expert 2 owns
-    no block (its weight gradient 0). In bf16 the weight gradient of an expert with 40 blocks
-    is summed in fp32: within bf16's rounding of the float64 sum, not 40 roundings."""
+def test_block_mlp_equals_the_gathered_products_in_values_and_gradients():
+    """`moe.block_mlp` (one scan, each block through its expert's whole MLP, its own gradient
+    rule) == the three batched products on `w[expert_B]` with the activation between, for the
+    output and the gradients of x and the three weights; expert 2 owns no block (its weight
+    gradients 0). In bf16 the weight gradients of an expert with 40 blocks are summed in fp32:
+    within bf16's rounding of the float64 sums, not 40 roundings."""
     r = np.random.default_rng(7)
     expert_B = jnp.asarray([0, 0, 1, 3, 3, 3, 1], jnp.int32)
     x = jnp.asarray(r.normal(size=(7, 5, 6)), jnp.float32)
-    w = jnp.asarray(r.normal(size=(4, 6, 3)), jnp.float32)
-    g = jnp.asarray(r.normal(size=(7, 5, 3)), jnp.float32)
+    ws = tuple(
+        jnp.asarray(r.normal(size=s) * 0.5, jnp.float32) for s in [(4, 6, 3)] * 2 + [(4, 3, 6)]
+    )
+    g = jnp.asarray(r.normal(size=(7, 5, 6)), jnp.float32)
 
-    def gathered(x, w):
-        return jnp.einsum("bmi,bio->bmo", x, w[expert_B])
+    def gathered(x, gate, up, down):
+        h = swiglu(moe.gathered_matmul(x, gate, expert_B), moe.gathered_matmul(x, up, expert_B))
+        return moe.gathered_matmul(h, down, expert_B)
 
-    np.testing.assert_allclose(moe.block_matmul(x, w, expert_B), gathered(x, w), atol=1e-6)
-    want = jax.grad(lambda x, w: jnp.sum(gathered(x, w) * g), argnums=(0, 1))(x, w)
-    got = jax.grad(lambda x, w: jnp.sum(moe.block_matmul(x, w, expert_B) * g), argnums=(0, 1))(x, w)
+    def mlp(x, *ws):
+        return moe.block_mlp(x, *ws, expert_B, swiglu)
+
+    np.testing.assert_allclose(mlp(x, *ws), gathered(x, *ws), atol=1e-5)
+    every = (0, 1, 2, 3)
+    want = jax.grad(lambda *a: jnp.sum(gathered(*a) * g), argnums=every)(x, *ws)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(mlp(*a) * g), argnums=every))(x, *ws)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
-    assert float(jnp.abs(got[1][2]).max()) == 0.0
+    assert all(float(jnp.abs(dw[2]).max()) == 0.0 for dw in got[1:])
 
     many_B = jnp.zeros((40,), jnp.int32)
     xb = jnp.asarray(r.normal(size=(40, 8, 6)), jnp.bfloat16)
-    gb = jnp.asarray(r.normal(size=(40, 8, 3)), jnp.bfloat16)
-    dw = jax.grad(lambda w: jnp.sum(moe.block_matmul(xb, w, many_B) * gb))(
-        jnp.zeros((1, 6, 3), jnp.bfloat16)
+    gb = jnp.asarray(r.normal(size=(40, 8, 6)), jnp.bfloat16)
+    up = jnp.asarray(r.normal(size=(1, 6, 3)), jnp.bfloat16)
+    dw = jax.grad(lambda d: jnp.sum(moe.block_mlp(xb, up, up, d, many_B, swiglu) * gb))(
+        jnp.zeros((1, 3, 6), jnp.bfloat16)
     )
-    exact = np.einsum("bmi,bmo->io", np.asarray(xb, np.float64), np.asarray(gb, np.float64))
+    h = np.asarray(swiglu(xb @ up[0], xb @ up[0]), np.float64)  # the activations, in bf16
+    exact = np.einsum("bmi,bmo->io", h, np.asarray(gb, np.float64))
     np.testing.assert_allclose(np.asarray(dw[0], np.float64), exact, rtol=2**-8, atol=1e-2)
 
 

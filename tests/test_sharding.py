@@ -322,8 +322,8 @@ def moe_unsharded_step():
 
 def test_moe_step_on_a_mesh_equals_the_unsharded_step(moe_unsharded_step, monkeypatch):
     """An MoE policy's GVPO step on data x fsdp x tensor = 2 x 2 x 2 equals one device's (the
-    grouped dispatch under sharded activations and expert weights, its blocks multiplied by
-    `moe.block_matmul`'s scan, whose weight gradient is summed over the batch shards), the
+    grouped dispatch under sharded activations and expert weights, its blocks run by
+    `moe.block_mlp`'s scan, whose weight gradient is summed over the batch shards), the
     experts' weights and their moments split [E, F/tensor, D/fsdp]."""
     monkeypatch.setattr(moe_lib, "SCAN_FROM_BLOCKS", 1)
     _check_step_on_mesh(moe_unsharded_step, MOE_CFG, (2, 2, 2))
@@ -356,7 +356,7 @@ def test_expert_parallel_moe_step_equals_the_unsharded_step(
     4 / expert of them, never all), the rows split over it as over data and fsdp, each token's
     assignments sent to its experts' devices and back by all_to_all: the GVPO step equals one
     device's, with expert 4 x data 2 and with expert 2 x fsdp 2 x tensor 2 (the blocks by
-    `moe.block_matmul`'s scan)."""
+    `moe.block_mlp`'s scan)."""
     monkeypatch.setattr(moe_lib, "SCAN_FROM_BLOCKS", 1)
     _check_step_on_mesh(moe_unsharded_step, MOE_CFG, shape, expert=expert)
     mesh = sharding.make_mesh(*shape, expert=expert)

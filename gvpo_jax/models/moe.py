@@ -12,8 +12,9 @@ Three dispatches compute the same sum_k w_k * expert_{e_k}(x), to float toleranc
   scales with E; the reference for tests and tiny models.
 - `grouped`: the (token, expert) assignments grouped by expert (a running count up to
   `COUNT_UP_TO_EXPERTS` experts, a sort beyond), each expert's group padded to a whole number
-  of blocks, each block multiplied by its expert's weights (a scan reading them in place from
-  `SCAN_FROM_BLOCKS` blocks, one batched matmul on weights gathered per block below). Its cost
+  of blocks, each block through its expert's MLP (from `SCAN_FROM_BLOCKS` blocks one scan,
+  a block's three products in one step on the weights read in place; below, three batched
+  matmuls on weights gathered per block). Its cost
   scales with N * k, plus at most one partial block per expert: CPU's path (XLA:CPU lowers
   `ragged_dot` to a dense product over all E experts).
 - `ragged`: the same sorted assignments through `jax.lax.ragged_dot` (grouped matmul kernels
@@ -225,30 +226,16 @@ def block_size(assignments: int, experts: int, most: int) -> int:
     return int(min(max(8, 1 << (mean - 1).bit_length()), max(most, 1)))
 
 
-# From this many blocks the grouped path multiplies by `block_matmul`'s scan; below it by one
+# From this many blocks the grouped path runs `block_mlp`'s scan; below it one
 # batched product on the gathered weights (`gathered_matmul`), as fast where the copy is small
 # (a decode step's few blocks: BENCHMARKS section 21) and quicker to compile.
 SCAN_FROM_BLOCKS = 64
 
 
 def gathered_matmul(x_BxMxI: jax.Array, w_ExIxO: jax.Array, expert_B: jax.Array) -> jax.Array:
-    """`block_matmul`'s product as one batched matmul on a copy of each block's weights."""
+    """Each block of rows times its expert's weights, out[b] = x[b] @ w[expert_B[b]]
+    ([B, M, O]), as one batched matmul on a copy of each block's weights."""
     return jnp.einsum("bmi,bio->bmo", x_BxMxI, w_ExIxO[expert_B])
-
-
-def block_matmul(x_BxMxI: jax.Array, w_ExIxO: jax.Array, expert_B: jax.Array) -> jax.Array:
-    """Each block of rows times its expert's weights: out[b] = x[b] @ w[expert_B[b]] ([B, M, O]).
-
-    A scan over the blocks that reads each expert's weights in place, where the batched matmul
-    on `w[expert_B]` first copies a [B, I, O] weight per block (on XLA:CPU that copy cost more
-    than the products: BENCHMARKS section 21). Its gradient (`_block_matmul`'s rule) is a scan
-    too: dx per block, and dw summed into its expert's slot in place.
-
-    Inside a `shard_map` the weights enter whole along the batch's mesh axes while the rows
-    vary along them; the weights are cast to the rows' varying axes before the custom rule, so
-    the rule's per-device dw has the type of its input and the cast's transpose sums it over
-    those axes (as JAX's own rule for the gather would)."""
-    return _block_matmul(x_BxMxI, _vary_like(w_ExIxO, x_BxMxI), expert_B)
 
 
 def _varying(a: jax.Array) -> frozenset:
@@ -266,43 +253,81 @@ def _vary_like(a: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
 
 
-def _rows_times(x_MxI, w_ExIxO, e):
-    return x_MxI @ jax.lax.dynamic_index_in_dim(w_ExIxO, e, keepdims=False)
+def block_mlp(x_BxMxD, gate_ExDxF, up_ExDxF, down_ExFxD, expert_B, act):
+    """Each block of rows through its expert's whole MLP: out[b] = act(x[b] @ gate[e],
+    x[b] @ up[e]) @ down[e] with e = expert_B[b] ([B, M, D]).
+
+    A scan over the blocks, a block's three products in one step, each expert's weights read in
+    place: `gathered_matmul` would first copy a [B, I, O] weight per block (on XLA:CPU that
+    copy cost more than the products), and a scan per product takes three times the loop steps
+    (XLA:CPU pays per step and runs a loop's small products on one thread: BENCHMARKS.md
+    section 25). Its gradient (`_block_mlp`'s rule) is one scan too: dx per block and each
+    expert's three weight gradients summed in place in fp32, from the gate and up activations
+    the forward keeps.
+
+    Inside a `shard_map` the weights enter whole along the batch's mesh axes while the rows
+    vary along them; the weights are cast to the rows' varying axes before the custom rule, so
+    the rule's per-device dw has the type of its input and the cast's transpose sums it over
+    those axes (as JAX's own rule for the gather would)."""
+    gate, up, down = (_vary_like(w, x_BxMxD) for w in (gate_ExDxF, up_ExDxF, down_ExFxD))
+    return _block_mlp(x_BxMxD, gate, up, down, expert_B, act)
 
 
-@jax.custom_vjp
-def _block_matmul(x_BxMxI, w_ExIxO, expert_B):
+def _expert(w_ExIxO, e):
+    return jax.lax.dynamic_index_in_dim(w_ExIxO, e, keepdims=False)
+
+
+def _add_to_expert(acc_ExIxO, e, value_IxO):
+    return jax.lax.dynamic_update_index_in_dim(acc_ExIxO, _expert(acc_ExIxO, e) + value_IxO, e, 0)
+
+
+def _block_mlp_scan(x_BxMxD, gate_ExDxF, up_ExDxF, down_ExFxD, expert_B, act, keep: bool):
     def body(_, inputs):
-        x_MxI, e = inputs
-        return None, _rows_times(x_MxI, w_ExIxO, e)
+        x_MxD, e = inputs
+        gate_MxF, up_MxF = x_MxD @ _expert(gate_ExDxF, e), x_MxD @ _expert(up_ExDxF, e)
+        out_MxD = act(gate_MxF, up_MxF) @ _expert(down_ExFxD, e)
+        return None, (out_MxD, gate_MxF, up_MxF) if keep else out_MxD
 
-    return jax.lax.scan(body, None, (x_BxMxI, expert_B))[1]
-
-
-def _block_matmul_fwd(x_BxMxI, w_ExIxO, expert_B):
-    return _block_matmul(x_BxMxI, w_ExIxO, expert_B), (x_BxMxI, w_ExIxO, expert_B)
+    return jax.lax.scan(body, None, (x_BxMxD, expert_B))[1]
 
 
-def _block_matmul_bwd(residuals, g_BxMxO):
-    x_BxMxI, w_ExIxO, expert_B = residuals
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _block_mlp(x_BxMxD, gate_ExDxF, up_ExDxF, down_ExFxD, expert_B, act):
+    return _block_mlp_scan(x_BxMxD, gate_ExDxF, up_ExDxF, down_ExFxD, expert_B, act, False)
 
-    def body(dw_ExIxO, inputs):
-        x_MxI, g_MxO, e = inputs
-        dx_MxI = g_MxO @ jax.lax.dynamic_index_in_dim(w_ExIxO, e, keepdims=False).T
-        slot_IxO = jax.lax.dynamic_index_in_dim(dw_ExIxO, e, keepdims=False) + jnp.matmul(
-            x_MxI.T, g_MxO, preferred_element_type=jnp.float32
+
+def _block_mlp_fwd(x_BxMxD, gate_ExDxF, up_ExDxF, down_ExFxD, expert_B, act):
+    weights = (gate_ExDxF, up_ExDxF, down_ExFxD)
+    out_BxMxD, gate_BxMxF, up_BxMxF = _block_mlp_scan(x_BxMxD, *weights, expert_B, act, True)
+    return out_BxMxD, (x_BxMxD, *weights, expert_B, gate_BxMxF, up_BxMxF)
+
+
+def _block_mlp_bwd(act, residuals, g_BxMxD):
+    x_BxMxD, gate_ExDxF, up_ExDxF, down_ExFxD, expert_B, gate_BxMxF, up_BxMxF = residuals
+    f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+
+    def body(dw, inputs):
+        dgate_ExDxF, dup_ExDxF, ddown_ExFxD = dw
+        x_MxD, g_MxD, gate_MxF, up_MxF, e = inputs
+        a_MxF, act_vjp = jax.vjp(act, gate_MxF, up_MxF)
+        dgate_MxF, dup_MxF = act_vjp(g_MxD @ _expert(down_ExFxD, e).T)
+        dx_MxD = dgate_MxF @ _expert(gate_ExDxF, e).T + dup_MxF @ _expert(up_ExDxF, e).T
+        dw = (
+            _add_to_expert(dgate_ExDxF, e, f32(x_MxD.T, dgate_MxF)),
+            _add_to_expert(dup_ExDxF, e, f32(x_MxD.T, dup_MxF)),
+            _add_to_expert(ddown_ExFxD, e, f32(a_MxF.T, g_MxD)),
         )
-        return jax.lax.dynamic_update_index_in_dim(dw_ExIxO, slot_IxO, e, 0), dx_MxI
+        return dw, dx_MxD
 
+    weights = (gate_ExDxF, up_ExDxF, down_ExFxD)
     # dw summed in fp32 over the blocks (a bf16 sum over many blocks would round each step)
-    dw0_ExIxO = _vary_like(jnp.zeros(w_ExIxO.shape, jnp.float32), x_BxMxI)
-    dw_ExIxO, dx_BxMxI = jax.lax.scan(
-        body, dw0_ExIxO, (x_BxMxI, g_BxMxO.astype(x_BxMxI.dtype), expert_B)
-    )
-    return dx_BxMxI, dw_ExIxO.astype(w_ExIxO.dtype), None
+    dw0 = tuple(_vary_like(jnp.zeros(w.shape, jnp.float32), x_BxMxD) for w in weights)
+    g_BxMxD = g_BxMxD.astype(x_BxMxD.dtype)
+    dw, dx_BxMxD = jax.lax.scan(body, dw0, (x_BxMxD, g_BxMxD, gate_BxMxF, up_BxMxF, expert_B))
+    return dx_BxMxD, *(d.astype(w.dtype) for d, w in zip(dw, weights, strict=True)), None
 
 
-_block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+_block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
 
 
 # The grouped path's two moves of [A, D] rows, both ways by gathers. `row_A` (each assignment's
@@ -353,7 +378,7 @@ _from_rows.defvjp(_from_rows_fwd, _from_rows_bwd)
 
 def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, act, *, block):
     """The assignments sorted by expert, each expert's group padded to whole blocks of `block`
-    rows, each block times its expert's weights (`block_matmul`). Static shapes: the padded rows
+    rows, each block through its expert's MLP (`block_mlp`). Static shapes: the padded rows
     are at most N*K + E*(block - 1), rounded up to a whole block; blocks past the last group
     compute on zero rows and are never read back."""
     n, k = experts_NxK.shape
@@ -375,10 +400,12 @@ def grouped(x_NxD, gate_ExDxF, up_ExDxF, down_ExFxD, weights_NxK, experts_NxK, a
     expert_B = jnp.sum(ends_E[None, :] <= first_row_B[:, None], axis=1, dtype=jnp.int32)
     expert_B = jnp.minimum(expert_B, e - 1)
     x_BxMxD = x_RxD.reshape(blocks, block, -1)
-    times = block_matmul if blocks >= SCAN_FROM_BLOCKS else gathered_matmul
-    gate_BxMxF = times(x_BxMxD, gate_ExDxF, expert_B)
-    up_BxMxF = times(x_BxMxD, up_ExDxF, expert_B)
-    out_BxMxD = times(act(gate_BxMxF, up_BxMxF), down_ExFxD, expert_B)
+    if blocks >= SCAN_FROM_BLOCKS:  # one scan over the blocks, each its expert's whole MLP
+        out_BxMxD = block_mlp(x_BxMxD, gate_ExDxF, up_ExDxF, down_ExFxD, expert_B, act)
+    else:
+        gate_BxMxF = gathered_matmul(x_BxMxD, gate_ExDxF, expert_B)
+        up_BxMxF = gathered_matmul(x_BxMxD, up_ExDxF, expert_B)
+        out_BxMxD = gathered_matmul(act(gate_BxMxF, up_BxMxF), down_ExFxD, expert_B)
     out_NxKxD = _from_rows(out_BxMxD.reshape(rows, -1), row_A, src_R).reshape(n, k, -1)
     return jnp.einsum("nkd,nk->nd", out_NxKxD, weights_NxK.astype(out_NxKxD.dtype))
 
