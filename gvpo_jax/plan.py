@@ -346,8 +346,13 @@ def moe_layer_bytes(
       outputs gathered back by token [N*k, D], gate / up / hidden [N*k, F/t]:
       a*N*k*(2D + 3F/t);
     - grouped: R = N*k + at most E*(block - 1) rows, padded to whole blocks (`moe.grouped`,
-      `moe.block_size`): a*(R*(D + 3F/t) + N*k*D), plus each block's gathered gate, up and
-      down weights [blocks, D, F/t] and their gradients in the backward, 2*3*a*blocks*D*F/t;
+      `moe.block_size`). From `moe.SCAN_FROM_BLOCKS` blocks (`moe.block_mlp`'s scan, the
+      weights read in place): the rows in and out and their cotangents [R, D], the gate and
+      up activations it keeps [R, F/t], the outputs gathered back by token [N*k, D], and the
+      three fp32 weight-gradient sums [E, D, F/t]: a*(R*(2D + 2F/t) + N*k*D) + 3*4*E*D*F/t.
+      Below (batched products on gathered weights): a*(R*(D + 3F/t) + N*k*D), plus each
+      block's gathered gate, up and down weights [blocks, D, F/t] and their gradients in the
+      backward, 2*3*a*blocks*D*F/t;
     - dense: every expert on the device's own tokens, kept for the backward, a*E*N*(D + 3F/t).
     """
     dispatch = dispatch or planned_dispatch(cfg)
@@ -378,6 +383,8 @@ def moe_layer_bytes(
     block = moe_lib.block_size(assignments, e, cfg.moe_block)
     blocks = -(-(assignments + e * (block - 1)) // block)
     padded = blocks * block
+    if blocks >= moe_lib.SCAN_FROM_BLOCKS:
+        return a * (padded * (2 * d + 2 * f) + assignments * d) + 3 * 4 * e * d * f + router
     return a * (padded * (d + 3 * f) + assignments * d + 2 * 3 * blocks * d * f) + router
 
 

@@ -115,7 +115,9 @@ def test_grouped_dispatch_bytes_against_xla(shape):
 
 def test_dispatch_bytes_grouped_pads_ragged_does_not():
     """On one device: ragged holds N*k rows; grouped at most E*(block - 1) more, rounded to a
-    block, plus the per-block weights; both replace the dense MLP's term in the activations."""
+    block, with (from `moe.SCAN_FROM_BLOCKS` blocks, `moe.block_mlp`) the rows' cotangents and
+    the fp32 weight-gradient sums, or (below) the per-block gathered weights; both replace the
+    dense MLP's term in the activations."""
     cfg = models.PRESETS["qwen3-30b-a3b"].replace(compute_dtype="bfloat16")
     one = {"data": 1, "fsdp": 1, "tensor": 1}
     n, d, f, e, k = 4 * 2048, 2048, 768, 128, 8
@@ -126,7 +128,11 @@ def test_dispatch_bytes_grouped_pads_ragged_does_not():
     block = moe_lib.block_size(n * k, e, cfg.moe_block)
     assert block == 64
     blocks = -(-(n * k + e * (block - 1)) // block)
-    assert grouped == 2 * (blocks * block * (d + 3 * f) + n * k * d + 6 * blocks * d * f) + router
+    assert blocks >= moe_lib.SCAN_FROM_BLOCKS
+    assert grouped == 2 * (blocks * block * (2 * d + 2 * f) + n * k * d) + 12 * e * d * f + router
+    small = cfg.replace(num_experts=4, num_experts_per_tok=2)  # 128 assignments: 8 blocks of 32
+    gathered = plan.moe_layer_bytes(small, 1, 64, one, dispatch="grouped")
+    assert gathered == 2 * (8 * 32 * (d + 3 * f) + 128 * d + 6 * 8 * d * f) + 64 * 4 * (2 + 4)
     assert plan.planned_dispatch(cfg) == "ragged"  # `auto` as on TPU and GPU
     # Each of the data x fsdp batch shards dispatches its own rows (1 of the 4 here), with
     # whole D-wide rows; tensor parallelism splits the experts' width.
