@@ -209,3 +209,26 @@ def test_wandb_sink_is_off_by_default(tmp_path):
     w.write_scalars(1, {"loss": 1.0})
     w.close()
     assert not (tmp_path / "wandb").exists() and not (tmp_path / "wandb_id").exists()
+
+
+def test_the_writer_imports_no_torch_and_leaves_it_importable(tmp_path):
+    """tensorboardX imports torch whenever it is installed (as it is in the suite's
+    environment); the writer hides it for that import, writes its events, and a later
+    `import torch` in the same process still works."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from gvpo_jax.metrics import MetricWriter\n"
+        f"with MetricWriter({str(tmp_path)!r}, enabled=True) as w:\n"
+        "    w.write_scalars(3, {'loss': 0.5})\n"
+        "print('torch' in sys.modules)\n"
+        "import torch\n"
+        "print(torch.ones(2).sum().item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "2.0"]
+    events = [e for e in _tb_events(tmp_path / "tb") if e.summary.value]
+    assert [(e.step, e.summary.value[0].tag) for e in events] == [(3, "loss")]
