@@ -64,7 +64,7 @@ def _summary_writer_class():
     tensorboardX's writer module imports torch at import time whenever it is installed (only to
     accept torch tensors, which this writer never passes), and gvpo_jax never imports torch: in
     an environment that has it (the test suite's, a user's with TRL beside) that import took
-    ~1.7 s and ~0.3 GiB per trainer process. So while tensorboardX is first imported, `torch`
+    ~2 CPU-s and ~0.2 GiB per trainer process. So while tensorboardX is first imported, `torch`
     reads as absent (its own `ImportError` path); a process that already imported torch keeps it.
     """
     if "tensorboardX.writer" not in sys.modules and "torch" not in sys.modules:
