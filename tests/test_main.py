@@ -27,9 +27,11 @@ def demo_run(tmp_path_factory):
         "--config.train.eval_every=2", "--config.data.eval_size=16",
         "--config.train.checkpoint_every=2", "--config.train.sample_log_every=2",
         "--config.algo.beta=0.2",
+        "--config.model.overrides.num_layers=1",  # compile time grows with the layer count
     ]  # fmt: skip
     # One CPU device, as `make demo` runs (the suite's 8 fake devices split 128 prompts 8 ways
-    # on 2 cores; the trainer on a mesh is tested in test_wiring / test_multiprocess).
+    # on 2 cores; the trainer on a mesh is tested in test_wiring / test_multiprocess). One layer
+    # of the demo's three, as the resume tests run it: the same programs, a third of the depth.
     env = child_env()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return workdir, proc
