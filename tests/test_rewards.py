@@ -337,6 +337,18 @@ def test_pool_reports_workers_that_cannot_start():
         broken.close()
 
 
+def test_pool_workers_are_forked_warm():
+    """The zygote runs verifiers.warm_up once, so a new worker's parser and caches are built
+    before its first task (cold, the first math task took ~10x a warm one)."""
+    probe = "__import__('gvpo_jax.rewards.verifiers', fromlist=['_']).parse_gold.cache_info()[:]"
+    pool = pool_lib.WorkerPool(1)
+    try:
+        [(status, info)] = pool.map(eval, [(probe,)], timeout_s=60.0)  # (hits, misses, max, size)
+    finally:
+        pool.close()
+    assert status == "ok" and info[0] == 0 and info[3] >= 1, info
+
+
 def test_pool_kills_workers_stuck_in_sympy_and_each_call_returns_within_2x_timeout(warm_pool):
     """Without the guard the tower reaches sympy's C-level pow, which no signal interrupts: the
     pool kills the worker at the deadline and swaps in its started spare, call after call."""

@@ -3,7 +3,9 @@
 What `pool.WorkerPool` starts is a zygote: a fresh interpreter (never the trainer forked: it holds
 JAX threads) that imports the given modules once (sympy and math-verify take ~1 s or more on a
 busy machine), then forks one worker per request, so a worker, first or replacement, is ready in
-milliseconds. The zygote is single-threaded, which is what makes forking it safe.
+milliseconds. A preloaded module's `warm_up()`, where it has one, runs here once after the
+imports, so what a module builds lazily on first use is built before any fork, not in every
+worker. The zygote is single-threaded, which is what makes forking it safe.
 
 Control socket (datagrams from the parent): b"fork" carrying two fds, the worker's task read end
 and result write end; b"kill PID" kills and reaps that worker (reaped only then, so a PID is never
@@ -81,8 +83,10 @@ def _kill_and_reap(pid: int) -> None:
 
 def main(argv: list[str]) -> None:
     control = socket.socket(fileno=int(argv[1]))
-    for module in argv[2:]:
-        importlib.import_module(module)
+    for name in argv[2:]:
+        module = importlib.import_module(name)
+        if callable(getattr(module, "warm_up", None)):
+            module.warm_up()  # once here, so every forked worker starts warm
     zygote(control)
 
 
