@@ -70,8 +70,9 @@ def main(argv):
     )
     try:
         config_lib.validate(config)
-        from gvpo_jax import sharding, train
+        from gvpo_jax import programs, sharding, train
 
+        programs.tune_gc()
         m = config.mesh
         sharding.maybe_initialize_distributed(  # before anything touches a device
             m.coordinator_address or None,

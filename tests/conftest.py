@@ -88,6 +88,14 @@ LONGEST_FIRST = (
 )  # fmt: skip
 
 
+def pytest_collection_finish(session):
+    """The collector settings the CLI runs with (`programs.tune_gc`), here once every test
+    module is imported: the suite's own processes trace and compile most of its time."""
+    from gvpo_jax import programs
+
+    programs.tune_gc()
+
+
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gvpo_jax import config as config_lib
-from gvpo_jax import models
+from gvpo_jax import models, programs
 from tests.conftest import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -246,3 +246,14 @@ def test_qwen_math_validates_and_has_7b_shapes():
     assert models.param_count(abstract) == 7_615_616_512
     with pytest.raises(config_lib.ConfigError, match="config.model.hf_dir"):
         config_lib.validate(c)  # with path checks on, the missing local weights are reported
+
+
+def test_tune_gc_freezes_what_is_alive_and_collects_the_young_generation_less_often():
+    code = (
+        "import gc; from gvpo_jax import programs; assert gc.get_freeze_count() == 0; "
+        "programs.tune_gc(); print(gc.get_threshold(), gc.get_freeze_count())"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    threshold, frozen = proc.stdout.rsplit(")", 1)
+    assert threshold + ")" == str(programs.GC_THRESHOLDS) and int(frozen) > 10_000

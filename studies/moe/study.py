@@ -311,4 +311,7 @@ def main(argv=None) -> dict:
 BEGIN, END = "<!-- part4:begin -->", "<!-- part4:end -->"
 
 if __name__ == "__main__":
+    from gvpo_jax import programs
+
+    programs.tune_gc()  # the collector set for tracing, as the CLI sets it
     main()

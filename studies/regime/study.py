@@ -382,4 +382,7 @@ def main(argv=None) -> dict:
 BEGIN, END = "<!-- part3b:begin -->", "<!-- part3b:end -->"
 
 if __name__ == "__main__":
+    from gvpo_jax import programs
+
+    programs.tune_gc()  # the collector set for tracing, as the CLI sets it
     main()

@@ -367,4 +367,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    from gvpo_jax import programs
+
+    programs.tune_gc()  # the collector set for tracing, as the CLI sets it
     main()
