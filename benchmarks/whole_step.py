@@ -213,8 +213,9 @@ def ours_worker(args) -> None:
     import jax
     import numpy as np
 
-    from gvpo_jax import assemble, resume, train
+    from gvpo_jax import assemble, programs, resume, train
 
+    programs.tune_gc()  # the collector as the CLI sets it
     settings = json.loads(args.settings)
     c = our_config(settings, args.algo, args.quick, args.length_buckets, args.pack, args.shed,
                    args.unrolled)  # fmt: skip
