@@ -5,12 +5,16 @@ Compile time is most of the suite's time (tiny shapes, many programs), so the su
 for speed of compilation (`TEST_XLA_FLAGS`): LLVM's optimisations off
 (`--xla_backend_optimization_level=0`; XLA's default is 3) and XLA:CPU's elemental IR emitter
 for fusions (`--xla_cpu_use_fusion_emitters=false`; with XLA's default, the MLIR fusion
-emitters, the trainer's programs took 2.5x as long to compile). The programs are the same HLO,
-fused and scheduled the same way; only the CPU machine code differs. A first run with an empty
-cache took 10 min 46 s of pytest with XLA's defaults and 5 min 11 s with these flags
-(BENCHMARKS.md, "Test suite time"). jaxlib 0.11.1 removed the elemental emitter and its flag,
-and XLA aborts at start-up on a flag it does not know, so the second flag is passed only to an
-older jaxlib (the pinned one; `make newer-stack` runs the newest).
+emitters, the trainer's programs took 2.5x as long to compile), and the LLVM module compiled
+whole (`--xla_cpu_parallel_codegen_split_count=1`; XLA's default splits it into up to 32 parts
+to compile them on several threads, and each part pays its own set-up: with two test workers on
+two cores there is no idle core to gain, and the suite took 7.5% less CPU time unsplit). The
+programs are the same HLO, fused and scheduled the same way; only the CPU machine code differs.
+A first run with an empty cache took 10 min 46 s of pytest with XLA's defaults and 5 min 11 s
+with the first two flags (BENCHMARKS.md, "Test suite time"). jaxlib 0.11.1 removed the
+elemental emitter and its flag, and XLA aborts at start-up on a flag it does not know, so the
+fusion-emitter flag is passed only to an older jaxlib (the pinned one; `make newer-stack` runs
+the newest).
 `GVPO_TEST_XLA_FLAGS=""` runs the suite on the programs exactly as the trainer compiles them.
 Subprocesses the tests start take the same flags through `child_env`.
 
@@ -41,7 +45,7 @@ def _knows_fusion_emitters_flag() -> bool:
 # The suite's compile flags (see above), for this process and every subprocess (`child_env`).
 TEST_XLA_FLAGS = os.environ.get(
     "GVPO_TEST_XLA_FLAGS",
-    "--xla_backend_optimization_level=0"
+    "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
     + (" --xla_cpu_use_fusion_emitters=false" if _knows_fusion_emitters_flag() else ""),
 )
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
