@@ -349,6 +349,25 @@ def test_pool_workers_are_forked_warm():
     assert status == "ok" and info[0] == 0 and info[3] >= 1, info
 
 
+def test_the_trainer_imports_sympy_and_math_verify_only_when_it_scores_in_its_own_process():
+    """A trainer process scores math answers in the pool (whose zygote imports sympy and
+    math-verify), so importing the trainer leaves them out (~0.4 s a process); scoring in the
+    process itself loads them on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from gvpo_jax import rewards, train\n"
+        "heavy = ('sympy', 'math_verify', 'gvpo_jax.rewards.guard')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "print(rewards.math_reward(r'so \\boxed{\\frac{1}{2}}', '0.5'), 'sympy' in sys.modules)\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["[]", "1.0 True"], out.stdout
+
+
 def test_pool_kills_workers_stuck_in_sympy_and_each_call_returns_within_2x_timeout(warm_pool):
     """Without the guard the tower reaches sympy's C-level pow, which no signal interrupts: the
     pool kills the worker at the deadline and swaps in its started spare, call after call."""

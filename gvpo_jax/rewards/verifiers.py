@@ -19,18 +19,15 @@ import signal
 import threading
 import time
 
-import sympy
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-from gvpo_jax.rewards import guard
 from gvpo_jax.rewards.extract import boxed_spans, gsm8k_final_answer
+
+# sympy, math-verify (with latex2sympy's parser) and `rewards.guard` are imported where they
+# are first used (~0.4 s): the trainer's process scores math answers in the worker pool, whose
+# zygote imports them once (`warm_up`), so a run that never scores in its own process does not
+# import them at all.
 
 # math-verify warns once per process that its own timeouts are off; ours replace them.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
-
-# A boxed answer wins over "the answer is ..." phrases and over bare numbers in the text.
-_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
-_GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
 # "1\,000" and "1{,}000" are LaTeX thousands separators that math-verify reads as a product.
 _LATEX_THOUSANDS_RE = re.compile(r"(\d)(?:\\,|\{,\})(\d{3})(?!\d)")
 _THINK_RE = re.compile(r"\s*<think>(?:(?!</?think>).)+</think>\s*\S.*", re.DOTALL)
@@ -96,14 +93,29 @@ def normalize_completion(text: str) -> str:
     return text
 
 
+@functools.cache
+def _extraction_configs() -> tuple[tuple, tuple]:
+    """math-verify's extraction settings for (predictions, gold answers): in a prediction a
+    boxed answer wins over "the answer is ..." phrases and over bare numbers in the text."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return (
+        (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()),
+        (LatexExtractionConfig(), ExprExtractionConfig()),
+    )
+
+
 @functools.lru_cache(maxsize=4096)
 def parse_gold(gold: str) -> tuple:
     """The gold answer as math-verify objects; a bare answer string is read as boxed LaTeX."""
+    from math_verify import parse
+
+    _, config = _extraction_configs()
     gold = gold.strip()
     text = gold if "\\boxed" in gold else f"\\boxed{{{gold}}}"
-    parsed = parse(text, extraction_config=_GOLD_CONFIG, parsing_timeout=None)
+    parsed = parse(text, extraction_config=config, parsing_timeout=None)
     if not parsed:
-        parsed = parse(gold, extraction_config=_GOLD_CONFIG, parsing_timeout=None)
+        parsed = parse(gold, extraction_config=config, parsing_timeout=None)
     return tuple(parsed)
 
 
@@ -114,14 +126,20 @@ def parse_prediction(completion: str) -> list:
     `\\binom` of huge numbers would be computed right here), and the guard must see the
     expression before anything is computed. Verdicts on the test tables are unchanged.
     """
+    import sympy
+    from math_verify import parse
+
+    config, _ = _extraction_configs()
     with sympy.evaluate(False):
         return parse(
-            normalize_completion(completion), extraction_config=_PRED_CONFIG, parsing_timeout=None
+            normalize_completion(completion), extraction_config=config, parsing_timeout=None
         )
 
 
 def guarded_prediction(completion: str) -> list:
     """`parse_prediction`, refused (RewardRefused) when evaluating the answer could explode."""
+    from gvpo_jax.rewards import guard
+
     parsed = parse_prediction(completion)
     reason = guard.refusal(parsed)
     if reason is not None:
@@ -139,6 +157,8 @@ def math_score(
     and RewardRefused (gold answers come from the dataset and are not guarded). `guarded=False`
     evaluates any answer, explosive or not: only for tests of the pool's hard timeout.
     """
+    from math_verify import verify
+
     with soft_deadline(timeout_s):
         gold_parsed = parse_gold(gold)
         pred_parsed = guarded_prediction(completion) if guarded else parse_prediction(completion)
@@ -149,6 +169,8 @@ def math_score(
 
 def math_answer(completion: str, timeout_s: float | None = None) -> str | None:
     """A canonical string of the final answer (for majority voting), or None if there is none."""
+    import sympy
+
     with soft_deadline(timeout_s):
         parsed = guarded_prediction(completion)
         if not parsed:
