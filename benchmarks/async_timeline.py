@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import jax
 
-from benchmarks import common
+from benchmarks import common, workers
 
 
 def build(quick: bool, staleness: int, devices: int, rollout_devices: int):
@@ -50,7 +49,7 @@ def build(quick: bool, staleness: int, devices: int, rollout_devices: int):
     }  # fmt: skip
     config_lib.set_fields(c, changes)
     config_lib.validate(c)
-    run, state = assemble.assemble(c, tempfile.mkdtemp(prefix="gvpo_async_"))
+    run, state = assemble.assemble(c, workers.scratch_dir("gvpo_async_"))
     return run, state, assemble.start_loop(run)
 
 

@@ -29,7 +29,6 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,11 +115,12 @@ def sampler_timing(quick: bool = False) -> dict:
     import jax
     from flax import nnx
 
+    from benchmarks import workers
     from gvpo_jax import assemble, rollout, sampler
     from gvpo_jax.models import lora
 
     c = load_config(LORA_OVERRIDES, quick)
-    run_, state = assemble.assemble(c, tempfile.mkdtemp(prefix="lora_sampler_"))
+    run_, state = assemble.assemble(c, workers.scratch_dir("lora_sampler_"))
     loop = assemble.start_loop(run_)
     examples = rollout.next_examples(run_.task, run_.mesh, loop, c.rollout.prompts_per_step)
     prompts = [ex["prompt_ids"] for ex in examples]

@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, workers  # noqa: E402
 from gvpo_jax import assemble, resume  # noqa: E402
 from gvpo_jax.rl_step import rl_step  # noqa: E402
 
@@ -92,7 +91,7 @@ class Stepper:
 
     def __init__(self, variant: str, quick: bool):
         c = config(variant, quick)
-        self.run, self.state = assemble.assemble(c, tempfile.mkdtemp(prefix="moe_step_"))
+        self.run, self.state = assemble.assemble(c, workers.scratch_dir("moe_step_"))
         self.loop = assemble.start_loop(self.run)
         self.ref = None
         if self.run.reference.kind == "copy":

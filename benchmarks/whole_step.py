@@ -36,7 +36,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 from benchmarks import workers  # noqa: E402  (standard library only: the peers' venvs import it)
@@ -231,7 +230,7 @@ def ours_worker(args) -> None:
         # are compile-free after one warm-up round (compile time is the first step's, apart).
         jax.config.update("jax_compilation_cache_dir", os.path.join(args.dir, "jax_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    workdir = tempfile.mkdtemp(prefix=f"whole_step_{args.algo}_")
+    workdir = workers.scratch_dir(f"whole_step_{args.algo}_")
     run, state = assemble.assemble(c, workdir)
     loop = assemble.start_loop(run)
     ref = resume.reference_copy(run, state.params) if run.reference.kind == "copy" else None
@@ -355,7 +354,7 @@ def trl_worker(args) -> None:
         err = logits_error(model(check).logits[0].numpy(), args.dir)
     rows = s["prompts"] * s["samples"]
     cfg = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="whole_step_trl_"),
+        output_dir=workers.scratch_dir("whole_step_trl_"),
         use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         # 32 completions per optimizer step in 4 micro-batches of 8 (2 groups), as ours: one
         # forward + backward over all 32 needs more memory than this machine has beside the
@@ -503,7 +502,7 @@ def main(argv=None) -> dict:
     settings = QUICK if args.quick else SETTINGS
     total = args.warmup + args.steps
     only = ["ours"] if args.quick else args.only.split(",")
-    out_dir = tempfile.mkdtemp(prefix="whole_step_quick_") if args.quick else CACHE
+    out_dir = workers.scratch_dir("whole_step_quick_") if args.quick else CACHE
     if not args.quick:
         print("preparing", prepare(out_dir, settings, total), flush=True)
     common = ["--dir", out_dir, "--settings", json.dumps(settings), "--total_steps", str(total)]

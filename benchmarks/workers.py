@@ -6,13 +6,22 @@ Standard library only: the workers' own interpreters (`.venv-trl`, `.venv-tunix`
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new temporary directory (a run's work directory), removed when the process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 class WorkerError(RuntimeError):

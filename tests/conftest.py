@@ -28,7 +28,10 @@ is never used; deleting the directory only costs time.
 
 import os
 import re
+import tempfile
 from importlib import metadata
+
+import pytest
 
 
 def _knows_fusion_emitters_flag() -> bool:
@@ -90,6 +93,23 @@ LONGEST_FIRST = (
     "test_wiring.py", "test_eval_mode.py", "test_routing_replay.py", "test_study_stale.py",
     "test_plan_moe.py",
 )  # fmt: skip
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_under_pytests_base(tmp_path_factory):
+    """Every temporary directory the suite's processes make (the trainer's work directories,
+    tensorflow_datasets' own) lands under pytest's base directory, which pytest prunes to the
+    last three runs, not in /tmp: a test worker exits without running `atexit` handlers, and a
+    run's work directory made by `tempfile.mkdtemp` would otherwise stay behind."""
+    base = str(tmp_path_factory.mktemp("tmp"))
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = base
+    yield
+    tempfile.tempdir = saved[0]
+    if saved[1] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[1]
 
 
 def pytest_collection_finish(session):

@@ -114,9 +114,9 @@ def test_the_run_holds_nothing_a_run_changes():
         assert not {w for w in writes if w.split(".")[0] in ("run", "run_")}, module
 
 
-def test_the_assigned_attributes_reader_sees_an_assignment():
+def test_the_assigned_attributes_reader_sees_an_assignment(tmp_path):
     code = "class T:\n    def go(self):\n        self.position += 1\n        run.x = 2\n"
-    path = pathlib.Path(__import__("tempfile").mkdtemp()) / "m.py"
+    path = tmp_path / "m.py"
     path.write_text(code)
     assert _assigned_attributes(path) == {"go": {"self.position", "run.x"}}
 
