@@ -81,6 +81,23 @@ def test_gsm8k_builder_reads_published_jsonl(gsm8k):
     assert sorted(ex["answer"] for ex in gsm8k["test"]) == ["12", "3000", "420", "66"]
 
 
+def test_the_trainer_imports_tensorflow_datasets_only_when_it_reads_gsm8k_or_math():
+    """tensorflow_datasets takes ~0.3 s to import: a trainer process on the arithmetic task (or
+    JSONL records) leaves it out, and the builders load it on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from gvpo_jax import data, main, train\n"
+        "print('tensorflow_datasets' in sys.modules)\n"
+        "print(data.GvpoGsm8k.__name__, 'tensorflow_datasets' in sys.modules)\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["False", "GvpoGsm8k True"], out.stdout
+
+
 def test_gsm8k_parquet_mirror_gives_the_same_examples(gsm8k, tmp_path):
     src = data.load_gsm8k(
         "train", data_dir=str(tmp_path), source_dir=os.path.join(FIXTURES, "gsm8k_hf")

@@ -33,7 +33,17 @@ from gvpo_jax.data.sources import (
     load_records,
     load_task,
 )
-from gvpo_jax.data.tfds_builders import GvpoGsm8k, GvpoMath
+
+
+def __getattr__(name: str):
+    """The TFDS builders, imported on first use: tensorflow_datasets takes ~0.3 s to import, and a
+    trainer that reads no GSM8K / MATH data (the arithmetic task, JSONL files) never needs it."""
+    if name in ("GvpoGsm8k", "GvpoMath"):
+        from gvpo_jax.data import tfds_builders
+
+        return getattr(tfds_builders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BOXED_INSTRUCTION",

@@ -12,7 +12,6 @@ import glob
 import os
 from collections.abc import Callable, Mapping, Sequence
 
-from gvpo_jax.data import tfds_builders
 from gvpo_jax.data.arith import ArithTask
 from gvpo_jax.rewards.extract import gsm8k_final_answer, last_boxed, strip_calculator_annotations
 
@@ -52,6 +51,8 @@ def load_gsm8k(
     split: str, *, data_dir: str | None = None, source_dir: str | None = None, urls=None
 ):
     """GSM8K `train` (7473) / `test` (1319) examples; answer = the number after '####'."""
+    from gvpo_jax.data import tfds_builders  # tensorflow_datasets: imported when data is read
+
     builder = tfds_builders.prepare(
         tfds_builders.GvpoGsm8k, data_dir=data_dir, source_dir=source_dir, urls=urls
     )
@@ -78,6 +79,8 @@ def load_math(
     urls=None,
 ):
     """MATH examples: config `lighteval` (train / test) or `math500` (test only)."""
+    from gvpo_jax.data import tfds_builders
+
     builder = tfds_builders.prepare(
         tfds_builders.GvpoMath, data_dir=data_dir, source_dir=source_dir, config=config, urls=urls
     )
@@ -127,6 +130,8 @@ def load_records(
     is reduced to its final answer, and the full text becomes the solution unless `solution_field`
     names another field.
     """
+    from gvpo_jax.data import tfds_builders
+
     rows = [row for f in _record_files(path, split) for row in tfds_builders.read_records(f)]
     name = dataset or os.path.splitext(os.path.basename(path.rstrip(os.sep)))[0]
     for field in (prompt_field, answer_field, solution_field):
