@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, workers  # noqa: E402
 from gvpo_jax import assemble, resume, sampler  # noqa: E402
 from gvpo_jax import config as config_lib  # noqa: E402
 
@@ -46,10 +46,11 @@ def setup(quick: bool, workdir: str | None):
     if quick:
         c.model.overrides.num_layers = 1
         c.rollout.prompts_per_step = 4
+        c.mesh.num_devices = 1  # one device, as on a plain CPU (the suite fakes eight)
     if workdir:  # its newest checkpoint, read into a scratch run directory
         c.restore_from = os.path.join(os.path.abspath(workdir), "checkpoints")
     config_lib.validate(c)
-    run, state = assemble.assemble(c, f"/tmp/gvpo_tool_bench_{os.getpid()}")
+    run, state = assemble.assemble(c, workers.scratch_dir("gvpo_tool_bench_"))
     if workdir:
         state = resume.restore(run, state, assemble.start_loop(run))[0]
     examples, _ = run.task.next_train(c.rollout.prompts_per_step, run.task.start)
@@ -64,7 +65,7 @@ def arms(run, params, prompts, rng):
         o = sampler.sample_groups(
             model, prompts, settings=run.sampling, rng=rng, mesh=run.mesh, rules=run.rules
         )
-        out["plain"] = (int(np.sum(o.lengths_B)), 0, 0.0)
+        out["plain"] = (int(np.sum(o.lengths_B)), 0, 0.0, 0.0)
 
     def tools(name, late_s=0.0, chunk=None):
         t = run.tools
@@ -88,7 +89,8 @@ def arms(run, params, prompts, rng):
             o = t.sample(model, prompts, tokenizer=run.tokenizer, rng=rng, mesh=run.mesh,
                          rules=run.rules)  # fmt: skip
             wall = time.perf_counter() - t0
-            out[name] = (int(o.policy_BxN.sum()), int(o.tool_tokens_B.sum()), o.tool_wait_s / wall)
+            out[name] = (int(o.policy_BxN.sum()), int(o.tool_tokens_B.sum()), o.tool_wait_s / wall,
+                         o.tool_wait_s)  # fmt: skip
 
         return fn
 
@@ -101,12 +103,12 @@ def arms(run, params, prompts, rng):
     return benches, out
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--workdir", default=None, help="a run of configs/arith_tools.py to load")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     run, state, prompts = setup(args.quick, args.workdir)
     fns, counts = arms(run, state.params, prompts, jax.random.key(0))
     repeats = 1 if args.quick else args.repeats
@@ -115,7 +117,7 @@ def main() -> None:
     rows = []
     for name, r in results.items():
         timing = common.Timing.from_dict(r["timing"])
-        policy, answers, wait = counts[name]
+        policy, answers, wait, _ = counts[name]
         per_token = timing.median / max(policy, 1)
         base = per_token if name == "plain" else base
         spread = f"{min(timing.times_s):.3f}-{max(timing.times_s):.3f}"
@@ -126,8 +128,16 @@ def main() -> None:
     print(common.md_table(["arm", "median s", "spread s", "policy tokens", "answer tokens",
                            "us / policy token", "vs plain", "device idle on tools",
                            "recompiles"], rows))  # fmt: skip
-    common.emit_json("tool_rollout", {"rows": rows, "machine": common.machine_info()})
+    # The last call's counts per arm, unformatted: tokens, answers, seconds idle on tools.
+    last = {
+        k: dict(zip(("policy", "answers", "idle_frac", "wait_s"), v, strict=True))
+        for k, v in counts.items()
+    }
+    result = {"rows": rows, "last": last, "machine": common.machine_info()}
+    common.emit_json("tool_rollout", result)
     run.task.close()
+    run.writer.close()
+    return result
 
 
 if __name__ == "__main__":

@@ -237,6 +237,26 @@ def test_async_timeline_quick_overlaps_sampling_with_the_update():
     assert r["async"]["W"] > 0 and r["async"]["overlap"] >= 0
 
 
+def test_tool_rollout_quick_times_every_arm_and_a_late_tool_changes_no_token():
+    """The calculator's answers 20 ms late (with and without decode chunks) leave the rollout's
+    tokens as they are and show up as time the device waited; nothing recompiles."""
+    from benchmarks import tool_rollout
+
+    result = tool_rollout.main(["--quick"])
+    rows, last = {r[0]: r for r in result["rows"]}, result["last"]
+    assert list(rows) == ["plain", "tools", "tools+20ms", "tools+20ms/0"]
+    assert last["plain"]["policy"] > 0 and last["plain"]["answers"] == 0
+    assert last["tools"]["policy"] > 0 and last["tools"]["answers"] > 0
+    late = ("tools+20ms", "tools+20ms/0")
+    tokens = {k: (last[k]["policy"], last[k]["answers"]) for k in last}
+    assert all(tokens[k] == tokens["tools"] for k in late), tokens
+    # Without chunks no row decodes while a turn's calls run: the device idles for most of each
+    # late answer (18 ms of a 20 ms one measured; 0.0 s with the delay removed).
+    assert last["tools+20ms/0"]["wait_s"] >= 0.01, last
+    assert last["tools+20ms/0"]["wait_s"] > last["tools"]["wait_s"], last
+    assert all(r[8] == 0 for r in rows.values())
+
+
 def test_lora_quick_runs_an_arm_through_train_run_and_reports_it(tmp_path, monkeypatch):
     """The LoRA arm in its own process (one CPU device, as the benchmark runs), through
     `train.run(..., on_step=...)`; its record, then the report's table from it. (The full

@@ -83,6 +83,7 @@ def make_run(config):
     """The trainer's own assembly with the toy task and no writer: (run, state, loop, ref)."""
     run, state = assemble.assemble(config, tempfile.mkdtemp(prefix="gvpo_test_"))
     run.task.close()
+    run.writer.close()  # (an open TensorBoard writer's exit hook fails on Python 3.12)
     run = dataclasses.replace(run, task=ToyTask(run.tokenizer), writer=NullWriter())
     ref = resume.reference_copy(run, state.params) if run.reference.kind == "copy" else None
     return run, state, assemble.start_loop(run), ref
