@@ -270,7 +270,7 @@ def _jitted_generate(graphdef, mesh, rules, state_shardings: tuple, settings: Sa
     rows = sharding.batch_sharding(mesh)
     queues = sharding.batch_shards(mesh) if settings.num_slots else 1
 
-    def fn(state, prompt_ids, prompt_lens, rng, max_lengths):
+    def generate(state, prompt_ids, prompt_lens, rng, max_lengths):  # its programs: jit_generate
         with sharding.tracing_mesh(mesh, rules):
             return raw(
                 graphdef,
@@ -285,7 +285,9 @@ def _jitted_generate(graphdef, mesh, rules, state_shardings: tuple, settings: Sa
 
     in_state = jax.tree.unflatten(*state_shardings)
     return jax.jit(
-        fn, in_shardings=(in_state, rows, rows, sharding.replicated(mesh), rows), out_shardings=rows
+        generate,
+        in_shardings=(in_state, rows, rows, sharding.replicated(mesh), rows),
+        out_shardings=rows,
     )
 
 

@@ -257,6 +257,43 @@ def test_tool_rollout_quick_times_every_arm_and_a_late_tool_changes_no_token():
     assert all(r[8] == 0 for r in rows.values())
 
 
+def test_step_profile_takes_nested_ops_out_of_their_loop_and_counts_time_no_op_covers():
+    from benchmarks.step_profile import OpEvent, summarise
+
+    def ev(op, run, thread, start, dur, program="jit_update"):
+        return OpEvent(program, op, run, thread, start * 1e9, dur * 1e9)
+
+    events = [  # call 1: a loop of 10 s holding a dot (6 s) and a copy (1 s); on a second
+        # thread a fusion (2 s) beside it; call 2: one dot (1 s) then, 3 s later, a copy (1 s)
+        ev("while.3", 1, "a", 0, 10), ev("ynn_fusion.1", 1, "a", 1, 6),
+        ev("copy_bitcast_fusion.2", 1, "a", 8, 1), ev("add_exponential_fusion", 1, "b", 3, 2),
+        ev("dot.7", 2, "a", 20, 1), ev("wrapped_dynamic-slice.4", 2, "a", 25, 1),
+        ev("ynn_fusion", 3, "a", 40, 2, program="jit_generate"),
+    ]  # fmt: skip
+    out = summarise(events)
+    update = out["programs"]["jit_update"]
+    assert update["calls"] == 2
+    assert update["matmul"] == pytest.approx(7.0)  # 6 + 1: the loop's body is not counted twice
+    assert update["data movement"] == pytest.approx(2.0)
+    assert update["other"] == pytest.approx(3.0 + 2.0)  # the loop's own 3 s, the fusion
+    assert update["wall_s"] == pytest.approx(10.0 + 6.0)
+    assert update["no_op_s"] == pytest.approx(4.0)  # call 2: 6 s of wall, 2 s of ops
+    assert out["programs"]["jit_generate"]["matmul"] == pytest.approx(2.0)
+    assert out["top_ops"][0] == dict(program="jit_update", op="ynn_fusion", s=6.0, cls="matmul")
+
+
+def test_step_profile_quick_reads_every_program_of_a_step_from_the_trace():
+    from benchmarks import step_profile
+
+    result = step_profile.main(["--quick", "--warmup", "1"])
+    progs = result["programs"]
+    assert {"jit_generate", "jit_logprobs", "jit_accumulate"} <= set(progs), sorted(progs)
+    for name in ("jit_generate", "jit_logprobs", "jit_accumulate"):
+        p = progs[name]
+        assert p["calls"] >= 1 and p["matmul"] > 0 and 0 <= p["no_op_s"] < p["wall_s"], (name, p)
+    assert len(result["steps"]) == 2
+
+
 def test_lora_quick_runs_an_arm_through_train_run_and_reports_it(tmp_path, monkeypatch):
     """The LoRA arm in its own process (one CPU device, as the benchmark runs), through
     `train.run(..., on_step=...)`; its record, then the report's table from it. (The full
