@@ -257,29 +257,39 @@ def test_tool_rollout_quick_times_every_arm_and_a_late_tool_changes_no_token():
     assert all(r[8] == 0 for r in rows.values())
 
 
-def test_step_profile_takes_nested_ops_out_of_their_loop_and_counts_time_no_op_covers():
-    from benchmarks.step_profile import OpEvent, summarise
+def test_step_profile_splits_each_call_into_op_shares_and_time_no_op_covers():
+    """A loop's body ops take their time from the loop, an op on a second thread from the one it
+    runs beside, an asynchronous dot keeps the wall until its completion marker; the rest of
+    the wall is no op's."""
+    from benchmarks.step_profile import OpEvent, summarise, with_completions
 
     def ev(op, run, thread, start, dur, program="jit_update"):
         return OpEvent(program, op, run, thread, start * 1e9, dur * 1e9)
 
-    events = [  # call 1: a loop of 10 s holding a dot (6 s) and a copy (1 s); on a second
-        # thread a fusion (2 s) beside it; call 2: one dot (1 s) then, 3 s later, a copy (1 s)
+    events = [  # call 1: a loop over [0, 10) s holding a dot [1, 7) and a copy [8, 9), and a
+        # fusion [3, 5) on a second thread; call 2: a dot launched at 20 s whose work ends at
+        # 23.5 s (its marker), then a slice at 25 s
         ev("while.3", 1, "a", 0, 10), ev("ynn_fusion.1", 1, "a", 1, 6),
         ev("copy_bitcast_fusion.2", 1, "a", 8, 1), ev("add_exponential_fusion", 1, "b", 3, 2),
-        ev("dot.7", 2, "a", 20, 1), ev("wrapped_dynamic-slice.4", 2, "a", 25, 1),
-        ev("ynn_fusion", 3, "a", 40, 2, program="jit_generate"),
+        ev("dot.7", 2, "a", 20, 0.5), ev("wrapped_dynamic-slice.4", 2, "a", 25, 1),
+        ev("dot.7", 3, "a", 30, 0.5, program="jit_generate"),
     ]  # fmt: skip
+    # Markers match the first start at or before them, not a later op of the same name.
+    events = with_completions(events, {"dot.7": [31e9, 23.5e9]})
+    assert [e.done_ns / 1e9 for e in events if e.op == "dot.7"] == [23.5, 31.0]
     out = summarise(events)
     update = out["programs"]["jit_update"]
     assert update["calls"] == 2
-    assert update["matmul"] == pytest.approx(7.0)  # 6 + 1: the loop's body is not counted twice
-    assert update["data movement"] == pytest.approx(2.0)
-    assert update["other"] == pytest.approx(3.0 + 2.0)  # the loop's own 3 s, the fusion
     assert update["wall_s"] == pytest.approx(10.0 + 6.0)
-    assert update["no_op_s"] == pytest.approx(4.0)  # call 2: 6 s of wall, 2 s of ops
-    assert out["programs"]["jit_generate"]["matmul"] == pytest.approx(2.0)
-    assert out["top_ops"][0] == dict(program="jit_update", op="ynn_fusion", s=6.0, cls="matmul")
+    assert update["matmul"] == pytest.approx(2.0 + 2.0 + 0.5 + 3.0)  # [1,3) [5,7), the dot's
+    assert update["other"] == pytest.approx(1.0 + 2.0 + 1.0 + 1.0)  # the loop's own, the fusion
+    assert update["data movement"] == pytest.approx(1.0 + 1.0)
+    assert update["async_s"] == pytest.approx(3.0)  # [20.5, 23.5): only the dot's work
+    assert update["no_op_s"] == pytest.approx(1.5)  # [23.5, 25)
+    parts = sum(update[c] for c in ("matmul", "other", "data movement")) + update["no_op_s"]
+    assert parts == pytest.approx(update["wall_s"])
+    assert out["programs"]["jit_generate"]["matmul"] == pytest.approx(1.0)  # 30 -> 31
+    assert out["top_ops"][0] == dict(program="jit_update", op="ynn_fusion", s=4.0, cls="matmul")
 
 
 def test_step_profile_quick_reads_every_program_of_a_step_from_the_trace():
@@ -291,7 +301,13 @@ def test_step_profile_quick_reads_every_program_of_a_step_from_the_trace():
     for name in ("jit_generate", "jit_logprobs", "jit_accumulate"):
         p = progs[name]
         assert p["calls"] >= 1 and p["matmul"] > 0 and 0 <= p["no_op_s"] < p["wall_s"], (name, p)
-    assert len(result["steps"]) == 2
+        parts = sum(p[c] for c in ("matmul", "data movement", "other")) + p["no_op_s"]
+        assert parts == pytest.approx(p["wall_s"], rel=1e-6), (name, p)
+    # Profiled steps until one meets no program for the first time (at most 3 after warm-up).
+    steps = result["steps"]
+    assert [s_["profiled"] for s_ in steps] == [False] + [True] * (len(steps) - 1)
+    assert steps[-1]["new_programs"] == 0 or len(steps) == 4
+    assert all(s_["new_programs"] > 0 for s_ in steps[1:-1])
 
 
 def test_lora_quick_runs_an_arm_through_train_run_and_reports_it(tmp_path, monkeypatch):
