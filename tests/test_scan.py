@@ -192,6 +192,28 @@ def test_programs_have_the_same_ops_at_2_and_8_layers_when_scanned():
         assert unrolled[8][name] > 2 * unrolled[2][name] > 0, (name, unrolled)
 
 
+def test_the_backward_pass_stacks_each_kept_activation_once_and_no_weight():
+    """What the layer scan's forward keeps for the backward pass, per layer: a [B*T, D]-sized
+    buffer for each of 7 activations (the block's input, the attention norm's output, q, the
+    attention's output in two layouts, the sum after attention, the MLP norm's output), gate
+    and up [B*T, F] (not the activation: `glu_down` recomputes it), and no copy of a weight.
+    The scan stacks and zero-fills each one, so a duplicate (three reshapes of the normed x,
+    a norm's normalised x, a reshaped kernel) costs a stacked buffer per program."""
+    cfg = FAMILIES["llama"].replace(scan_layers=True)
+    graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens, mask = _batch(cfg.vocab_size)
+    loss = lambda st: jnp.sum(nnx.merge(graphdef, st).hidden(tokens, None, mask) ** 2)
+    forward = next(
+        e for e in jax.make_jaxpr(jax.grad(loss))(state).eqns if e.primitive.name == "scan"
+    )
+    kept = [int(np.prod(v.aval.shape[1:])) for v in forward.outvars[forward.params["num_carry"] :]]
+    rows = tokens.size
+    assert kept.count(rows * cfg.intermediate_size) == 2
+    assert kept.count(rows * cfg.hidden_size) == 7
+    weights = {int(np.prod(v.shape[1:])) for v in jax.tree.leaves(state["layers"])}
+    assert not weights & set(kept), (weights, kept)
+
+
 @pytest.mark.parametrize(
     "saved_scanned", [False, True], ids=["unrolled-to-scanned", "scanned-to-unrolled"]
 )

@@ -103,8 +103,54 @@ def rope(
     return (x * cos + rotated * sin).astype(x_BxTxNxH.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def rms_norm(x_xD, scale_D, eps: float, offset: bool, compute_dtype):
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis, normalised in fp32; `offset`
+    (Gemma 3): * (1 + scale), the product taken in fp32 before the cast back. The backward pass
+    keeps only x (a residual the layer keeps anyway: the block's input or the attention's sum)
+    and the [..., 1] inverse RMS, and recomputes the normalised x from them. Autodiff would keep
+    the normalised x as well, one more [T, D] buffer per norm, which a layer scan stacks."""
+    return _rms_norm_fwd(x_xD, scale_D, eps, offset, compute_dtype)[0]
+
+
+def _norm_dtype(x_xD):
+    return jnp.promote_types(x_xD.dtype, jnp.float32)  # fp32; fp64 stays fp64 (tests)
+
+
+def _rms_norm_fwd(x_xD, scale_D, eps, offset, compute_dtype):
+    x = x_xD.astype(_norm_dtype(x_xD))
+    inv_x1 = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    normed = x * inv_x1
+    if offset:
+        y = (normed * (1.0 + scale_D.astype(x.dtype))).astype(x_xD.dtype)
+    else:
+        y = scale_D.astype(compute_dtype) * normed.astype(x_xD.dtype)
+    return y, (x_xD, scale_D, inv_x1)
+
+
+def _rms_norm_bwd(eps, offset, compute_dtype, res, dy):
+    x_xD, scale_D, inv_x1 = res
+    acc = inv_x1.dtype
+    normed = x_xD.astype(acc) * inv_x1
+    dy = dy.astype(acc)
+    axes = tuple(range(dy.ndim - 1))
+    if offset:
+        dnormed = dy * (1.0 + scale_D.astype(acc))
+        dscale = jnp.sum(dy * normed, axis=axes)
+    else:
+        # The forward's casts round the normalised x and the scale: their derivatives are
+        # identities, as autodiff's are, and the scale's gradient reads the rounded values.
+        dnormed = dy * scale_D.astype(compute_dtype).astype(acc)
+        dscale = jnp.sum(dy * normed.astype(x_xD.dtype).astype(acc), axis=axes)
+    dx = inv_x1 * (dnormed - normed * jnp.mean(dnormed * normed, axis=-1, keepdims=True))
+    return dx.astype(x_xD.dtype), dscale.astype(scale_D.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
 class RMSNorm(nnx.Module):
-    """x / sqrt(mean(x^2) + eps) * scale, normalised in fp32 as transformers does.
+    """x / sqrt(mean(x^2) + eps) * scale, normalised in fp32 as transformers does (`rms_norm`).
 
     Gemma 3 (`cfg.gemma`): `* (1 + scale)` with scale initialised at 0, the product taken in
     fp32 before the cast back (transformers' Gemma3RMSNorm; the others cast, then multiply).
@@ -118,11 +164,9 @@ class RMSNorm(nnx.Module):
         self.scale = _param(rngs, init, (dim,), cfg.param_dtype, ("norm",))
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-        x = x_BxTxD.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        if self.offset:
-            return (x * (1.0 + self.scale[...].astype(jnp.float32))).astype(x_BxTxD.dtype)
-        return weight(self.scale, self.compute_dtype) * x.astype(x_BxTxD.dtype)
+        return rms_norm(
+            x_BxTxD, self.scale[...], self.eps, self.offset, jnp.dtype(self.compute_dtype)
+        )
 
 
 class Attention(nnx.Module):
@@ -162,16 +206,19 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _project(self, x_BxTxD, kernel, bias, axes, adapter=None):
-        """x @ kernel [D, N|K, H] -> [B, T, N|K, H], as one 2-D matmul on [B*T, D].
+    def _project(self, x_BTxD, b, t, kernel, bias, axes, adapter=None):
+        """x [B*T, D] @ kernel [D, N|K, H] -> [B, T, N|K, H], one matmul contracting D.
 
-        XLA CPU computes the weight gradient of the 3-D einsum "btd,dnh->btnh" (contracting b
-        and t) about 2x slower than the same 2-D dot (measured, see BENCHMARKS.md).
+        x comes flattened to [B*T, D] once for q, k and v: XLA CPU computes the weight gradient
+        of the 3-D einsum "btd,dnh->btnh" (contracting b and t) about 2x slower than the same
+        2-D dot (measured, see BENCHMARKS.md), and one flattened x is one residual for the
+        backward pass where three reshapes of it would be three (a layer scan stacks each).
+        The kernel is contracted in its own shape, so the backward pass keeps the parameter
+        itself rather than a reshaped copy of it.
         """
-        b, t, d = x_BxTxD.shape
         w = weight(kernel, self.compute_dtype)
-        x_BTxD = x_BxTxD.reshape(b * t, d)
-        y = adapted(x_BTxD @ w.reshape(d, -1), x_BTxD, adapter).reshape(b, t, *w.shape[1:])
+        y_BTxNxH = jnp.einsum("md,dnh->mnh", x_BTxD, w)
+        y = adapted(y_BTxNxH.reshape(b * t, -1), x_BTxD, adapter).reshape(b, t, *w.shape[1:])
         if bias is not None:
             y = y + weight(bias, self.compute_dtype)
         return constrain(y, axes)
@@ -179,11 +226,12 @@ class Attention(nnx.Module):
     def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
         """Returns (out_BxTxD, new_layer_cache). Without a cache, keys are the T inputs."""
         b, t, d = x_BxTxD.shape
+        x_BTxD = x_BxTxD.reshape(b * t, d)
         q_axes = ("batch", "length", "heads", "head_dim")
-        q_BxTxNxH = self._project(x_BxTxD, self.q_kernel, self.q_bias, q_axes, self.q_lora)
+        q_BxTxNxH = self._project(x_BTxD, b, t, self.q_kernel, self.q_bias, q_axes, self.q_lora)
         kv_axes = ("batch", "length", "kv_heads", "head_dim")
-        k_BxTxKxH = self._project(x_BxTxD, self.k_kernel, self.k_bias, kv_axes, self.k_lora)
-        v_BxTxKxH = self._project(x_BxTxD, self.v_kernel, self.v_bias, kv_axes, self.v_lora)
+        k_BxTxKxH = self._project(x_BTxD, b, t, self.k_kernel, self.k_bias, kv_axes, self.k_lora)
+        v_BxTxKxH = self._project(x_BTxD, b, t, self.v_kernel, self.v_bias, kv_axes, self.v_lora)
         if self.q_norm is not None:  # QK-norm: per head over H, before RoPE
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
@@ -233,9 +281,10 @@ class Attention(nnx.Module):
         """Output projection [B, T, N, H] -> [B, T, D] (one 2-D matmul)."""
         b, t, n, h = out_BxTxNxH.shape
         d = self.o_kernel.shape[-1]
-        o_NHxD = weight(self.o_kernel, self.compute_dtype).reshape(n * h, d)
-        out_BTxNH = out_BxTxNxH.reshape(b * t, n * h)
-        out_BxTxD = adapted(out_BTxNH @ o_NHxD, out_BTxNH, self.o_lora)
+        o_NxHxD = weight(self.o_kernel, self.compute_dtype)  # contracted in its own shape
+        out_BTxNxH = out_BxTxNxH.reshape(b * t, n, h)
+        out_BTxD = jnp.einsum("mnh,nhd->md", out_BTxNxH, o_NxHxD)
+        out_BxTxD = adapted(out_BTxD, out_BTxNxH.reshape(b * t, n * h), self.o_lora)
         return constrain(out_BxTxD.reshape(b, t, d), ("batch", "length", "embed"))
 
 
@@ -264,6 +313,46 @@ def _swiglu_bwd(res, d_xF):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def _gelu_glu(gate_xF, up_xF):
+    return jax.nn.gelu(gate_xF, approximate=True) * up_xF
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def glu_down(gate_BTxF, up_BTxF, down_FxD, gelu: bool, rows: tuple[int, int]):
+    """act(gate) * up @ down: the gated MLP's activation and output projection, [B*T, D] from
+    gate and up [B*T, F] (`rows` = (B, T); the activation is constrained as [B, T, F]).
+
+    The backward pass keeps gate, up and down, and recomputes the activation (one elementwise
+    pass) for the down weight's gradient: autodiff would keep the [B*T, F] activation as well,
+    one more buffer per layer, which a layer scan stacks and copies. act: silu (`swiglu`),
+    or gelu_tanh (Gemma 3's GeGLU)."""
+    return _glu_down_fwd(gate_BTxF, up_BTxF, down_FxD, gelu, rows)[0]
+
+
+def _glu_hidden(gate_BTxF, up_BTxF, gelu, rows):
+    hidden_BTxF, act_vjp = jax.vjp(_gelu_glu if gelu else swiglu, gate_BTxF, up_BTxF)
+    hidden_BxTxF = constrain(hidden_BTxF.reshape(*rows, -1), ("batch", "length", "mlp"))
+    return hidden_BxTxF.reshape(hidden_BTxF.shape), act_vjp
+
+
+def _glu_down_fwd(gate_BTxF, up_BTxF, down_FxD, gelu, rows):
+    hidden_BTxF, _ = _glu_hidden(gate_BTxF, up_BTxF, gelu, rows)
+    return hidden_BTxF @ down_FxD, (gate_BTxF, up_BTxF, down_FxD)
+
+
+def _glu_down_bwd(gelu, rows, res, d_BTxD):
+    gate_BTxF, up_BTxF, down_FxD = res
+    hidden_BTxF, act_vjp = _glu_hidden(gate_BTxF, up_BTxF, gelu, rows)
+    d_BTxD = d_BTxD.astype(hidden_BTxF.dtype)
+    d_down_FxD = hidden_BTxF.T @ d_BTxD
+    d_hidden_BxTxF = constrain((d_BTxD @ down_FxD.T).reshape(*rows, -1), ("batch", "length", "mlp"))
+    d_gate_BTxF, d_up_BTxF = act_vjp(d_hidden_BxTxF.reshape(hidden_BTxF.shape))
+    return d_gate_BTxF, d_up_BTxF, d_down_FxD.astype(down_FxD.dtype)
+
+
+glu_down.defvjp(_glu_down_fwd, _glu_down_bwd)
+
+
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up)); Gemma 3's GeGLU: gelu_tanh instead of silu."""
 
@@ -284,13 +373,15 @@ class MLP(nnx.Module):
             x_BTxD @ weight(self.gate_kernel, self.compute_dtype), x_BTxD, self.gate_lora
         )
         up_BTxF = adapted(x_BTxD @ weight(self.up_kernel, self.compute_dtype), x_BTxD, self.up_lora)
+        down_FxD = weight(self.down_kernel, self.compute_dtype)
+        if self.down_lora is None or not self.down_lora.enabled:  # its branch reads the hidden
+            return glu_down(gate_BTxF, up_BTxF, down_FxD, self.gelu, (b, t)).reshape(b, t, d)
         if self.gelu:
             hidden_BTxF = jax.nn.gelu(gate_BTxF, approximate=True) * up_BTxF
         else:
             hidden_BTxF = swiglu(gate_BTxF, up_BTxF)
         hidden_BxTxF = hidden_BTxF.reshape(b, t, -1)
         hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "mlp"))
-        down_FxD = weight(self.down_kernel, self.compute_dtype)
         hidden_BTxF = hidden_BxTxF.reshape(b * t, -1)
         return adapted(hidden_BTxF @ down_FxD, hidden_BTxF, self.down_lora).reshape(b, t, d)
 
