@@ -9,6 +9,8 @@ whole step's), 4 micro-batches; about 15 minutes on 2 cores). Each layout is the
 - `buckets`: groups sorted by their longest response, micro-batches cut to 64/128/192/256 slots;
 - `packed`: one row per group, its responses back to back behind one prompt copy
   (`optim.pack_groups`), micro-batches cut to one of 16 packed widths (multiples of 64).
+`--model smollm2-135m --scan-layers true --layouts packed --algos grpo`: the whole step's
+update (`benchmarks.whole_step`) at SmolLM2-135M's shapes with random weights.
 Timed round-robin (`common.interleave`) over the same batches (several seeds, compiled in the
 warm-up call): one GRPO and one GVPO update per call, and one log-prob pass (forward only).
 Also prints each layout's computed response slots per real response token (deterministic), and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -30,7 +33,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import common, continuous, update_step  # noqa: E402
-from gvpo_jax import assemble, buckets, sharding, train_step  # noqa: E402
+from gvpo_jax import assemble, buckets, models, sharding, train_step  # noqa: E402
 from gvpo_jax import batch as batch_lib  # noqa: E402
 from gvpo_jax import config as config_lib  # noqa: E402
 
@@ -143,11 +146,27 @@ def main(argv=None) -> dict:
     parser.add_argument("--algos", default="grpo,gvpo")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--quick", action="store_true", help="tiny model and shapes (tests)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="a preset's shapes with random weights, "
+        "fp32 (e.g. smollm2-135m: the whole step's model); default bench-45m",
+    )
+    parser.add_argument("--scan-layers", choices=("preset", "true", "false"), default="preset",
+                        help="model.scan_layers of the model timed")  # fmt: skip
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     model = common.bench_model(args.quick)
+    cfg = model.config
+    if args.model and not args.quick:
+        cfg = models.PRESETS[args.model].replace(param_dtype="float32", compute_dtype="float32")
+    if args.scan_layers != "preset":
+        cfg = cfg.replace(scan_layers=args.scan_layers == "true")
+    if cfg != model.config:
+        model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     batches = make_batches(model, shape, range(args.seeds))
-    print(f"# Padding in the update ({'quick' if args.quick else 'bench-45m'})")
+    name = "quick" if args.quick else (args.model or "bench-45m")
+    print(f"# Padding in the update ({name}, scan_layers={model.config.scan_layers})")
     print(common.describe_machine())
     real = [int(b["resp_mask"].sum()) for b in batches]
     print(f"{shape}; real response tokens per batch: {real}\n")
@@ -172,8 +191,10 @@ def main(argv=None) -> dict:
     print()
     print(common.md_table(["call", "best s", "median s", "max s", "best CPU s", "recompiles",
                            "load"], table))  # fmt: skip
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"peak resident memory of this process: {peak:.2f} GiB")
     timing = {k: common.Timing.from_dict(r["timing"]) for k, r in rows.items()}
-    summary = {"rows": rows, "slot_ratios": slot_ratios(batches, shape)}
+    summary = {"rows": rows, "slot_ratios": slot_ratios(batches, shape), "model": cfg}
     for prefix in [f"{a} update" for a in args.algos.split(",")] + ["log-prob pass"]:
         base = timing.get(f"{prefix}, full")
         for layout in ("buckets", "packed"):

@@ -246,7 +246,10 @@ def kv_cache_bytes(
     return cfg.num_layers * (prompt_part + new_part)
 
 
-DENSE_MLP_KEPT = 2  # [T, F] buffers a dense MLP keeps for its backward pass: gate and up
+def dense_mlp_kept(cfg: models.ModelConfig) -> int:
+    """[T, F] buffers a dense MLP keeps for its backward pass: gate and up, and the activation
+    unless the layers are scanned (then `transformer.glu_down` recomputes it)."""
+    return 2 if cfg.scan_layers else 3
 
 
 def activation_bytes(
@@ -255,17 +258,17 @@ def activation_bytes(
     """Estimated live activations of one micro-batch's forward + backward on one device.
 
     b rows per device, T tokens, a = bytes per activation (compute dtype), t = tensor shards.
-    Per layer kept for the backward pass: a*b*T*(4D + (3N+2K)H/t + 2F/t) (the norms' inputs
-    and outputs, q, k, v, the attention's output in two layouts, the MLP's gate and up: its
-    activation is recomputed, `transformer.glu_down`, except under a LoRA adapter on the down
-    projection, which keeps one more F/t) plus the attention scores (fp32) and probabilities:
+    Per layer kept for the backward pass: a*b*T*(4D + (3N+2K)H/t + mF/t) (the norms' inputs
+    and outputs, q, k, v, the attention's output in two layouts, the MLP's gate, up and, m = 3,
+    its activation; m = 2 with scanned layers, `dense_mlp_kept`) plus the attention scores
+    (fp32) and probabilities:
     b*N*T^2*(4+a)/t with the dense kernel (and with `xla`, whose CPU/TPU lowering materialises
     them too: cuDNN's does not, so on GPU this is an upper bound). With the blocked or splash
     kernel only block-sized scores live: b*K*Bq*Bk*4*3/t (scores, weights and their gradient),
     plus the kernel's fp32 row statistics and accumulators, b*T*(2N*4 + (N+2K)*H*4)/t.
     `auto` resolves for the platform planning runs on (`models.attention.resolve`). An MoE
     layer (`cfg.moe_layer`) has `moe_layer_bytes` of the micro-batch's rows x T tokens in
-    place of the 2F/t of the dense MLP. With remat only the L layer inputs (a*b*T*D each)
+    place of the mF/t of the dense MLP. With remat only the L layer inputs (a*b*T*D each)
     stay, plus the largest layer's working set during its recompute.
     The blocked log-probs add ~3 fp32 [b*T, Vb/t] buffers (`models.logprobs.vocab_block_size`).
     Prompt sharing within groups (`Transformer.hidden_shared_prefix`) only lowers the real
@@ -287,12 +290,13 @@ def activation_bytes(
         scores = b * k * bq * bk * 4 * 3 / t + b * T * (2 * n * 4 + (n + 2 * k) * h * 4) / t
     else:
         scores = b * n * T * T * (4 + a) / t
-    dense_layer = a * b * T * (4 * d + (3 * n + 2 * k) * h / t + DENSE_MLP_KEPT * f / t) + scores
+    m = dense_mlp_kept(cfg)
+    dense_layer = a * b * T * (4 * d + (3 * n + 2 * k) * h / t + m * f / t) + scores
     moe_layers = sum(cfg.moe_layer(i) for i in range(cfg.num_layers))
     moe_layer = 0
-    if moe_layers:  # the dense MLP's 2F/t replaced by the experts' dispatch
+    if moe_layers:  # the dense MLP's mF/t replaced by the experts' dispatch
         dispatch = moe_layer_bytes(cfg, rows, length, sizes)
-        moe_layer = dense_layer - a * b * T * DENSE_MLP_KEPT * f / t + dispatch
+        moe_layer = dense_layer - a * b * T * m * f / t + dispatch
     if cfg.remat:
         working = max(moe_layer, dense_layer if moe_layers < cfg.num_layers else 0)
         layers = cfg.num_layers * a * b * T * d + working

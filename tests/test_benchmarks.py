@@ -196,7 +196,9 @@ def test_rollout_quick_times_ours_and_transformers_on_the_same_weights(capsys):
 def test_padding_quick_times_every_layout_and_counts_the_slots_each_computes(capsys):
     from benchmarks import padding
 
-    summary = padding.main(["--quick", "--repeats", "1", "--seeds", "1", "--algos", "gvpo"])
+    argv = ["--quick", "--repeats", "1", "--seeds", "1", "--algos", "gvpo", "--scan-layers", "true"]
+    summary = padding.main(argv)
+    assert summary["model"].scan_layers  # the layout asked for, in place of the preset's
     out = capsys.readouterr().out
     assert "| gvpo update, packed |" in out and "| log-prob pass, buckets |" in out
     assert {f"gvpo update, {lay}" for lay in padding.LAYOUTS} <= set(summary["rows"])

@@ -138,10 +138,12 @@ def test_dispatch_bytes_grouped_pads_ragged_does_not():
     # whole D-wide rows; tensor parallelism splits the experts' width.
     split = plan.moe_layer_bytes(cfg, 4, 2048, {"data": 2, "fsdp": 2, "tensor": 4}, "ragged")
     assert split == 2 * (n // 4) * k * (2 * d + 3 * f // 4) + (n // 4) * e * (2 + 4)
-    # In the activations, an MoE layer's dispatch takes the place of the dense MLP's gate and
-    # up [N, F]: in every layer, or (remat) in the one layer recomputed at a time.
+    # In the activations, an MoE layer's dispatch takes the place of the dense MLP's gate, up
+    # and (unscanned) hidden [N, F]: in every layer, or (remat) in the one layer recomputed at
+    # a time.
     dense = cfg.replace(architecture="qwen3", num_experts=0)
-    mlp = 2 * n * 2 * cfg.intermediate_size
+    assert not cfg.scan_layers and plan.dense_mlp_kept(cfg) == 3
+    mlp = 2 * n * 3 * cfg.intermediate_size
     for remat, layers in ((False, 48), (True, 1)):
         moe_bytes = plan.activation_bytes(cfg.replace(remat=remat), 4, 2048, one, 256)
         dense_bytes = plan.activation_bytes(dense.replace(remat=remat), 4, 2048, one, 256)

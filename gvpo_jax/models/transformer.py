@@ -278,7 +278,7 @@ class Attention(nnx.Module):
         return self._out(out_BxTxNxH), layer_cache
 
     def _out(self, out_BxTxNxH: jax.Array) -> jax.Array:
-        """Output projection [B, T, N, H] -> [B, T, D] (one 2-D matmul)."""
+        """Output projection [B, T, N, H] -> [B, T, D] (one matmul contracting N and H)."""
         b, t, n, h = out_BxTxNxH.shape
         d = self.o_kernel.shape[-1]
         o_NxHxD = weight(self.o_kernel, self.compute_dtype)  # contracted in its own shape
@@ -329,20 +329,21 @@ def glu_down(gate_BTxF, up_BTxF, down_FxD, gelu: bool, rows: tuple[int, int]):
     return _glu_down_fwd(gate_BTxF, up_BTxF, down_FxD, gelu, rows)[0]
 
 
-def _glu_hidden(gate_BTxF, up_BTxF, gelu, rows):
-    hidden_BTxF, act_vjp = jax.vjp(_gelu_glu if gelu else swiglu, gate_BTxF, up_BTxF)
+def _glu_hidden(gate_BTxF, up_BTxF, gelu: bool, rows: tuple[int, int]):
+    """act(gate) * up [B*T, F], constrained as [B, T, F]."""
+    hidden_BTxF = (_gelu_glu if gelu else swiglu)(gate_BTxF, up_BTxF)
     hidden_BxTxF = constrain(hidden_BTxF.reshape(*rows, -1), ("batch", "length", "mlp"))
-    return hidden_BxTxF.reshape(hidden_BTxF.shape), act_vjp
+    return hidden_BxTxF.reshape(hidden_BTxF.shape)
 
 
 def _glu_down_fwd(gate_BTxF, up_BTxF, down_FxD, gelu, rows):
-    hidden_BTxF, _ = _glu_hidden(gate_BTxF, up_BTxF, gelu, rows)
+    hidden_BTxF = _glu_hidden(gate_BTxF, up_BTxF, gelu, rows)
     return hidden_BTxF @ down_FxD, (gate_BTxF, up_BTxF, down_FxD)
 
 
 def _glu_down_bwd(gelu, rows, res, d_BTxD):
     gate_BTxF, up_BTxF, down_FxD = res
-    hidden_BTxF, act_vjp = _glu_hidden(gate_BTxF, up_BTxF, gelu, rows)
+    hidden_BTxF, act_vjp = jax.vjp(lambda g, u: _glu_hidden(g, u, gelu, rows), gate_BTxF, up_BTxF)
     d_BTxD = d_BTxD.astype(hidden_BTxF.dtype)
     d_down_FxD = hidden_BTxF.T @ d_BTxD
     d_hidden_BxTxF = constrain((d_BTxD @ down_FxD.T).reshape(*rows, -1), ("batch", "length", "mlp"))
@@ -364,6 +365,10 @@ class MLP(nnx.Module):
         self.up_kernel = _param(rngs, _normal, (d, f), dt, ("embed", "mlp"))
         self.down_kernel = _param(rngs, _normal, (f, d), dt, ("mlp", "embed"))
         self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)  # LoRA (models/lora.py)
+        # Under the layer scan the activation is recomputed in the backward pass (`glu_down`):
+        # there every kept buffer is stacked and copied. Unrolled, keeping it costs nothing and
+        # recomputing it costs an elementwise pass per layer (~2% of SmolLM2's update here).
+        self.recompute_activation = bool(cfg.scan_layers)
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
         # 2-D matmuls on [B*T, D]: see Attention._project for why not 3-D einsums.
@@ -374,15 +379,10 @@ class MLP(nnx.Module):
         )
         up_BTxF = adapted(x_BTxD @ weight(self.up_kernel, self.compute_dtype), x_BTxD, self.up_lora)
         down_FxD = weight(self.down_kernel, self.compute_dtype)
-        if self.down_lora is None or not self.down_lora.enabled:  # its branch reads the hidden
+        plain = self.down_lora is None or not self.down_lora.enabled  # LoRA reads the hidden
+        if plain and self.recompute_activation:
             return glu_down(gate_BTxF, up_BTxF, down_FxD, self.gelu, (b, t)).reshape(b, t, d)
-        if self.gelu:
-            hidden_BTxF = jax.nn.gelu(gate_BTxF, approximate=True) * up_BTxF
-        else:
-            hidden_BTxF = swiglu(gate_BTxF, up_BTxF)
-        hidden_BxTxF = hidden_BTxF.reshape(b, t, -1)
-        hidden_BxTxF = constrain(hidden_BxTxF, ("batch", "length", "mlp"))
-        hidden_BTxF = hidden_BxTxF.reshape(b * t, -1)
+        hidden_BTxF = _glu_hidden(gate_BTxF, up_BTxF, self.gelu, (b, t))
         return adapted(hidden_BTxF @ down_FxD, hidden_BTxF, self.down_lora).reshape(b, t, d)
 
 
