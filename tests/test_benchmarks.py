@@ -389,3 +389,46 @@ def test_moe_dispatch_smoke_times_every_dispatch_and_the_mlp_baseline(capsys):
     assert all(r["recompiles"] == 0 and r["compile_s"] > 0 for r in result["rows"].values())
     assert max(result["rel_err_vs_dense"].values()) < 1e-5
     assert result["computed_vs_active"] == {"dense": 2.0, "grouped": 1.5, "ragged": 1.0}
+
+
+def test_matmul_shapes_lists_the_models_own_products_and_times_both_libraries(capsys):
+    from benchmarks import matmul_shapes
+
+    cfg = models.PRESETS["smollm2-135m"]
+    prods = matmul_shapes.products(cfg, 1664)
+    # Every layer kernel of the model appears as (K, N) of a forward product at M = 1664, with
+    # its input gradient (N, K) and its weight gradient (M = K rows of X^T, K = tokens).
+    assert not cfg.scan_layers
+    model = models.abstract_model(cfg)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    kernels = set()  # (inputs, outputs) of each layer kernel, heads flattened
+    for path, x in flat:
+        key = jax.tree_util.keystr(path)
+        if "layers" not in key or "kernel" not in key:
+            continue
+        if "o_kernel" in key:  # [N, H, D]
+            kernels.add((x.shape[-3] * x.shape[-2], x.shape[-1]))
+        elif x.ndim == 3:  # q / k / v: [D, heads, H] (the preset's layers are unrolled)
+            kernels.add((x.shape[-3], x.shape[-2] * x.shape[-1]))
+        else:  # gate / up [D, F], down [F, D]
+            kernels.add(tuple(x.shape[-2:]))
+    d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, 192
+    assert kernels == {(d, q), (d, kv), (q, d), (d, f), (f, d)}  # q and o coincide at 576 x 576
+    forward = {(p["k"], p["n"]) for p in prods if p["kind"] == "x@W" and p["m"] == 1664}
+    assert kernels <= forward, (kernels, forward)
+    for k, n in kernels:
+        assert any(p["kind"] == "dY@W^T" and (p["k"], p["n"]) == (n, k) for p in prods)
+        assert any(p["kind"] == "X^T@dY" and (p["m"], p["k"], p["n"]) == (k, 1664, n)
+                   for p in prods)  # fmt: skip
+    block = models.logprobs.vocab_block_size(1664, cfg.vocab_size, 128)
+    assert any(p["n"] == block and p["m"] == 1664 for p in prods)
+    assert {p["m"] for p in prods if p["name"] == "decode output"} == {32, 16, 8}
+
+    result = matmul_shapes.main(["--quick", "--repeats", "2", "--rounds", "1"])
+    rows = result["rows"]
+    assert len(rows) == len(matmul_shapes.products(models.PRESETS["tiny"], 16, (4,)))
+    for r in rows:
+        assert r["xla_gflops"] > 0 and r["torch_gflops"] > 0
+        assert r["ratio"] == pytest.approx(r["xla_gflops"] / r["torch_gflops"])
+    out = capsys.readouterr().out
+    assert "XLA / PyTorch speed" in out and "All the update's products" in out
