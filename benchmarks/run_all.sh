@@ -36,6 +36,8 @@ fi
 export PYTHONWARNINGS=ignore TRANSFORMERS_VERBOSITY=error HF_HUB_OFFLINE=1
 
 run() { echo; echo "## \$ $*"; "$@"; }
+# 0. The host: XLA's fp32 matmul against PyTorch's at SmolLM2's shapes (section 29).
+run "$PY" -m benchmarks.matmul_shapes "${QUICK[@]}"
 # 1. Rollout: ours vs transformers (benchmarks/rollout.py), ours vs tunix.
 run "$PY" -m benchmarks.rollout --repeats 3 --hf-repeats 2 "${QUICK[@]}"
 run "$PY" -m benchmarks.tunix_rollout --repeats 3 "${QUICK[@]}"
