@@ -154,18 +154,23 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--scan-layers", choices=("preset", "true", "false"), default="preset",
                         help="model.scan_layers of the model timed")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=0,
+                        help="the model cut to this many layers (0: all)")  # fmt: skip
     args = parser.parse_args(argv)
     shape = QUICK if args.quick else FULL
     model = common.bench_model(args.quick)
     cfg = model.config
     if args.model and not args.quick:
         cfg = models.PRESETS[args.model].replace(param_dtype="float32", compute_dtype="float32")
+    if args.layers and not args.quick:
+        cfg = cfg.replace(num_layers=args.layers)
     if args.scan_layers != "preset":
         cfg = cfg.replace(scan_layers=args.scan_layers == "true")
     if cfg != model.config:
         model = models.Transformer(cfg, rngs=nnx.Rngs(0))
     batches = make_batches(model, shape, range(args.seeds))
     name = "quick" if args.quick else (args.model or "bench-45m")
+    name += f", {model.config.num_layers} layers"
     print(f"# Padding in the update ({name}, scan_layers={model.config.scan_layers})")
     print(common.describe_machine())
     real = [int(b["resp_mask"].sum()) for b in batches]

@@ -405,11 +405,13 @@ def build_model(config: ml_collections.ConfigDict, tokenizer, mesh):
     if c.gguf:
         from gvpo_jax.config import resolve_gguf
 
+        path = resolve_gguf(c.gguf)
+        cfg = models.gguf_config(path, param_dtype, c.compute_dtype)
         model, gguf_tok = models.from_gguf(
-            resolve_gguf(c.gguf),
+            path,
             param_dtype,
             c.compute_dtype,
-            scan_layers=config_lib.scan_layers(config),
+            scan_layers=config_lib.scan_layers(config, model=cfg),
         )
         config_lib.check_vocab(config, model.config.vocab_size, tokenizer or gguf_tok)
         model = models.with_config(

@@ -96,8 +96,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.allow_bf16_params = False  # opt in to training bf16-stored parameters (lossy updates)
     c.model.remat = False  # gradient checkpointing per layer
     # Layers under one scan: the blocks' parameters stacked [L, ...], compile time flat in depth
-    # (docs/models.md). auto: on for TPU and GPU, off on CPU (where XLA copies each layer's
-    # weights per decode step: BENCHMARKS.md section 18); true | false force it.
+    # (docs/models.md). auto: on for TPU and GPU, and on CPU for a model of 8 layers or more
+    # (`config.CPU_SCAN_MIN_LAYERS`: from there the scanned programs compile quicker and run
+    # nearly as fast, BENCHMARKS.md section 30; a GGUF file's depth is read from its header);
+    # true | false force it.
     c.model.scan_layers = "auto"
     # With scan_layers, whether the sampler scans too. auto: on for TPU and GPU, off on CPU, where
     # the sampler slices the stacked blocks once per call and runs them unrolled instead (XLA CPU
@@ -338,14 +340,25 @@ def switch(value, *, accelerator: bool | None = None) -> bool:
     return choice
 
 
+# On CPU, `model.scan_layers=auto` stacks the layers of a model at least this deep: from 8 layers
+# the scanned programs compile quicker and the scanned update runs as fast (BENCHMARKS.md
+# section 30); below it the unrolled programs compile as quickly.
+CPU_SCAN_MIN_LAYERS = 8
+
+
 def scan_layers(c, *, accelerator: bool | None = None, model=None) -> bool:
     """Whether the run's model stacks its layers under one scan: `model.scan_layers`, auto on
-    for TPU and GPU, or for an accelerator when `accelerator` says so (the planner plans TPU
-    and GPU runs). Given the `model`'s ModelConfig, auto stays off for a layer pattern the scan
-    cannot run (dense and MoE layers mixed), and an explicit true there is refused."""
-    scan = switch(c.model.scan_layers, accelerator=accelerator)
+    for TPU and GPU (or for an accelerator when `accelerator` says so: the planner plans TPU
+    and GPU runs) and, given the `model`'s ModelConfig, on CPU for a model of at least
+    `CPU_SCAN_MIN_LAYERS` layers. Auto stays off for a layer pattern the scan cannot run (dense
+    and MoE layers mixed), and an explicit true there is refused."""
+    value = c.model.scan_layers
+    auto = not isinstance(value, bool) and SWITCH[str(value).lower()] is None
+    scan = switch(value, accelerator=accelerator)
+    if auto and not scan and model is not None:
+        scan = model.num_layers >= CPU_SCAN_MIN_LAYERS
     if scan and model is not None and not model.scannable:
-        if SWITCH[str(c.model.scan_layers).lower()] is None:
+        if auto:
             return False
         fail(
             "config.model.scan_layers is true but the model mixes dense and MoE layers "
@@ -675,8 +688,7 @@ def validate(c: ml_collections.ConfigDict, *, check_paths: bool = True) -> None:
         value = _get(c, path)
         if not isinstance(value, bool) and str(value).lower() not in SWITCH:
             _fail(
-                f"config.{path} is {value!r}; use auto (on for TPU and GPU, off on CPU), true or "
-                "false."
+                f"config.{path} is {value!r}; use auto (docs/config.md says where), true or false."
             )
     for path in ("model.param_dtype", "model.compute_dtype"):
         if _get(c, path) not in ("float32", "bfloat16"):

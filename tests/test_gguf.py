@@ -104,12 +104,12 @@ def _add_tokenizer(writer, vocab_size):
     )
 
 
-def _tiny_hf(arch):
+def _tiny_hf(arch, layers=2):
     common = dict(
         vocab_size=80,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
@@ -222,6 +222,35 @@ def test_bad_gguf_files_give_clear_errors(tmp_path):
         models.CheckpointError, match="good.gguf holds no tokenizer that transformers"
     ):
         models.gguf_tokenizer(tmp_path / "good.gguf", cache_dir="")
+
+
+def test_the_trainer_reads_a_gguf_files_depth_before_loading_it_and_stacks_8_layers(
+    tmp_path, monkeypatch
+):
+    """config.model.gguf on CPU with model.scan_layers=auto: the layer count comes from the file's
+    header (`models.gguf_config`), so an 8-layer file loads stacked [8, ...] and a 7-layer one
+    unrolled, each with the file's weights."""
+    from gvpo_jax import assemble, sharding
+    from gvpo_jax import config as config_lib
+
+    monkeypatch.setenv("GVPO_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 80, size=(2, 9)), jnp.int32)
+    for layers in (config_lib.CPU_SCAN_MIN_LAYERS - 1, config_lib.CPU_SCAN_MIN_LAYERS):
+        path = tmp_path / f"tiny-{layers}.gguf"
+        hf_model = _tiny_hf("qwen2", layers)
+        _write_gguf(hf_model, "qwen2", path, tokenizer=True)
+        assert models.gguf_config(path).num_layers == layers
+        c = config_lib.base_config()
+        c.model.gguf = str(path)
+        model, _, _ = assemble.build_model(c, None, mesh)
+        scanned = layers >= 8
+        assert model.config.scan_layers is scanned
+        q = nnx.state(model)["layers"]
+        assert (q["attn"]["q_kernel"].shape[0] == layers) if scanned else (len(q) == layers)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor(np.asarray(tokens))).logits.numpy()
+        np.testing.assert_allclose(np.asarray(model(tokens)), ref, atol=1e-4, rtol=0)
 
 
 def test_gguf_tokenizer_is_converted_once_then_loaded_from_its_cache(tmp_path, monkeypatch):

@@ -182,6 +182,36 @@ def _programs(layers: int, scan: bool) -> dict[str, int]:
     )
 
 
+def test_auto_scans_a_model_of_8_layers_or_more_on_cpu_and_every_model_on_an_accelerator():
+    """model.scan_layers=auto: on TPU and GPU every model is stacked; on CPU a model of
+    CPU_SCAN_MIN_LAYERS (8) layers or more, one layer fewer stays unrolled; true and false force
+    it. The trainer's model (a preset with overrides, random weights) follows the rule."""
+    from gvpo_jax import assemble, data, sharding
+    from gvpo_jax import config as config_lib
+
+    deep = TINY.replace(num_layers=config_lib.CPU_SCAN_MIN_LAYERS)
+    shallow = TINY.replace(num_layers=config_lib.CPU_SCAN_MIN_LAYERS - 1)
+    c = config_lib.base_config()
+    assert config_lib.CPU_SCAN_MIN_LAYERS == 8
+    assert config_lib.scan_layers(c, accelerator=False, model=deep)
+    assert not config_lib.scan_layers(c, accelerator=False, model=shallow)
+    assert config_lib.scan_layers(c, accelerator=True, model=shallow)
+    c.model.scan_layers = "false"
+    assert not config_lib.scan_layers(c, accelerator=True, model=deep)
+    c.model.scan_layers = "true"
+    assert config_lib.scan_layers(c, accelerator=False, model=shallow)
+    c.model.scan_layers, c.model.preset = "auto", "tiny"
+    assert jax.default_backend() == "cpu"
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    tok = data.build_char_tokenizer()
+    for layers, want in ((7, False), (8, True)):
+        c.model.overrides.num_layers = layers
+        model, _, _ = assemble.build_model(c, tok, mesh)
+        assert model.config.scan_layers is want, layers
+        names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model))}
+        assert ("layers.0.attn.q_kernel" in names) is not want, sorted(names)[:8]
+
+
 def test_programs_have_the_same_ops_at_2_and_8_layers_when_scanned():
     """The update (log-prob gradient), log-prob and decode programs hold each layer's code
     once: as many operations at 8 layers as at 2. Unrolled, they grow with depth."""

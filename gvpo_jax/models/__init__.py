@@ -22,7 +22,7 @@ from gvpo_jax.models.config import (
     config_from_hf,
     config_to_hf,
 )
-from gvpo_jax.models.gguf_io import from_gguf, gguf_tokenizer
+from gvpo_jax.models.gguf_io import from_gguf, gguf_config, gguf_tokenizer
 from gvpo_jax.models.hf import from_pretrained, hf_model_config, save_pretrained, tensor_maps
 from gvpo_jax.models.logprobs import chunked_logprobs, naive_logprobs, token_logprobs
 from gvpo_jax.models.transformer import (
@@ -61,6 +61,7 @@ __all__ = [
     "config_to_hf",
     "default_positions",
     "from_gguf",
+    "gguf_config",
     "gguf_tokenizer",
     "from_pretrained",
     "hf_model_config",

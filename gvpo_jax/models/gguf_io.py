@@ -268,6 +268,13 @@ def _open(path: Path, param_dtype: str, compute_dtype: str) -> tuple[ModelConfig
     return cfg, tensors
 
 
+def gguf_config(path, param_dtype="float32", compute_dtype="float32") -> ModelConfig:
+    """The ModelConfig of a GGUF file, from its metadata and tensor shapes (no tensor data read;
+    the trainer decides the layers' layout from it before loading). CheckpointError as
+    `from_gguf`'s."""
+    return _open(Path(path), param_dtype, compute_dtype)[0]
+
+
 def check_file(path) -> None:
     """CheckpointError when the GGUF file `path` cannot be loaded: missing, unreadable, damaged
     or unsupported. Reads the header and metadata only (~0.1 s), so config validation can
