@@ -244,6 +244,35 @@ def test_the_backward_pass_stacks_each_kept_activation_once_and_no_weight():
     assert not weights & set(kept), (weights, kept)
 
 
+def _kept_for_backward(cfg):
+    """The shapes [L, ...] the layer scan's forward keeps for the backward pass, and the
+    stacked parameters' shapes."""
+    graphdef, state = nnx.split(models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens, mask = _batch(cfg.vocab_size)
+    loss = lambda st: jnp.sum(nnx.merge(graphdef, st).hidden(tokens, None, mask) ** 2)
+    forward = next(
+        e for e in jax.make_jaxpr(jax.grad(loss))(state).eqns if e.primitive.name == "scan"
+    )
+    kept = [v.aval.shape for v in forward.outvars[forward.params["num_carry"] :]]
+    return kept, [v.shape for v in jax.tree.leaves(state["layers"])]
+
+
+def test_gemma3s_two_layer_kinds_keep_no_weight_and_share_their_residuals():
+    """Gemma 3's sliding and full layers under one scan: the switch between the kinds wraps
+    the rotary embedding and the attention alone, so the backward pass keeps no copy of a
+    weight (a switch around the whole layer returned every weight from the switch, stacked),
+    and the two kinds share their residuals' buffers: the forward keeps what one kind keeps
+    plus the switch's own (the mask, the rotary tables of q and k, the kind index)."""
+    gemma = FAMILIES["gemma3"].replace(scan_layers=True)
+    assert len(set(gemma.layer_types)) == 2
+    two, weights = _kept_for_backward(gemma)
+    one, _ = _kept_for_backward(gemma.replace(layer_types=("full",) * gemma.num_layers))
+    size = lambda shape: int(np.prod(shape[1:]))
+    assert not {size(w) for w in weights} & {size(k) for k in two}, (weights, two)
+    assert len(one) == 22 and len(two) <= len(one) + 6, (one, two)
+    assert sum(map(size, two)) < 1.2 * sum(map(size, one)), (one, two)
+
+
 @pytest.mark.parametrize(
     "saved_scanned", [False, True], ids=["unrolled-to-scanned", "scanned-to-unrolled"]
 )

@@ -184,6 +184,9 @@ class Attention(nnx.Module):
         self.num_kv_heads = k
         self.rope_theta, self.rope_scaling = cfg.rope(layer)
         self.window = cfg.window(layer)  # None: full causal attention
+        # Under a layer scan over several kinds of layer (`layer_kind`), the kinds' (window,
+        # (RoPE base, scaling)); the call's `kind` picks one (`Transformer._scan_layers`).
+        self.kinds = None
         # The kernels scale scores by H^-1/2; Gemma 3's query_pre_attn_scalar^-1/2 differs
         # when that scalar is not H, and is folded into the queries.
         self.query_scale = cfg.score_scale() * math.sqrt(h)
@@ -223,8 +226,15 @@ class Attention(nnx.Module):
             y = y + weight(bias, self.compute_dtype)
         return constrain(y, axes)
 
-    def __call__(self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None):
-        """Returns (out_BxTxD, new_layer_cache). Without a cache, keys are the T inputs."""
+    def __call__(
+        self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None, kind=None
+    ):
+        """Returns (out_BxTxD, new_layer_cache). Without a cache, keys are the T inputs. `kind`
+        (a traced index into `self.kinds`, under a layer scan over several kinds of layer)
+        picks the window and RoPE by `lax.switch` over the rotary embedding and the attention
+        alone: the projections and their weights stay outside the switch, whose linearisation
+        would otherwise return them (and every other residual of each branch) as stacked
+        copies for the backward pass."""
         b, t, d = x_BxTxD.shape
         x_BTxD = x_BxTxD.reshape(b * t, d)
         q_axes = ("batch", "length", "heads", "head_dim")
@@ -235,8 +245,32 @@ class Attention(nnx.Module):
         if self.q_norm is not None:  # QK-norm: per head over H, before RoPE
             q_BxTxNxH = self.q_norm(q_BxTxNxH)
             k_BxTxKxH = self.k_norm(k_BxTxKxH)
-        q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, self.rope_theta, self.rope_scaling)
-        k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, self.rope_theta, self.rope_scaling)
+        if kind is None:
+            settings = (self.window, (self.rope_theta, self.rope_scaling))
+            out_BxTxNxH, layer_cache = self._attend(
+                settings, positions_BxT, valid_BxT, cache_index,
+                q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer_cache,
+            )  # fmt: skip
+        else:
+            branches = [
+                functools.partial(self._attend, settings, positions_BxT, valid_BxT, cache_index)
+                for settings in self.kinds
+            ]
+            out_BxTxNxH, layer_cache = jax.lax.switch(
+                kind, branches, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, layer_cache
+            )
+        return self._out(out_BxTxNxH), layer_cache
+
+    def _attend(
+        self, settings, positions_BxT, valid_BxT, cache_index, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH,
+        layer_cache,
+    ):  # fmt: skip
+        """RoPE and attention of one kind of layer, `settings` = (window, (base, scaling)):
+        (out [B, T, N, H], the updated layer cache)."""
+        window, (theta, scaling) = settings
+        t = q_BxTxNxH.shape[1]
+        q_BxTxNxH = rope(q_BxTxNxH, positions_BxT, theta, scaling)
+        k_BxTxKxH = rope(k_BxTxKxH, positions_BxT, theta, scaling)
         if self.query_scale != 1.0:
             q_BxTxNxH = q_BxTxNxH * jnp.asarray(self.query_scale, q_BxTxNxH.dtype)
         # Keys and values live head-major, [B, K, S, H] (the cache layout too): each of the K
@@ -261,8 +295,8 @@ class Attention(nnx.Module):
                 valid_BxT,
                 slots_T,
                 slots_T,
-                window=self.window,
-                positions=None if self.window is None else (positions_BxT, positions_BxT),
+                window=window,
+                positions=None if window is None else (positions_BxT, positions_BxT),
             )
         else:  # the cache stores the new keys / values in its layout and reads them back
             out_BxTxNxH, layer_cache = layer_cache.attend(
@@ -272,10 +306,10 @@ class Attention(nnx.Module):
                 v_BxKxTxH,
                 valid_BxT,
                 cache_index,
-                window=self.window,
+                window=window,
                 positions_BxT=positions_BxT,
             )
-        return self._out(out_BxTxNxH), layer_cache
+        return out_BxTxNxH, layer_cache
 
     def _out(self, out_BxTxNxH: jax.Array) -> jax.Array:
         """Output projection [B, T, N, H] -> [B, T, D] (one matmul contracting N and H)."""
@@ -547,13 +581,21 @@ class Block(nnx.Module):
         self.post_mlp_norm = RMSNorm(d, eps, cfg, rngs) if cfg.gemma else None
 
     def __call__(
-        self, x_BxTxD, positions_BxT, valid_BxT, layer_cache=None, cache_index=None, routing=None
+        self,
+        x_BxTxD,
+        positions_BxT,
+        valid_BxT,
+        layer_cache=None,
+        cache_index=None,
+        routing=None,
+        kind=None,
     ):
         """(x [B, T, D], the updated layer cache, the router's `moe.Routes` or None in a dense
         layer); `routing` (experts [B, T, K], mask [B, T], apply [B, T]): an MoE layer's
-        recorded experts, replayed where apply (`MoE`)."""
+        recorded experts, replayed where apply (`MoE`); `kind`: the attention's kind of layer
+        under a scan over several (`Attention.__call__`)."""
         attn_BxTxD, layer_cache = self.attn(
-            self.attn_norm(x_BxTxD), positions_BxT, valid_BxT, layer_cache, cache_index
+            self.attn_norm(x_BxTxD), positions_BxT, valid_BxT, layer_cache, cache_index, kind
         )
         if self.post_attn_norm is not None:
             attn_BxTxD = self.post_attn_norm(attn_BxTxD)
@@ -795,11 +837,14 @@ class Transformer(nnx.Module):
     def _scan_layers(self, x_BxTxD, positions_BxT, valid_BxT, cache, cache_index, routing=None):
         """The stacked blocks over x by one `lax.scan` over the layers (a stacked cache [L, ...]
         scanned alongside, the updated one returned stacked; None without a cache). Layers of
-        several kinds (`layer_kind`: Gemma 3's sliding and full layers) take one branch per
-        kind, picked per layer by `lax.switch` on a scanned index: the body holds each kind's
-        code once, with its static window and RoPE base, and the scan still slices the stacked
-        parameters and cache layer by layer. (A body over a period of layers would index its
-        slice of them, and the backward pass would keep those copies of the parameters.)
+        several kinds (`layer_kind`: Gemma 3's sliding and full layers) share one body: a
+        scanned index picks each layer's window and RoPE base by `lax.switch` inside the
+        attention, around the rotary embedding and the attention alone (`Attention.__call__`),
+        each kind's code there with its static window and base; the scan still slices the
+        stacked parameters and cache layer by layer. (A switch around the whole layer would
+        return its weights, and the union of both kinds' residuals, as stacked copies for the
+        backward pass; a body over a period of layers would index its slice of them, and the
+        backward pass would keep those copies of the parameters.)
 
         `remat`: the body is a `jax.checkpoint`, so the backward pass keeps each layer's inputs
         alone (slices of the scan's own inputs and carry: no copies) and recomputes the layer
@@ -809,26 +854,22 @@ class Transformer(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         layers = range(cfg.num_layers)
         kinds = list(dict.fromkeys(layer_kind(cfg, i) for i in layers))
+        kind_L = jnp.asarray([kinds.index(layer_kind(cfg, i)) for i in layers], jnp.int32)
 
         masks = None if routing is None else (routing.mask, routing.apply)  # every layer's
 
-        def run(x_BxTxD, layer_state, layer_cache, replay, layer):
-            block = as_layer(nnx.merge(graphdef, layer_state), cfg, layer)
-            replay = None if replay is None else (replay, *masks)
-            x_BxTxD, layer_cache, routes = block(
-                x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, replay
-            )
-            return x_BxTxD, (layer_cache, routes)
-
-        first = [next(i for i in layers if layer_kind(cfg, i) == kind) for kind in kinds]
-        branches = [lambda x, s, c, r, layer=layer: run(x, s, c, r, layer) for layer in first]
-        kind_L = jnp.asarray([kinds.index(layer_kind(cfg, i)) for i in layers], jnp.int32)
-
         def body(x_BxTxD, xs):
             kind, layer_state, layer_cache, replay = xs
-            if len(branches) == 1:
-                return branches[0](x_BxTxD, layer_state, layer_cache, replay)
-            return jax.lax.switch(kind, branches, x_BxTxD, layer_state, layer_cache, replay)
+            block = nnx.merge(graphdef, layer_state)
+            if len(kinds) == 1:
+                block, kind = as_layer(block, cfg, 0), None
+            else:
+                block.attn.kinds = tuple(kinds)
+            replay = None if replay is None else (replay, *masks)
+            x_BxTxD, layer_cache, routes = block(
+                x_BxTxD, positions_BxT, valid_BxT, layer_cache, cache_index, replay, kind
+            )
+            return x_BxTxD, (layer_cache, routes)
 
         if cfg.remat:
             body = jax.checkpoint(body, prevent_cse=False)
